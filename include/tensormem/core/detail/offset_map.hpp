@@ -1,0 +1,85 @@
+#pragma once
+// Open-addressing hash map from a 64-bit offset to a 32-bit index (linear probing,
+// backward-shift deletion, no tombstones). Private to the allocators.
+
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace tensormem::core::detail {
+
+class offset_map {
+ public:
+  static constexpr std::uint64_t empty_key = std::numeric_limits<std::uint64_t>::max();
+  static constexpr std::uint32_t not_found = std::numeric_limits<std::uint32_t>::max();
+
+  offset_map() { rehash(16); }
+
+  std::uint32_t find(std::uint64_t key) const noexcept {
+    for (std::size_t i = slot(key);; i = (i + 1) & mask_) {
+      if (keys_[i] == key) return values_[i];
+      if (keys_[i] == empty_key) return not_found;
+    }
+  }
+
+  /// Precondition: `key` is absent and is not `empty_key`.
+  void insert(std::uint64_t key, std::uint32_t value) {
+    if ((size_ + 1) * 2 > keys_.size()) rehash(keys_.size() * 2);
+    std::size_t i = slot(key);
+    while (keys_[i] != empty_key) i = (i + 1) & mask_;
+    keys_[i] = key;
+    values_[i] = value;
+    ++size_;
+  }
+
+  /// Removes `key` if present.
+  void erase(std::uint64_t key) noexcept {
+    std::size_t i = slot(key);
+    while (keys_[i] != key) {
+      if (keys_[i] == empty_key) return;
+      i = (i + 1) & mask_;
+    }
+    // Backward-shift: move later members of the probe run into the hole.
+    std::size_t hole = i;
+    for (std::size_t j = (hole + 1) & mask_; keys_[j] != empty_key; j = (j + 1) & mask_) {
+      const std::size_t home = slot(keys_[j]);
+      if (((j - home) & mask_) >= ((j - hole) & mask_)) {
+        keys_[hole] = keys_[j];
+        values_[hole] = values_[j];
+        hole = j;
+      }
+    }
+    keys_[hole] = empty_key;
+    --size_;
+  }
+
+  std::size_t size() const noexcept { return size_; }
+  void clear() { rehash(16); }
+
+ private:
+  std::size_t slot(std::uint64_t key) const noexcept {
+    return static_cast<std::size_t>((key * 0x9E3779B97F4A7C15ULL) >> shift_);
+  }
+
+  void rehash(std::size_t capacity) {
+    std::vector<std::uint64_t> old_keys = std::move(keys_);
+    std::vector<std::uint32_t> old_values = std::move(values_);
+    keys_.assign(capacity, empty_key);
+    values_.assign(capacity, 0);
+    mask_ = capacity - 1;
+    shift_ = 64U - static_cast<unsigned>(std::countr_zero(capacity));
+    size_ = 0;
+    for (std::size_t i = 0; i < old_keys.size(); ++i) {
+      if (old_keys[i] != empty_key) insert(old_keys[i], old_values[i]);
+    }
+  }
+
+  std::vector<std::uint64_t> keys_;
+  std::vector<std::uint32_t> values_;
+  std::size_t mask_ = 0;
+  unsigned shift_ = 60;
+  std::size_t size_ = 0;
+};
+
+}  // namespace tensormem::core::detail

@@ -1,0 +1,208 @@
+// Randomized operation sequences checked against simple references after every step.
+// Seed: TENSORMEM_SEED (default fixed); operations: TENSORMEM_RANDOM_OPS (default 1,000,000).
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tensormem/core/align.hpp"
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/tlsf_allocator.hpp"
+
+namespace tensormem::core {
+namespace {
+
+std::uint64_t env_or(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::strtoull(v, nullptr, 10);
+}
+
+/// The LazyAllocator policy written the slow, obvious way: a vector of free blocks scanned
+/// linearly.
+class naive_best_fit {
+ public:
+  naive_best_fit(std::uint64_t capacity, std::uint64_t alignment)
+      : capacity_(capacity), alignment_(alignment) {}
+
+  std::optional<std::uint64_t> allocate(std::uint64_t bytes) {
+    const std::uint64_t need = *align_up(bytes, alignment_);
+    std::size_t best = free_.size();
+    for (std::size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i].second < need) continue;
+      if (best == free_.size() || free_[i].second < free_[best].second) best = i;
+    }
+    std::uint64_t offset = 0;
+    if (best != free_.size()) {
+      offset = free_[best].first;
+      if (free_[best].second == need) {
+        free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
+      } else {
+        free_[best].first += need;
+        free_[best].second -= need;
+      }
+    } else {
+      offset = peak_;
+      std::uint64_t tail = 0;
+      if (!free_.empty() && free_.back().first + free_.back().second == peak_) {
+        offset = free_.back().first;
+        tail = free_.back().second;
+      }
+      if (need - tail > capacity_ - peak_) return std::nullopt;
+      if (tail != 0) free_.pop_back();
+      peak_ += need - tail;
+    }
+    return offset;
+  }
+
+  void free(std::uint64_t offset, std::uint64_t bytes) {
+    free_.emplace_back(offset, *align_up(bytes, alignment_));
+    std::sort(free_.begin(), free_.end());
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> merged;
+    for (const auto& f : free_) {
+      if (!merged.empty() && merged.back().first + merged.back().second == f.first) {
+        merged.back().second += f.second;
+      } else {
+        merged.push_back(f);
+      }
+    }
+    free_ = std::move(merged);
+  }
+
+  std::uint64_t peak() const { return peak_; }
+  std::size_t free_blocks() const { return free_.size(); }
+
+ private:
+  std::uint64_t capacity_;
+  std::uint64_t alignment_;
+  std::uint64_t peak_ = 0;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> free_;  // sorted by offset
+};
+
+struct random_config {
+  std::uint64_t capacity;
+  std::uint64_t alignment;
+  std::uint64_t max_bytes;
+  std::size_t target_live;
+};
+
+/// Runs `ops` random operations (allocations, frees of a random live block, and misuse) on
+/// allocator A, checking invariants after every step and non-overlap against an interval map.
+/// When `exact` is set, offsets must equal the naive best-fit reference.
+template <class A>
+void run_random(const random_config& cfg, std::uint64_t seed, std::uint64_t ops, bool exact) {
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (set TENSORMEM_SEED to replay)");
+  std::mt19937_64 rng(seed);
+  A a(cfg.capacity, cfg.alignment);
+  naive_best_fit ref(cfg.capacity, cfg.alignment);
+  struct live_block {
+    allocation handle;
+    std::uint64_t asked;
+  };
+  std::vector<live_block> live;
+  std::map<std::uint64_t, std::uint64_t> intervals;  // offset -> aligned bytes
+  std::uint64_t used = 0;
+  std::uniform_real_distribution<double> log_size(0.0, std::log2(static_cast<double>(cfg.max_bytes)));
+
+  for (std::uint64_t step = 0; step < ops; ++step) {
+    const unsigned dice = static_cast<unsigned>(rng() % 100);
+    const bool want_alloc = live.empty() || (live.size() < cfg.target_live ? dice < 60 : dice < 40);
+    if (dice == 99 && !live.empty()) {
+      // Misuse: wrong size, unknown offset, and a stale handle; nothing may change.
+      const live_block& b = live[rng() % live.size()];
+      const auto before = a.stats();
+      ASSERT_EQ(a.try_free(b.handle.offset, b.handle.bytes + cfg.alignment),
+                free_status::size_mismatch);
+      ASSERT_EQ(a.try_free(a.peak() + cfg.alignment, 1), free_status::not_allocated);
+      ASSERT_EQ(a.stats().used_bytes, before.used_bytes);
+      ASSERT_EQ(a.stats().free_blocks, before.free_blocks);
+    } else if (want_alloc) {
+      const std::uint64_t bytes =
+          dice < 2 ? 0 : static_cast<std::uint64_t>(std::exp2(log_size(rng)));
+      const auto got = a.allocate(bytes);
+      if (exact) {
+        const auto want = ref.allocate(bytes == 0 ? 0 : bytes);
+        if (bytes != 0) {
+          ASSERT_EQ(got.has_value(), want.has_value()) << "step " << step;
+          if (got) {
+            ASSERT_EQ(got->offset, *want) << "step " << step << " bytes " << bytes;
+          }
+        }
+      }
+      if (got && bytes != 0) {
+        ASSERT_EQ(got->bytes, *align_up(bytes, cfg.alignment));
+        ASSERT_TRUE(is_aligned(got->offset, cfg.alignment));
+        ASSERT_LE(got->offset + got->bytes, a.peak());
+        ASSERT_LE(a.peak(), cfg.capacity);
+        auto next = intervals.lower_bound(got->offset);
+        if (next != intervals.end()) {
+          ASSERT_LE(got->offset + got->bytes, next->first);
+        }
+        if (next != intervals.begin()) {
+          const auto prev = std::prev(next);
+          ASSERT_LE(prev->first + prev->second, got->offset) << "overlap at step " << step;
+        }
+        intervals.emplace(got->offset, got->bytes);
+        used += got->bytes;
+        live.push_back({*got, bytes});
+      } else if (!got) {
+        ASSERT_GT(bytes, 0U);
+        ASSERT_NE(cfg.capacity, growing);
+        // Failing is only allowed when no single free range could hold it under best fit.
+        if (exact) {
+          ASSERT_LT(a.stats().largest_free_bytes, *align_up(bytes, cfg.alignment));
+        }
+      }
+    } else {
+      const std::size_t i = rng() % live.size();
+      const live_block b = live[i];
+      live[i] = live.back();
+      live.pop_back();
+      if (step % 2 == 0) a.free(b.handle.offset, b.asked);
+      else a.deallocate(b.handle);
+      if (exact) ref.free(b.handle.offset, b.asked);
+      intervals.erase(b.handle.offset);
+      used -= b.handle.bytes;
+    }
+    ASSERT_EQ(a.used(), used) << "step " << step;
+    if (exact) {
+      ASSERT_EQ(a.peak(), ref.peak()) << "step " << step;
+    }
+    const std::string problem = a.check_invariants();
+    ASSERT_EQ(problem, "") << "step " << step;
+  }
+  if (exact) {
+    EXPECT_EQ(a.stats().free_blocks, ref.free_blocks());
+  }
+}
+
+constexpr std::uint64_t default_seed = 20261122;
+
+TEST(allocator_random, best_fit_matches_reference_growing) {
+  run_random<best_fit_allocator>({growing, 256, 1 << 20, 64}, env_or("TENSORMEM_SEED", default_seed),
+                                 env_or("TENSORMEM_RANDOM_OPS", 1'000'000), true);
+}
+
+TEST(allocator_random, best_fit_matches_reference_fixed_capacity) {
+  run_random<best_fit_allocator>({1 << 22, 1, 1 << 18, 48}, env_or("TENSORMEM_SEED", default_seed) + 1,
+                                 env_or("TENSORMEM_RANDOM_OPS", 1'000'000) / 2, true);
+}
+
+TEST(allocator_random, tlsf_is_consistent_growing) {
+  run_random<tlsf_allocator>({growing, 256, 1 << 24, 64}, env_or("TENSORMEM_SEED", default_seed) + 2,
+                             env_or("TENSORMEM_RANDOM_OPS", 1'000'000), false);
+}
+
+TEST(allocator_random, tlsf_is_consistent_fixed_capacity) {
+  run_random<tlsf_allocator>({1 << 22, 1, 1 << 18, 48}, env_or("TENSORMEM_SEED", default_seed) + 3,
+                             env_or("TENSORMEM_RANDOM_OPS", 1'000'000) / 2, false);
+}
+
+}  // namespace
+}  // namespace tensormem::core

@@ -1,0 +1,117 @@
+// Graph lifetimes (reference-count walk) and the built-in transformer step.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/graph.hpp"
+#include "tensormem/core/replay.hpp"
+#include "tensormem/core/transformer_step.hpp"
+
+namespace tensormem::core {
+namespace {
+
+const buffer& buffer_of(const graph_lifetimes& l, std::uint32_t tensor) {
+  const auto it = std::find(l.tensor_of.begin(), l.tensor_of.end(), tensor);
+  EXPECT_NE(it, l.tensor_of.end());
+  return l.buffers[static_cast<std::size_t>(it - l.tensor_of.begin())];
+}
+
+TEST(graph, reference_count_walk) {
+  graph g;
+  const auto in = g.add_tensor("in", 100, tensor_role::graph_input);
+  const auto w = g.add_tensor("w", 1000, tensor_role::weight);
+  const auto w2 = g.add_tensor("w2", 10, tensor_role::weight);
+  const auto a = g.add_tensor("a", 200);
+  const auto b = g.add_tensor("b", 300);
+  const auto c = g.add_tensor("c", 400);
+  const auto dead = g.add_tensor("dead", 50);
+  const auto out = g.add_tensor("out", 8, tensor_role::graph_output);
+  g.add_op("op0", {in, w}, {a});
+  g.add_op("op1", {a}, {b, dead});
+  g.add_op("op2", {a, b, w2}, {c});
+  g.add_op("op3", {c}, {out});
+  const graph_lifetimes l = derive_lifetimes(g, 256);
+  EXPECT_EQ(l.steps, 4U);
+  EXPECT_EQ(l.weight_bytes, 1024U + 256U);
+  ASSERT_EQ(l.weight_offsets.size(), 2U);
+  EXPECT_EQ(l.weight_offsets[1], 1024U);
+  EXPECT_EQ(buffer_of(l, in).lower, 0U);
+  EXPECT_EQ(buffer_of(l, in).upper, 4U);
+  EXPECT_EQ(buffer_of(l, a).lower, 0U);
+  EXPECT_EQ(buffer_of(l, a).upper, 3U);  // last consumer op2 -> freed after step 2
+  EXPECT_EQ(buffer_of(l, b).lower, 1U);
+  EXPECT_EQ(buffer_of(l, b).upper, 3U);
+  EXPECT_EQ(buffer_of(l, dead).upper, 2U);  // nobody consumes it
+  EXPECT_EQ(buffer_of(l, c).lower, 2U);
+  // op2's output is allocated while its inputs are alive: c conflicts with a and b.
+  EXPECT_TRUE(lifetimes_overlap(buffer_of(l, c), buffer_of(l, a)));
+  EXPECT_EQ(buffer_of(l, out).lower, 0U);
+  EXPECT_EQ(buffer_of(l, out).upper, 4U);
+  EXPECT_EQ(lower_bound(l.buffers), 100U + 200 + 300 + 400 + 8);
+}
+
+TEST(graph, malformed_graphs_are_rejected) {
+  graph g;
+  const auto a = g.add_tensor("a", 1);
+  EXPECT_THROW(g.add_op("bad", {a}, {7}), std::invalid_argument);
+  const auto b = g.add_tensor("b", 1);
+  g.add_op("uses_a", {a}, {b});
+  try {
+    derive_lifetimes(g);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'uses_a' consumes 'a'"), std::string::npos);
+  }
+  graph twice;
+  const auto x = twice.add_tensor("x", 1);
+  twice.add_op("p1", {}, {x});
+  twice.add_op("p2", {}, {x});
+  EXPECT_THROW(derive_lifetimes(twice), std::invalid_argument);
+  graph writes_input;
+  const auto i = writes_input.add_tensor("i", 1, tensor_role::graph_input);
+  writes_input.add_op("w", {}, {i});
+  EXPECT_THROW(derive_lifetimes(writes_input), std::invalid_argument);
+}
+
+TEST(transformer_step, activations_live_until_backward) {
+  transformer_config cfg;
+  cfg.layers = 2;
+  cfg.batch = 2;
+  cfg.sequence = 128;
+  const graph g = make_transformer_step(cfg);
+  const graph_lifetimes l = derive_lifetimes(g);
+  // Find op indices by name.
+  auto op_index = [&](const std::string& name) {
+    for (std::size_t i = 0; i < g.ops().size(); ++i)
+      if (g.ops()[i].name == name) return i;
+    ADD_FAILURE() << "no op " << name;
+    return std::size_t{0};
+  };
+  const std::size_t softmax = op_index("l0.softmax");
+  const std::size_t softmax_bwd = op_index("l0.softmax.bwd");
+  EXPECT_LT(softmax, softmax_bwd);
+  bool found = false;
+  for (std::size_t k = 0; k < l.buffers.size(); ++k) {
+    if (g.tensors()[l.tensor_of[k]].name == "l0.probs") {
+      found = true;
+      EXPECT_EQ(l.buffers[k].lower, softmax);
+      EXPECT_EQ(l.buffers[k].upper, softmax_bwd + 1);
+      EXPECT_EQ(l.buffers[k].bytes, 2U * 12 * 128 * 128 * 2);
+    }
+  }
+  EXPECT_TRUE(found);
+  // An online plan exists and sits between the lower bound and no reuse at all.
+  best_fit_allocator a;
+  const auto r = replay(l.buffers, a);
+  std::uint64_t total = 0;
+  for (const auto& b : l.buffers) total += b.bytes;
+  EXPECT_GE(r.high_water, lower_bound(l.buffers, 256));
+  EXPECT_LT(r.high_water, total);
+  EXPECT_THROW(make_transformer_step({2, 768, 5, 128, 1, 100, 2}), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace tensormem::core

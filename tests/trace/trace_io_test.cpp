@@ -1,0 +1,88 @@
+// Trace CSV reading and writing, including every malformed case.
+
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+
+#include "tensormem/trace/trace_io.hpp"
+
+namespace tensormem::trace {
+namespace {
+
+std::string error_of(const std::string& text) {
+  std::istringstream in(text);
+  try {
+    read_trace(in, "t.csv");
+  } catch (const trace_error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(trace_io, reads_buffers_and_offsets) {
+  std::istringstream in("id,lower,upper,size\nb1,0,3,4\r\n\nb2, 3 ,9,18446744073709551615\n");
+  const auto b = read_trace(in, "t.csv");
+  ASSERT_EQ(b.size(), 2U);
+  EXPECT_EQ(b[0].id, "b1");
+  EXPECT_EQ(b[1].lower, 3U);
+  EXPECT_EQ(b[1].bytes, 18446744073709551615ULL);
+  EXPECT_FALSE(b[0].offset.has_value());
+  std::istringstream with("id,lower,upper,size,offset\n7,0,1,10,20\n");
+  EXPECT_EQ(read_trace(with, "w.csv")[0].offset.value_or(0), 20U);
+}
+
+TEST(trace_io, malformed_input_names_file_and_line) {
+  EXPECT_EQ(error_of(""), "t.csv:1: empty file: expected a header");
+  EXPECT_EQ(error_of("id,lower,upper\n"),
+            "t.csv:1: expected the header 'id,lower,upper,size' or 'id,lower,upper,size,offset'");
+  EXPECT_EQ(error_of("id,lower,upper,size\n"), "t.csv:1: no buffers after the header");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1\n"), "t.csv:2: expected 4 columns, found 3");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2,3\n"), "t.csv:2: expected 4 columns, found 5");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2\nb,x,1,2\n"),
+            "t.csv:3: lower is not an unsigned integer: 'x'");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,1.5\n"),
+            "t.csv:2: size is not an unsigned integer: '1.5'");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,-1,2\n"), "t.csv:2: upper is negative: '-1'");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,99999999999999999999\n"),
+            "t.csv:2: size does not fit in 64 bits: '99999999999999999999'");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,5,5,2\n"),
+            "t.csv:2: lower 5 is not below upper 5 (lifetimes are half-open)");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2\n\na,1,2,3\n"),
+            "t.csv:4: duplicate id 'a' (first on line 2)");
+  EXPECT_EQ(error_of("id,lower,upper,size\n,0,1,2\n"), "t.csv:2: empty id column");
+  EXPECT_EQ(error_of("id,lower,upper,size,offset\na,0,1,2\n"),
+            "t.csv:2: expected 5 columns, found 4");
+}
+
+TEST(trace_io, missing_file_is_named) {
+  try {
+    read_trace(std::string("/nonexistent/trace.csv"));
+    FAIL();
+  } catch (const trace_error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/trace.csv"), std::string::npos);
+  }
+}
+
+TEST(trace_io, round_trip) {
+  std::vector<core::buffer> b = {{"x", 0, 2, 10, 0}, {"y", 1, 3, 20, 10}};
+  std::ostringstream out;
+  write_trace(out, b);
+  EXPECT_EQ(out.str(), "id,lower,upper,size,offset\nx,0,2,10,0\ny,1,3,20,10\n");
+  std::istringstream in(out.str());
+  const auto back = read_trace(in, "rt.csv");
+  ASSERT_EQ(back.size(), 2U);
+  EXPECT_EQ(back[1].offset.value_or(0), 10U);
+  b[0].offset.reset();
+  std::ostringstream partial;
+  write_trace(partial, b);
+  EXPECT_EQ(partial.str().substr(0, 20), "id,lower,upper,size\n");
+}
+
+TEST(trace_io, shared_traces_read) {
+  const auto b = read_trace(std::string(TENSORMEM_TEST_DATA) + "/traces/minimalloc_A.csv");
+  EXPECT_EQ(b.size(), 154U);
+}
+
+}  // namespace
+}  // namespace tensormem::trace

@@ -1,0 +1,121 @@
+// `tensormem demo`: the main job on the built-in model, a transformer training step.
+
+#include <iostream>
+#include <numeric>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "report.hpp"
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/graph.hpp"
+#include "tensormem/core/replay.hpp"
+#include "tensormem/core/tlsf_allocator.hpp"
+#include "tensormem/core/transformer_step.hpp"
+
+namespace tensormem::cli {
+
+namespace {
+
+struct demo_options {
+  core::transformer_config model;
+  std::uint64_t alignment = 256;
+  bool json = false;
+};
+
+struct online_row {
+  std::string name;
+  std::uint64_t high_water = 0;
+  double ns_per_op = 0;
+};
+
+template <class Allocator>
+online_row run_online(const std::string& name, const std::vector<core::buffer>& buffers,
+                      std::uint64_t alignment) {
+  Allocator a(core::growing, alignment);
+  const core::replay_result r = core::replay(buffers, a);
+  return {name, r.high_water, r.seconds * 1e9 / static_cast<double>(r.operations)};
+}
+
+void run_demo(const demo_options& o) {
+  const core::graph g = core::make_transformer_step(o.model);
+  const core::graph_lifetimes life = core::derive_lifetimes(g, o.alignment);
+  const std::uint64_t lb = core::lower_bound(life.buffers, o.alignment);
+  const std::uint64_t no_reuse =
+      std::accumulate(life.buffers.begin(), life.buffers.end(), std::uint64_t{0},
+                      [](std::uint64_t s, const core::buffer& b) { return s + b.bytes; });
+  const online_row rows[] = {
+      run_online<core::best_fit_allocator>("online best-fit", life.buffers, o.alignment),
+      run_online<core::tlsf_allocator>("online O(1) (TLSF)", life.buffers, o.alignment),
+  };
+
+  if (o.json) {
+    nlohmann::json j;
+    j["model"] = {{"layers", o.model.layers},         {"hidden", o.model.hidden},
+                  {"heads", o.model.heads},           {"sequence", o.model.sequence},
+                  {"batch", o.model.batch},           {"vocabulary", o.model.vocabulary},
+                  {"dtype_bytes", o.model.dtype_bytes}};
+    j["ops"] = g.ops().size();
+    j["buffers"] = life.buffers.size();
+    j["weight_bytes"] = life.weight_bytes;
+    j["lower_bound"] = lb;
+    j["no_reuse_bytes"] = no_reuse;
+    for (const online_row& r : rows) {
+      j["online"].push_back({{"allocator", r.name},
+                             {"high_water", r.high_water},
+                             {"ratio", ratio_of(r.high_water, lb)},
+                             {"ns_per_op", r.ns_per_op}});
+    }
+    std::cout << j.dump(2) << '\n';
+    return;
+  }
+
+  const auto& m = o.model;
+  std::cout << "tensormem demo: one training step of a GPT-style transformer\n"
+            << fmt::format("  model: {} layers, hidden {}, {} heads, vocabulary {}, batch {}, "
+                           "sequence {}, {}-byte dtype\n",
+                           m.layers, m.hidden, m.heads, m.vocabulary, m.batch, m.sequence,
+                           m.dtype_bytes)
+            << fmt::format("  graph: {} ops; {} activation/input/output buffers; weights and "
+                           "gradients {} in their own region\n",
+                           g.ops().size(), life.buffers.size(), human_bytes(life.weight_bytes))
+            << fmt::format("  alignment {} B; forward activations stay alive until the "
+                           "backward pass consumes them\n\n",
+                           o.alignment);
+  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "activation memory", "bytes",
+                           "x lower", "ns/op");
+  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "lower bound (peak live)",
+                           human_bytes(lb), "1.0000", "");
+  for (const online_row& r : rows) {
+    std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10.1f}\n", r.name,
+                             human_bytes(r.high_water), ratio_text(r.high_water, lb),
+                             r.ns_per_op);
+  }
+  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "no reuse (sum of buffers)",
+                           human_bytes(no_reuse), ratio_text(no_reuse, lb), "");
+}
+
+}  // namespace
+
+void add_demo_command(CLI::App& app) {
+  auto opts = std::make_shared<demo_options>();
+  CLI::App* cmd = app.add_subcommand(
+      "demo", "Plan the memory of a built-in transformer training step (GPT-2 small default)");
+  auto& m = opts->model;
+  cmd->add_option("--layers", m.layers, "transformer layers")->check(CLI::PositiveNumber);
+  cmd->add_option("--hidden", m.hidden, "hidden size")->check(CLI::PositiveNumber);
+  cmd->add_option("--heads", m.heads, "attention heads")->check(CLI::PositiveNumber);
+  cmd->add_option("--sequence", m.sequence, "sequence length")->check(CLI::PositiveNumber);
+  cmd->add_option("--batch", m.batch, "batch size")->check(CLI::PositiveNumber);
+  cmd->add_option("--vocabulary", m.vocabulary, "vocabulary size")->check(CLI::PositiveNumber);
+  cmd->add_option("--dtype-bytes", m.dtype_bytes, "bytes per element")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--alignment", opts->alignment, "allocation alignment in bytes")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--json", opts->json, "print one JSON object");
+  cmd->callback([opts] { run_demo(*opts); });
+}
+
+}  // namespace tensormem::cli

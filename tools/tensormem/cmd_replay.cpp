@@ -1,0 +1,78 @@
+// `tensormem replay TRACE`: online replay of a trace through one allocator.
+
+#include <iostream>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "report.hpp"
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/replay.hpp"
+#include "tensormem/core/tlsf_allocator.hpp"
+#include "tensormem/trace/trace_io.hpp"
+
+namespace tensormem::cli {
+
+namespace {
+
+struct replay_options {
+  std::string trace;
+  std::string allocator = "best-fit";
+  std::uint64_t alignment = 256;
+  bool json = false;
+};
+
+void run_replay(const replay_options& o) {
+  const auto buffers = trace::read_trace(o.trace);
+  core::replay_result r;
+  if (o.allocator == "best-fit") {
+    core::best_fit_allocator a(core::growing, o.alignment);
+    r = core::replay(buffers, a);
+  } else {
+    core::tlsf_allocator a(core::growing, o.alignment);
+    r = core::replay(buffers, a);
+  }
+  const std::uint64_t lb = core::lower_bound(buffers, o.alignment);
+  const double ns_per_op =
+      r.operations == 0 ? 0.0 : r.seconds * 1e9 / static_cast<double>(r.operations);
+  if (o.json) {
+    nlohmann::json j;
+    j["trace"] = o.trace;
+    j["allocator"] = o.allocator;
+    j["alignment"] = o.alignment;
+    j["buffers"] = buffers.size();
+    j["lower_bound"] = lb;
+    j["high_water"] = r.high_water;
+    j["ratio"] = ratio_of(r.high_water, lb);
+    j["ns_per_op"] = ns_per_op;
+    std::cout << j.dump() << '\n';
+    return;
+  }
+  std::cout << fmt::format("trace        {}\n", o.trace)
+            << fmt::format("allocator    {} (alignment {})\n", o.allocator, o.alignment)
+            << fmt::format("buffers      {}\n", buffers.size())
+            << fmt::format("lower bound  {} bytes ({})\n", lb, human_bytes(lb))
+            << fmt::format("high water   {} bytes ({})\n", r.high_water,
+                           human_bytes(r.high_water))
+            << fmt::format("ratio        {}\n", ratio_text(r.high_water, lb))
+            << fmt::format("ns per op    {:.1f}\n", ns_per_op);
+}
+
+}  // namespace
+
+void add_replay_command(CLI::App& app) {
+  auto opts = std::make_shared<replay_options>();
+  CLI::App* cmd = app.add_subcommand(
+      "replay", "Replay a trace (id,lower,upper,size) through an online allocator");
+  cmd->add_option("trace", opts->trace, "trace CSV file")->required();
+  cmd->add_option("--allocator", opts->allocator, "best-fit or o1")
+      ->check(CLI::IsMember({"best-fit", "o1"}));
+  cmd->add_option("--alignment", opts->alignment, "size alignment in bytes (power of two)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--json", opts->json, "print one JSON object");
+  cmd->callback([opts] { run_replay(*opts); });
+}
+
+}  // namespace tensormem::cli

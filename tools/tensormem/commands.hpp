@@ -1,0 +1,11 @@
+#pragma once
+// Sub-commands of the `tensormem` command-line tool.
+
+#include <CLI/CLI.hpp>
+
+namespace tensormem::cli {
+
+void add_replay_command(CLI::App& app);
+void add_demo_command(CLI::App& app);
+
+}  // namespace tensormem::cli
