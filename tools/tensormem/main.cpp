@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   CLI::App app{"tensormem: tensor memory planning, arenas, pinned memory and swapping"};
   app.require_subcommand(1);
   tensormem::cli::add_demo_command(app);
+  tensormem::cli::add_plan_command(app);
   tensormem::cli::add_replay_command(app);
   try {
     app.parse(argc, argv);

@@ -1,0 +1,82 @@
+#pragma once
+// Static memory planner: buffers with known lifetimes in, offsets in one arena out.
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensormem/core/graph.hpp"
+#include "tensormem/core/lifetime.hpp"
+
+namespace tensormem::core {
+
+/// What the planner reports while it searches (called on the planner's thread).
+struct plan_progress {
+  double seconds = 0;
+  std::uint64_t best_arena_bytes = 0;
+  std::uint64_t lower_bound = 0;
+  const char* phase = "";
+};
+
+struct plan_options {
+  /// Wall-clock budget of the search phase; the greedy phase always runs to completion.
+  double time_limit_seconds = 10.0;
+  /// Every size is rounded up to this power of two and every offset is a multiple of it.
+  std::uint64_t alignment = 1;
+  /// Seed of the randomized search. Given the same seed, the plan is the same whenever the
+  /// search ends before the time limit (it reached the lower bound or exhausted its steps).
+  std::uint64_t seed = 1;
+  /// false: greedy phase only.
+  bool search = true;
+  /// Threads for the greedy phase; 0 = one per hardware thread. The result does not depend
+  /// on it.
+  unsigned threads = 0;
+  /// Optional progress callback, called at most about ten times a second.
+  std::function<void(const plan_progress&)> progress;
+};
+
+struct plan_result {
+  std::vector<std::uint64_t> offsets;  ///< one per buffer, in input order
+  std::uint64_t arena_bytes = 0;       ///< max over buffers of offset + aligned size
+  std::uint64_t lower_bound = 0;       ///< most aligned bytes alive at once
+  std::string strategy;                ///< which strategy produced the kept plan
+  double seconds = 0;                  ///< total planning time
+  double greedy_seconds = 0;           ///< time of the greedy phase alone
+  double ratio() const noexcept {
+    return lower_bound == 0 ? 1.0
+                            : static_cast<double>(arena_bytes) / static_cast<double>(lower_bound);
+  }
+};
+
+/// Places every buffer so that no two buffers whose lifetimes overlap share a byte, in an
+/// arena as small as the budget allows. Steps:
+///  1. Greedy phase. Orders: decreasing size, decreasing lifetime length, decreasing area
+///     (size x length); each placed with best fit and with first fit among the gaps left by
+///     already placed buffers that overlap in time (the space above the highest counts as a
+///     gap). The six variants run in parallel; the smallest arena is kept.
+///  2. Search phase, until the arena equals the lower bound or the time limit. First
+///     "skyline" orders: buffers placed in increasing offset order, each time the buffer
+///     whose lowest feasible offset is lowest (ties by size, length or area). Then, for instances
+///     of up to a few thousand time sections, a depth-first search over canonical solutions
+///     (every buffer sits at offset 0 or on top of another; after MiniMalloc, Moffitt,
+///     ASPLOS 2023) at a target capacity, with capacity pruning per time section and
+///     randomized restarts; for larger ones, iterated greedy over perturbed orders.
+/// Greedy phase: O(n log n + P log P) per order, P the number of conflicting pairs. The
+/// problem is NP-hard: the result is not guaranteed optimal unless it equals the lower bound.
+/// Throws std::invalid_argument for a non-power-of-two alignment or an empty lifetime.
+plan_result plan(std::span<const buffer> buffers, const plan_options& options = {});
+
+/// Plans the activations, inputs and outputs of a graph (see derive_lifetimes); the
+/// offsets follow `derive_lifetimes(g).buffers`.
+plan_result plan(const graph& g, const plan_options& options = {});
+
+/// Independent check of a plan by a sweep over time: no two buffers overlap in time and in
+/// their byte ranges (sizes rounded up to `alignment`), every offset is a multiple of
+/// `alignment`, and `arena_bytes` is the highest end. Returns an empty string when the plan
+/// is valid, else what is wrong, naming the buffers.
+std::string validate(std::span<const buffer> buffers, std::span<const std::uint64_t> offsets,
+                     std::uint64_t arena_bytes, std::uint64_t alignment = 1);
+
+}  // namespace tensormem::core

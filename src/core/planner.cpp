@@ -1,0 +1,236 @@
+// The planner: greedy phase, then search, keeping the smallest arena.
+
+#include "tensormem/core/planner.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+#include <thread>
+
+#include "planner_detail.hpp"
+#include "tensormem/core/align.hpp"
+
+namespace tensormem::core {
+
+namespace {
+
+using detail::candidate_plan;
+using detail::clock;
+using detail::plan_problem;
+
+double seconds_since(clock::time_point t) {
+  return std::chrono::duration<double>(clock::now() - t).count();
+}
+
+struct order_key {
+  const char* name;
+  double (*key)(const plan_problem&, std::uint32_t);
+};
+
+constexpr order_key order_keys[] = {
+    {"size", [](const plan_problem& p, std::uint32_t i) { return static_cast<double>(p.bytes[i]); }},
+    {"length", [](const plan_problem& p, std::uint32_t i) { return static_cast<double>(p.length[i]); }},
+    {"area",
+     [](const plan_problem& p, std::uint32_t i) {
+       return static_cast<double>(p.bytes[i]) * static_cast<double>(p.length[i]);
+     }},
+};
+
+/// Decreasing key; ties by decreasing size, then decreasing length, then index.
+std::vector<std::uint32_t> order_by(const plan_problem& p, const std::vector<double>& key) {
+  std::vector<std::uint32_t> order(p.size());
+  std::iota(order.begin(), order.end(), 0U);
+  std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+    if (key[a] != key[b]) return key[a] > key[b];
+    if (p.bytes[a] != p.bytes[b]) return p.bytes[a] > p.bytes[b];
+    if (p.length[a] != p.length[b]) return p.length[a] > p.length[b];
+    return a < b;
+  });
+  return order;
+}
+
+std::vector<double> keys_of(const plan_problem& p, const order_key& k) {
+  std::vector<double> key(p.size());
+  for (std::uint32_t i = 0; i < p.size(); ++i) key[i] = k.key(p, i);
+  return key;
+}
+
+class planner_run {
+ public:
+  planner_run(const plan_problem& p, const plan_options& o)
+      : p_(p), o_(o), start_(clock::now()),
+        deadline_(start_ + std::chrono::duration_cast<clock::duration>(
+                               std::chrono::duration<double>(std::max(0.0, o.time_limit_seconds)))),
+        rng_(o.seed) {}
+
+  // The six classic variants, spread over up to `threads` threads. Each variant writes its
+  // own slot; the winner is chosen afterwards in a fixed order, so the result does not
+  // depend on scheduling.
+  candidate_plan greedy() {
+    struct variant {
+      const order_key* key;
+      detail::fit policy;
+      candidate_plan result;
+    };
+    std::vector<variant> variants;
+    for (const order_key& k : order_keys) {
+      variants.push_back({&k, detail::fit::best, {}});
+      variants.push_back({&k, detail::fit::first, {}});
+    }
+    auto work = [&](std::size_t first, std::size_t step) {
+      detail::occupancy_index index(p_.sections);
+      for (std::size_t v = first; v < variants.size(); v += step) {
+        const auto order = order_by(p_, keys_of(p_, *variants[v].key));
+        variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index);
+      }
+    };
+    const std::size_t threads = std::clamp<std::size_t>(
+        o_.threads != 0 ? o_.threads : std::thread::hardware_concurrency(), 1, variants.size());
+    {
+      std::vector<std::jthread> pool;
+      for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t, threads);
+      work(0, threads);
+    }
+    for (variant& v : variants) {
+      offer(std::move(v.result), std::string("greedy ") + v.key->name +
+                                     (v.policy == detail::fit::best ? " best-fit" : " first-fit"));
+    }
+    return best_;
+  }
+
+  candidate_plan search() {
+    // Skyline orders first: cheap, and often far better than the classic orders.
+    for (const order_key& k : order_keys) {
+      if (done() || !time_left()) return best_;
+      offer(detail::place_skyline(p_, keys_of(p_, k)), std::string("skyline ") + k.name);
+    }
+    if (done()) return best_;
+    if (p_.sections <= 4096) canonical_phase();
+    if (!done()) perturbation_phase();
+    return best_;
+  }
+
+  const candidate_plan& best() const { return best_; }
+
+ private:
+  bool done() const { return best_.arena <= p_.lower_bound; }
+  bool time_left() const { return clock::now() < deadline_; }
+
+  void offer(candidate_plan c, std::string strategy) {
+    if (c.arena < best_.arena) {
+      best_ = std::move(c);
+      best_.strategy = std::move(strategy);
+      report("search");
+    }
+  }
+
+  void report(const char* phase) {
+    if (!o_.progress) return;
+    const double now = seconds_since(start_);
+    if (now - last_report_ < 0.1 && best_.arena != p_.lower_bound) return;
+    last_report_ = now;
+    o_.progress({now, best_.arena, p_.lower_bound, phase});
+  }
+
+  // Canonical DFS at decreasing capacities: first the lower bound itself, then halfway
+  // between the lowest capacity not yet given up and the best arena, with restarts of
+  // growing node budgets and perturbed candidate orders.
+  void canonical_phase() {
+    std::uint64_t low = p_.lower_bound;
+    while (time_left() && !done() && low < best_.arena) {
+      const std::uint64_t target = low == p_.lower_bound ? low : low + (best_.arena - 1 - low) / 2;
+      const double left = std::chrono::duration<double>(deadline_ - clock::now()).count();
+      const auto slice_end = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                                std::chrono::duration<double>(left * 0.5));
+      bool found = false;
+      bool exhausted = false;
+      std::uint64_t node_limit = 20'000;
+      for (int restart = 0; !found && clock::now() < slice_end; ++restart) {
+        std::vector<std::uint64_t> offsets;
+        found = detail::canonical_search(p_, target, slice_end, node_limit, rng_, restart > 0,
+                                         offsets, exhausted);
+        if (found) {
+          candidate_plan c;
+          c.arena = detail::arena_of(p_, offsets);
+          c.offsets = std::move(offsets);
+          offer(std::move(c), "canonical search");
+        }
+        if (exhausted && restart == 0) break;  // the whole tree holds no plan at this capacity
+        node_limit += node_limit / 2;
+        report("canonical search");
+      }
+      if (!found) low = target + 1;
+    }
+  }
+
+  // Iterated greedy: skyline and best-fit greedy placement in orders whose keys (size,
+  // length, area) are multiplied by random log-normal factors.
+  void perturbation_phase() {
+    detail::occupancy_index index(p_.sections);
+    std::lognormal_distribution<double> noise(0.0, 0.15);
+    for (std::uint64_t round = 0; time_left() && !done(); ++round) {
+      const order_key& k = order_keys[(round / 2) % std::size(order_keys)];
+      std::vector<double> key = keys_of(p_, k);
+      for (double& v : key) v *= noise(rng_);
+      if (round % 2 == 0) {
+        offer(detail::place_skyline(p_, key), std::string("perturbed skyline ") + k.name);
+      } else {
+        offer(detail::place_in_order(p_, order_by(p_, key), detail::fit::best, index),
+              std::string("perturbed greedy ") + k.name);
+      }
+      report("perturbed greedy");
+    }
+  }
+
+  const plan_problem& p_;
+  const plan_options& o_;
+  clock::time_point start_;
+  clock::time_point deadline_;
+  std::mt19937_64 rng_;
+  candidate_plan best_;
+  double last_report_ = -1;
+};
+
+}  // namespace
+
+plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
+  if (!is_power_of_two(options.alignment)) {
+    throw std::invalid_argument("plan: alignment " + std::to_string(options.alignment) +
+                                " is not a power of two");
+  }
+  for (const buffer& b : buffers) {
+    if (b.lower >= b.upper) {
+      throw std::invalid_argument("plan: buffer '" + b.id + "' has an empty lifetime [" +
+                                  std::to_string(b.lower) + ", " + std::to_string(b.upper) + ")");
+    }
+    if (!align_up(b.bytes, options.alignment)) {
+      throw std::invalid_argument("plan: buffer '" + b.id + "' is too large");
+    }
+  }
+  const auto start = clock::now();
+  plan_result r;
+  if (buffers.empty()) {
+    r.strategy = "empty";
+    return r;
+  }
+  const plan_problem p = detail::make_problem(buffers, options.alignment);
+  planner_run run(p, options);
+  run.greedy();
+  r.greedy_seconds = seconds_since(start);
+  if (options.search) run.search();
+  const candidate_plan& best = run.best();
+  r.offsets = best.offsets;
+  r.arena_bytes = best.arena;
+  r.lower_bound = p.lower_bound;
+  r.strategy = best.strategy;
+  r.seconds = seconds_since(start);
+  return r;
+}
+
+plan_result plan(const graph& g, const plan_options& options) {
+  const graph_lifetimes life = derive_lifetimes(g, options.alignment);
+  return plan(life.buffers, options);
+}
+
+}  // namespace tensormem::core

@@ -1,0 +1,89 @@
+#pragma once
+// Private pieces of the planner, shared by its translation units and its tests.
+
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tensormem/core/lifetime.hpp"
+
+namespace tensormem::core::detail {
+
+/// A planning instance in compressed time: time points are renumbered so that buffer i is
+/// alive in the sections [lo[i], hi[i]) (a section lies between two consecutive distinct
+/// lifetime ends).
+struct plan_problem {
+  std::vector<std::uint64_t> bytes;   // rounded up to the alignment
+  std::vector<std::uint64_t> length;  // upper - lower, in the trace's time units
+  std::vector<std::uint32_t> lo;
+  std::vector<std::uint32_t> hi;
+  std::uint32_t sections = 0;
+  std::uint64_t lower_bound = 0;
+  std::size_t size() const noexcept { return bytes.size(); }
+};
+
+plan_problem make_problem(std::span<const buffer> buffers, std::uint64_t alignment);
+
+struct candidate_plan {
+  std::vector<std::uint64_t> offsets;
+  std::uint64_t arena = std::numeric_limits<std::uint64_t>::max();
+  std::string strategy;
+};
+
+std::uint64_t arena_of(const plan_problem& p, std::span<const std::uint64_t> offsets);
+
+/// Byte ranges taken by placed buffers, indexed by time, to find the ranges taken by buffers
+/// whose span meets a query span. A segment tree over sections: a buffer's range is added to
+/// `own` of the O(log S) nodes that cover its span and to `sub` of every node on the paths to
+/// its first and last section. A query collects `sub` of the nodes that cover its span and
+/// `own` of the nodes on the paths to its ends; every set is kept merged (sorted, disjoint),
+/// so wide time windows collapse into a few ranges. Reports only true conflicts, and every
+/// conflicting buffer's range is covered by what is reported.
+class occupancy_index {
+ public:
+  using range = std::pair<std::uint64_t, std::uint64_t>;  // [offset, end)
+  explicit occupancy_index(std::uint32_t sections);
+  void clear();
+  void insert(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset, std::uint64_t end);
+  /// Fills `out` with ranges sorted by offset (possibly overlapping) whose union is the union
+  /// of the ranges of placed buffers alive in some section of [lo, hi).
+  void collect(std::uint32_t lo, std::uint32_t hi, std::vector<range>& out);
+
+ private:
+  using range_set = std::vector<range>;
+  static void add(range_set& set, std::uint64_t offset, std::uint64_t end);
+  std::size_t leaves_;
+  std::vector<range_set> own_;
+  std::vector<range_set> sub_;
+  std::vector<std::size_t> runs_;
+  std::vector<range> scratch_;
+};
+
+enum class fit { best, first };
+
+/// Classic greedy: places buffers in `order`, each in the best-fitting (or lowest) gap
+/// among the placed buffers that overlap it in time.
+candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32_t> order,
+                              fit policy, occupancy_index& index);
+
+/// Skyline greedy: repeatedly places, at its lowest feasible offset, the buffer whose lowest
+/// feasible offset is smallest; ties go to the highest `priority`.
+candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority);
+
+using clock = std::chrono::steady_clock;
+
+/// Depth-first search over canonical solutions at a fixed capacity. Returns true and fills
+/// `offsets` when a plan with arena <= capacity is found. Stops at `deadline` or after
+/// `node_limit` search nodes (returns false). With `randomize`, the order in which
+/// candidates are tried is perturbed (restarts). `exhausted` is set when the whole tree was
+/// searched without success (the capacity is infeasible for this search space).
+bool canonical_search(const plan_problem& p, std::uint64_t capacity, clock::time_point deadline,
+                      std::uint64_t node_limit, std::mt19937_64& rng, bool randomize,
+                      std::vector<std::uint64_t>& offsets, bool& exhausted);
+
+}  // namespace tensormem::core::detail

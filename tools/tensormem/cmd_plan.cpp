@@ -1,0 +1,93 @@
+// `tensormem plan TRACE`: offline plan of a trace, validated before it is printed.
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "report.hpp"
+#include "tensormem/core/planner.hpp"
+#include "tensormem/trace/plan_svg.hpp"
+#include "tensormem/trace/trace_io.hpp"
+
+namespace tensormem::cli {
+
+namespace {
+
+struct plan_cli_options {
+  std::string trace;
+  double time_limit = 10.0;
+  std::uint64_t alignment = 1;
+  std::uint64_t seed = 1;
+  std::string out;
+  std::string svg;
+  bool json = false;
+};
+
+void run_plan(const plan_cli_options& o) {
+  auto buffers = trace::read_trace(o.trace);
+  core::plan_options options;
+  options.time_limit_seconds = o.time_limit;
+  options.alignment = o.alignment;
+  options.seed = o.seed;
+  const bool tty = isatty(STDERR_FILENO) != 0;
+  if (tty) {
+    options.progress = [](const core::plan_progress& p) {
+      std::fprintf(stderr, "\r%-18s %6.1f s  best %.4f x lower bound   ", p.phase, p.seconds,
+                   ratio_of(p.best_arena_bytes, p.lower_bound));
+      std::fflush(stderr);
+    };
+  }
+  const core::plan_result r = core::plan(buffers, options);
+  if (tty) std::fprintf(stderr, "\r%70s\r", "");
+  const std::string problem = core::validate(buffers, r.offsets, r.arena_bytes, o.alignment);
+  if (!problem.empty()) throw std::logic_error("the planner produced an invalid plan: " + problem);
+  for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].offset = r.offsets[i];
+  if (!o.out.empty()) trace::write_trace(o.out, buffers);
+  if (!o.svg.empty()) trace::write_plan_svg(o.svg, buffers, r.offsets, r.arena_bytes, r.lower_bound);
+  if (o.json) {
+    nlohmann::json j;
+    j["trace"] = o.trace;
+    j["buffers"] = buffers.size();
+    j["lower_bound"] = r.lower_bound;
+    j["arena_bytes"] = r.arena_bytes;
+    j["ratio"] = r.ratio();
+    j["seconds"] = r.seconds;
+    j["greedy_seconds"] = r.greedy_seconds;
+    j["strategy"] = r.strategy;
+    std::cout << j.dump() << '\n';
+    return;
+  }
+  std::cout << fmt::format("trace        {}\n", o.trace)
+            << fmt::format("buffers      {}\n", buffers.size())
+            << fmt::format("lower bound  {} bytes ({})\n", r.lower_bound, human_bytes(r.lower_bound))
+            << fmt::format("arena        {} bytes ({})\n", r.arena_bytes, human_bytes(r.arena_bytes))
+            << fmt::format("ratio        {:.4f}\n", r.ratio())
+            << fmt::format("strategy     {}\n", r.strategy)
+            << fmt::format("seconds      {:.3f} (greedy phase {:.3f})\n", r.seconds, r.greedy_seconds)
+            << "validated    yes\n";
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto opts = std::make_shared<plan_cli_options>();
+  CLI::App* cmd = app.add_subcommand("plan", "Plan a trace offline in one arena");
+  cmd->add_option("trace", opts->trace, "trace CSV file (id,lower,upper,size)")->required();
+  cmd->add_option("--time-limit", opts->time_limit, "search budget in seconds (default 10)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--alignment", opts->alignment, "size and offset alignment (default 1)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--seed", opts->seed, "seed of the randomized search");
+  cmd->add_option("--out", opts->out, "write the trace with an offset column");
+  cmd->add_option("--svg", opts->svg, "draw the plan as SVG");
+  cmd->add_flag("--json", opts->json, "print one JSON object");
+  cmd->callback([opts] { run_plan(*opts); });
+}
+
+}  // namespace tensormem::cli
