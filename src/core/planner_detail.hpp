@@ -77,13 +77,27 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
 
 using clock = std::chrono::steady_clock;
 
-/// Depth-first search over canonical solutions at a fixed capacity. Returns true and fills
-/// `offsets` when a plan with arena <= capacity is found. Stops at `deadline` or after
-/// `node_limit` search nodes (returns false). With `randomize`, the order in which
-/// candidates are tried is perturbed (restarts). `exhausted` is set when the whole tree was
-/// searched without success (the capacity is infeasible for this search space).
-bool canonical_search(const plan_problem& p, std::uint64_t capacity, clock::time_point deadline,
-                      std::uint64_t node_limit, std::mt19937_64& rng, bool randomize,
-                      std::vector<std::uint64_t>& offsets, bool& exhausted);
+/// Static data of the canonical search: members of each section (CSR), their total bytes,
+/// and for each buffer the buffers whose lifetimes overlap it (CSR).
+struct search_graph {
+  std::vector<std::uint32_t> section_begin;
+  std::vector<std::uint32_t> section_members;
+  std::vector<std::uint64_t> section_total;
+  std::vector<std::uint32_t> overlap_begin;
+  std::vector<std::uint32_t> overlaps;
+};
+search_graph make_search_graph(const plan_problem& p);
+/// Number of pairs of buffers whose lifetimes overlap, in O(n log n).
+std::uint64_t overlap_pairs(const plan_problem& p);
+
+/// Depth-first search over canonical solutions at a fixed capacity. `rank` orders buffers
+/// that could take the same offset (lower first). Returns true and fills `offsets` when a
+/// plan with arena <= capacity is found. `stopped` tells whether it gave up at `deadline`
+/// or after `node_limit` nodes (otherwise a false result means this search space holds no
+/// plan at that capacity).
+bool canonical_search(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
+                      std::span<const std::uint32_t> rank, clock::time_point deadline,
+                      std::uint64_t node_limit, std::vector<std::uint64_t>& offsets,
+                      bool& stopped);
 
 }  // namespace tensormem::core::detail

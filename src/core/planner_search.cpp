@@ -1,6 +1,14 @@
-// Depth-first search over canonical solutions at a fixed capacity (after MiniMalloc).
+// Depth-first search over canonical solutions at a fixed capacity.
+//
+// Ideas from MiniMalloc (Moffitt, "MiniMalloc: A Lightweight Memory Allocator for
+// Hardware-Accelerated Machine Learning", ASPLOS 2023): buffers are placed at their lowest
+// feasible offset; the sequence of placements is non-decreasing in (offset, preorder rank),
+// which enumerates each canonical solution once; a buffer is not placed at or above the
+// height that another unplaced buffer could reach, since that buffer would fit in the gap
+// below; and every time section must keep room for the buffers still to come.
 
 #include <algorithm>
+#include <tuple>
 
 #include "planner_detail.hpp"
 
@@ -8,146 +16,213 @@ namespace tensormem::core::detail {
 
 namespace {
 
+constexpr std::uint64_t unplaced = std::numeric_limits<std::uint64_t>::max();
+
 class canonical_dfs {
  public:
-  canonical_dfs(const plan_problem& p, std::uint64_t capacity, clock::time_point deadline,
-                std::uint64_t node_limit, std::mt19937_64& rng, bool randomize)
-      : p_(p), capacity_(capacity), deadline_(deadline), node_limit_(node_limit),
-        floor_(p.sections, 0), remaining_(p.sections, 0), alive_(p.sections),
-        placed_(p.size(), false), offsets_(p.size(), 0), priority_(p.size()) {
-    for (std::uint32_t b = 0; b < p.size(); ++b) {
-      if (p.bytes[b] == 0) {
-        placed_[b] = true;
-        ++placed_count_;
-        continue;
-      }
-      for (std::uint32_t s = p.lo[b]; s < p.hi[b]; ++s) {
-        alive_[s].push_back(b);
-        remaining_[s] += p.bytes[b];
-      }
-      // Candidates are tried largest first, then longest; restarts perturb the order.
-      const double noise = randomize ? std::uniform_real_distribution<double>(0.8, 1.25)(rng) : 1.0;
-      priority_[b] = static_cast<double>(p.bytes[b]) * noise *
-                     (1.0 + 1e-3 * static_cast<double>(p.hi[b] - p.lo[b]));
-    }
-  }
+  canonical_dfs(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
+                std::span<const std::uint32_t> rank, clock::time_point deadline,
+                std::uint64_t node_limit)
+      : p_(p), g_(g), capacity_(capacity), rank_(rank), deadline_(deadline),
+        node_limit_(node_limit), offsets_(p.size(), unplaced), min_offset_(p.size(), 0),
+        floor_(p.sections, 0), total_(g.section_total), stamp_(p.sections, 0) {}
 
+  /// true: a plan within capacity is in offsets(). false: none found (see stopped()).
   bool run() {
-    for (std::uint32_t s = 0; s < p_.sections; ++s) {
-      if (remaining_[s] > capacity_) {
-        exhausted_ = true;
-        return false;
+    for (std::uint32_t b = 0; b < p_.size(); ++b) {
+      if (p_.bytes[b] == 0) {
+        offsets_[b] = 0;
+        ++placed_;
       }
     }
-    const bool found = dfs();
-    exhausted_ = !found && !stopped_;
-    return found;
+    return check(0) && dfs(0, 0);
   }
-
-  bool exhausted() const noexcept { return exhausted_; }
+  bool stopped() const noexcept { return stopped_; }
   const std::vector<std::uint64_t>& offsets() const noexcept { return offsets_; }
 
  private:
-  std::uint64_t lowest(std::uint32_t b) const {
-    std::uint64_t x = 0;
-    for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) x = std::max(x, floor_[s]);
-    return x;
+  struct candidate {
+    std::uint64_t offset;
+    std::uint32_t rank;
+    std::uint32_t buffer;
+  };
+
+  // Every section keeps room for its unplaced buffers above max(floor, offset): nothing will
+  // be placed below `offset` any more.
+  bool check(std::uint64_t offset) const {
+    for (std::uint32_t s = 0; s < p_.sections; ++s) {
+      if (total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_) return false;
+    }
+    return true;
   }
 
-  bool out_of_budget() {
-    ++nodes_;
-    if (nodes_ > node_limit_ || ((nodes_ & 255U) == 0 && clock::now() > deadline_)) {
+  bool dfs(std::uint64_t last_offset, std::uint32_t last_rank) {
+    if (placed_ == p_.size()) return true;
+    if (++nodes_ > node_limit_ || ((nodes_ & 63U) == 0 && clock::now() > deadline_)) {
       stopped_ = true;
+      return false;
     }
-    return stopped_;
-  }
-
-  bool dfs() {
-    if (placed_count_ == p_.size()) return true;
-    if (out_of_budget()) return false;
-    // The lowest (then leftmost) section that still has unplaced buffers.
-    std::uint32_t s = p_.sections;
-    for (std::uint32_t t = 0; t < p_.sections; ++t) {
-      if (remaining_[t] != 0 && (s == p_.sections || floor_[t] < floor_[s])) s = t;
+    std::vector<candidate> order;
+    order.reserve(p_.size() - placed_);
+    std::uint64_t min_height = unplaced;
+    for (std::uint32_t b = 0; b < p_.size(); ++b) {
+      if (offsets_[b] != unplaced) continue;
+      order.push_back({min_offset_[b], rank_[b], b});
+      min_height = std::min(min_height, min_offset_[b] + p_.bytes[b]);
     }
-    const std::uint64_t x = floor_[s];
-    std::vector<std::uint32_t> candidates;
-    std::uint64_t next_level = std::numeric_limits<std::uint64_t>::max();
-    for (const std::uint32_t b : alive_[s]) {
-      if (placed_[b]) continue;
-      const std::uint64_t low = lowest(b);
-      if (low == x) candidates.push_back(b);
-      else next_level = std::min(next_level, low);
-    }
-    if (candidates.empty()) {
-      // Nothing can start at this height here: the space up to the next level is waste.
-      floor_[s] = next_level;
-      const bool ok = next_level + remaining_[s] <= capacity_ && dfs();
-      if (!ok) floor_[s] = x;
-      return ok;
-    }
-    std::sort(candidates.begin(), candidates.end(), [&](std::uint32_t a, std::uint32_t b) {
-      return priority_[a] != priority_[b] ? priority_[a] > priority_[b] : a < b;
+    std::sort(order.begin(), order.end(), [](const candidate& a, const candidate& b) {
+      return std::tie(a.offset, a.rank) < std::tie(b.offset, b.rank);
     });
-    std::vector<std::uint64_t> saved;
-    for (std::size_t k = 0; k < candidates.size() && !stopped_; ++k) {
-      const std::uint32_t c = candidates[k];
-      // Buffers with the same size and span are interchangeable: try one of them.
-      bool duplicate = false;
-      for (std::size_t j = 0; j < k && !duplicate; ++j) {
-        const std::uint32_t d = candidates[j];
-        duplicate = p_.bytes[d] == p_.bytes[c] && p_.lo[d] == p_.lo[c] && p_.hi[d] == p_.hi[c];
-      }
-      if (duplicate) continue;
-      const std::uint64_t top = x + p_.bytes[c];
-      if (top > capacity_) continue;
-      saved.assign(floor_.begin() + p_.lo[c], floor_.begin() + p_.hi[c]);
-      bool feasible = true;
-      for (std::uint32_t t = p_.lo[c]; t < p_.hi[c]; ++t) {
-        floor_[t] = top;
-        remaining_[t] -= p_.bytes[c];
-        feasible = feasible && top + remaining_[t] <= capacity_;
-      }
-      if (feasible) {
-        placed_[c] = true;
-        offsets_[c] = x;
-        ++placed_count_;
-        if (dfs()) return true;
-        placed_[c] = false;
-        --placed_count_;
-      }
-      for (std::uint32_t t = p_.lo[c]; t < p_.hi[c]; ++t) {
-        floor_[t] = saved[t - p_.lo[c]];
-        remaining_[t] += p_.bytes[c];
-      }
+    for (const candidate& c : order) {
+      if (c.offset >= min_height) break;  // the rest would leave a gap someone fits in
+      if (std::tie(c.offset, c.rank) < std::tie(last_offset, last_rank)) continue;
+      if (c.offset + p_.bytes[c.buffer] > capacity_) continue;
+      const std::size_t offset_mark = offset_log_.size();
+      const std::size_t floor_mark = floor_log_.size();
+      place(c.buffer, c.offset);
+      const bool found = check(c.offset) && dfs(c.offset, c.rank);
+      if (found) return true;
+      unplace(c.buffer, offset_mark, floor_mark);
+      if (stopped_) return false;
     }
     return false;
   }
 
+  void place(std::uint32_t b, std::uint64_t offset) {
+    offsets_[b] = offset;
+    ++placed_;
+    const std::uint64_t height = offset + p_.bytes[b];
+    ++epoch_;
+    // Overlapping unplaced buffers cannot start below this one's top any more.
+    for (std::uint32_t k = g_.overlap_begin[b]; k < g_.overlap_begin[b + 1]; ++k) {
+      const std::uint32_t o = g_.overlaps[k];
+      if (offsets_[o] != unplaced || min_offset_[o] >= height) continue;
+      offset_log_.emplace_back(o, min_offset_[o]);
+      min_offset_[o] = height;
+      for (std::uint32_t s = p_.lo[o]; s < p_.hi[o]; ++s) stamp_[s] = epoch_;
+    }
+    for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) {
+      floor_log_.emplace_back(s, floor_[s]);
+      floor_[s] = height;
+      total_[s] -= p_.bytes[b];
+    }
+    // A section's floor is at least the lowest offset any of its unplaced buffers can take.
+    for (std::uint32_t s = 0; s < p_.sections; ++s) {
+      if (stamp_[s] != epoch_ || total_[s] == 0) continue;
+      std::uint64_t lowest = unplaced;
+      for (std::uint32_t k = g_.section_begin[s]; k < g_.section_begin[s + 1]; ++k) {
+        const std::uint32_t o = g_.section_members[k];
+        if (offsets_[o] == unplaced) lowest = std::min(lowest, min_offset_[o]);
+      }
+      if (lowest != unplaced && floor_[s] < lowest) {
+        floor_log_.emplace_back(s, floor_[s]);
+        floor_[s] = lowest;
+      }
+    }
+  }
+
+  void unplace(std::uint32_t b, std::size_t offset_mark, std::size_t floor_mark) {
+    while (floor_log_.size() > floor_mark) {
+      floor_[floor_log_.back().first] = floor_log_.back().second;
+      floor_log_.pop_back();
+    }
+    while (offset_log_.size() > offset_mark) {
+      min_offset_[offset_log_.back().first] = offset_log_.back().second;
+      offset_log_.pop_back();
+    }
+    for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) total_[s] += p_.bytes[b];
+    offsets_[b] = unplaced;
+    --placed_;
+  }
+
   const plan_problem& p_;
+  const search_graph& g_;
   std::uint64_t capacity_;
+  std::span<const std::uint32_t> rank_;
   clock::time_point deadline_;
   std::uint64_t node_limit_;
   std::uint64_t nodes_ = 0;
   bool stopped_ = false;
-  bool exhausted_ = false;
-  std::vector<std::uint64_t> floor_;
-  std::vector<std::uint64_t> remaining_;
-  std::vector<std::vector<std::uint32_t>> alive_;
-  std::vector<bool> placed_;
-  std::size_t placed_count_ = 0;
+  std::size_t placed_ = 0;
   std::vector<std::uint64_t> offsets_;
-  std::vector<double> priority_;
+  std::vector<std::uint64_t> min_offset_;
+  std::vector<std::uint64_t> floor_;
+  std::vector<std::uint64_t> total_;
+  std::vector<std::uint64_t> stamp_;
+  std::uint64_t epoch_ = 0;
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> offset_log_;
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> floor_log_;
 };
 
 }  // namespace
 
-bool canonical_search(const plan_problem& p, std::uint64_t capacity, clock::time_point deadline,
-                      std::uint64_t node_limit, std::mt19937_64& rng, bool randomize,
-                      std::vector<std::uint64_t>& offsets, bool& exhausted) {
-  canonical_dfs search(p, capacity, deadline, node_limit, rng, randomize);
+search_graph make_search_graph(const plan_problem& p) {
+  search_graph g;
+  const std::uint32_t n = static_cast<std::uint32_t>(p.size());
+  g.section_total.assign(p.sections, 0);
+  std::vector<std::uint32_t> count(p.sections + 1, 0);
+  for (std::uint32_t b = 0; b < n; ++b) {
+    if (p.bytes[b] == 0) continue;
+    for (std::uint32_t s = p.lo[b]; s < p.hi[b]; ++s) {
+      ++count[s];
+      g.section_total[s] += p.bytes[b];
+    }
+  }
+  g.section_begin.assign(p.sections + 1, 0);
+  for (std::uint32_t s = 0; s < p.sections; ++s) g.section_begin[s + 1] = g.section_begin[s] + count[s];
+  g.section_members.resize(g.section_begin[p.sections]);
+  std::vector<std::uint32_t> fill(g.section_begin.begin(), g.section_begin.end() - 1);
+  for (std::uint32_t b = 0; b < n; ++b) {
+    if (p.bytes[b] == 0) continue;
+    for (std::uint32_t s = p.lo[b]; s < p.hi[b]; ++s) g.section_members[fill[s]++] = b;
+  }
+  // Overlap lists: buffers sorted by start; those alive when b starts or starting inside b.
+  std::vector<std::vector<std::uint32_t>> overlaps(n);
+  std::vector<std::uint32_t> by_start(n);
+  for (std::uint32_t b = 0; b < n; ++b) by_start[b] = b;
+  std::sort(by_start.begin(), by_start.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return p.lo[a] < p.lo[b]; });
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint32_t a = by_start[i];
+    if (p.bytes[a] == 0) continue;
+    for (std::size_t j = i + 1; j < n && p.lo[by_start[j]] < p.hi[a]; ++j) {
+      const std::uint32_t b = by_start[j];
+      if (p.bytes[b] == 0) continue;
+      overlaps[a].push_back(b);
+      overlaps[b].push_back(a);
+    }
+  }
+  g.overlap_begin.assign(n + 1, 0);
+  for (std::uint32_t b = 0; b < n; ++b) {
+    g.overlap_begin[b + 1] = g.overlap_begin[b] + static_cast<std::uint32_t>(overlaps[b].size());
+  }
+  g.overlaps.reserve(g.overlap_begin[n]);
+  for (const auto& list : overlaps) g.overlaps.insert(g.overlaps.end(), list.begin(), list.end());
+  return g;
+}
+
+std::uint64_t overlap_pairs(const plan_problem& p) {
+  std::vector<std::uint32_t> starts(p.lo);
+  std::vector<std::uint32_t> ends(p.hi);
+  std::sort(starts.begin(), starts.end());
+  std::sort(ends.begin(), ends.end());
+  std::uint64_t pairs = 0;
+  for (std::size_t b = 0; b < p.size(); ++b) {
+    // Buffers starting before b ends, minus those that ended by b's start, minus b itself.
+    const auto started = std::lower_bound(starts.begin(), starts.end(), p.hi[b]) - starts.begin();
+    const auto ended = std::upper_bound(ends.begin(), ends.end(), p.lo[b]) - ends.begin();
+    pairs += static_cast<std::uint64_t>(started - ended - 1);
+  }
+  return pairs / 2;
+}
+
+bool canonical_search(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
+                      std::span<const std::uint32_t> rank, clock::time_point deadline,
+                      std::uint64_t node_limit, std::vector<std::uint64_t>& offsets,
+                      bool& stopped) {
+  canonical_dfs search(p, g, capacity, rank, deadline, node_limit);
   const bool found = search.run();
-  exhausted = search.exhausted();
+  stopped = search.stopped();
   if (found) offsets = search.offsets();
   return found;
 }
