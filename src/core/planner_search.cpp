@@ -24,21 +24,23 @@ class canonical_dfs {
                 std::span<const std::uint32_t> rank, clock::time_point deadline,
                 std::uint64_t node_limit)
       : p_(p), g_(g), capacity_(capacity), rank_(rank), deadline_(deadline),
-        node_limit_(node_limit), offsets_(p.size(), unplaced), min_offset_(p.size(), 0),
-        floor_(p.sections, 0), total_(g.section_total), stamp_(p.sections, 0) {}
+        node_limit_(node_limit), offsets_(p.size(), unplaced), solution_(p.size(), 0),
+        min_offset_(p.size(), 0), floor_(p.sections, 0), total_(g.section_total),
+        cuts_(p.sections, 0), stamp_(p.sections, 0) {}
 
   /// true: a plan within capacity is in offsets(). false: none found (see stopped()).
   bool run() {
+    std::vector<candidate> all;
     for (std::uint32_t b = 0; b < p_.size(); ++b) {
-      if (p_.bytes[b] == 0) {
-        offsets_[b] = 0;
-        ++placed_;
-      }
+      if (p_.bytes[b] == 0) continue;  // zero-byte buffers stay at offset 0
+      all.push_back({0, rank_[b], b});
+      for (std::uint32_t s = p_.lo[b]; s + 1 < p_.hi[b]; ++s) ++cuts_[s];
     }
-    return check(0) && dfs(0, 0);
+    if (all.empty()) return true;
+    return solve_split(0, p_.sections, all);
   }
   bool stopped() const noexcept { return stopped_; }
-  const std::vector<std::uint64_t>& offsets() const noexcept { return offsets_; }
+  const std::vector<std::uint64_t>& offsets() const noexcept { return solution_; }
 
  private:
   struct candidate {
@@ -46,60 +48,106 @@ class canonical_dfs {
     std::uint32_t rank;
     std::uint32_t buffer;
   };
+  static bool before(const candidate& a, const candidate& b) {
+    return a.offset != b.offset ? a.offset < b.offset : a.rank < b.rank;
+  }
 
-  // Every section keeps room for its unplaced buffers above max(floor, offset): nothing will
-  // be placed below `offset` any more.
-  bool check(std::uint64_t offset) const {
-    for (std::uint32_t s = 0; s < p_.sections; ++s) {
+  // Every section of [lo, hi) keeps room for its unplaced buffers above max(floor, offset):
+  // nothing will be placed below `offset` in this part any more.
+  bool check(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset) const {
+    for (std::uint32_t s = lo; s < hi; ++s) {
       if (total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_) return false;
     }
     return true;
   }
 
-  bool dfs(std::uint64_t last_offset, std::uint32_t last_rank) {
-    if (placed_ == p_.size()) return true;
+  // Splits the sections [lo, hi) where no unplaced buffer crosses a boundary and solves the
+  // parts independently, each from a fresh canonical order. `pool` holds the unplaced
+  // buffers of [lo, hi).
+  bool solve_split(std::uint32_t lo, std::uint32_t hi, const std::vector<candidate>& pool) {
+    std::uint32_t start = lo;
+    for (std::uint32_t s = lo; s < hi; ++s) {
+      if (s + 1 < hi && cuts_[s] != 0) continue;
+      std::vector<candidate> part;
+      for (const candidate& c : pool) {
+        if (offsets_[c.buffer] == unplaced && p_.lo[c.buffer] <= s && p_.hi[c.buffer] > start) {
+          part.push_back({min_offset_[c.buffer], c.rank, c.buffer});
+        }
+      }
+      if (!part.empty()) {
+        std::sort(part.begin(), part.end(), before);
+        if (!check(start, s + 1, 0) || !dfs(start, s + 1, 0, 0, part)) return false;
+      }
+      start = s + 1;
+    }
+    return true;
+  }
+
+  // `parent` holds the unplaced buffers of the part [lo, hi) in (offset, rank) order, with
+  // the offsets they had in the caller; offsets only grow, so re-sorting is nearly linear.
+  bool dfs(std::uint32_t lo, std::uint32_t hi, std::uint64_t last_offset,
+           std::uint32_t last_rank, const std::vector<candidate>& parent) {
     if (++nodes_ > node_limit_ || ((nodes_ & 63U) == 0 && clock::now() > deadline_)) {
       stopped_ = true;
       return false;
     }
     std::vector<candidate> order;
-    order.reserve(p_.size() - placed_);
+    order.reserve(parent.size());
     std::uint64_t min_height = unplaced;
-    for (std::uint32_t b = 0; b < p_.size(); ++b) {
-      if (offsets_[b] != unplaced) continue;
-      order.push_back({min_offset_[b], rank_[b], b});
-      min_height = std::min(min_height, min_offset_[b] + p_.bytes[b]);
+    for (const candidate& c : parent) {
+      if (offsets_[c.buffer] != unplaced) continue;
+      order.push_back({min_offset_[c.buffer], c.rank, c.buffer});
+      min_height = std::min(min_height, min_offset_[c.buffer] + p_.bytes[c.buffer]);
     }
-    std::sort(order.begin(), order.end(), [](const candidate& a, const candidate& b) {
-      return std::tie(a.offset, a.rank) < std::tie(b.offset, b.rank);
-    });
+    if (order.empty()) return true;  // this part is solved
+    for (std::size_t i = 1; i < order.size(); ++i) {  // insertion sort: few keys moved
+      const candidate moving = order[i];
+      std::size_t j = i;
+      for (; j > 0 && before(moving, order[j - 1]); --j) order[j] = order[j - 1];
+      order[j] = moving;
+    }
     for (const candidate& c : order) {
       if (c.offset >= min_height) break;  // the rest would leave a gap someone fits in
-      if (std::tie(c.offset, c.rank) < std::tie(last_offset, last_rank)) continue;
+      if (c.offset < last_offset || (c.offset == last_offset && c.rank < last_rank)) continue;
       if (c.offset + p_.bytes[c.buffer] > capacity_) continue;
       const std::size_t offset_mark = offset_log_.size();
       const std::size_t floor_mark = floor_log_.size();
-      place(c.buffer, c.offset);
-      const bool found = check(c.offset) && dfs(c.offset, c.rank);
-      if (found) return true;
+      const bool split = place(c.buffer, c.offset);
+      bool found = false;
+      if (check(lo, hi, c.offset)) {
+        found = split ? solve_split(lo, hi, order) : dfs(lo, hi, c.offset, c.rank, order);
+      }
+      if (found) keep_placed();  // the parts below kept theirs
       unplace(c.buffer, offset_mark, floor_mark);
+      if (found) return true;
       if (stopped_) return false;
     }
     return false;
   }
 
-  void place(std::uint32_t b, std::uint64_t offset) {
+  void keep_placed() {
+    for (std::uint32_t b = 0; b < p_.size(); ++b) {
+      if (offsets_[b] != unplaced) solution_[b] = offsets_[b];
+    }
+  }
+
+  // Places b at offset; returns true when a boundary inside b's span lost its last
+  // crossing unplaced buffer (the part can be split).
+  bool place(std::uint32_t b, std::uint64_t offset) {
     offsets_[b] = offset;
-    ++placed_;
     const std::uint64_t height = offset + p_.bytes[b];
     ++epoch_;
+    touched_.clear();
     // Overlapping unplaced buffers cannot start below this one's top any more.
     for (std::uint32_t k = g_.overlap_begin[b]; k < g_.overlap_begin[b + 1]; ++k) {
       const std::uint32_t o = g_.overlaps[k];
       if (offsets_[o] != unplaced || min_offset_[o] >= height) continue;
       offset_log_.emplace_back(o, min_offset_[o]);
       min_offset_[o] = height;
-      for (std::uint32_t s = p_.lo[o]; s < p_.hi[o]; ++s) stamp_[s] = epoch_;
+      for (std::uint32_t s = p_.lo[o]; s < p_.hi[o]; ++s) {
+        if (stamp_[s] != epoch_) touched_.push_back(s);
+        stamp_[s] = epoch_;
+      }
     }
     for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) {
       floor_log_.emplace_back(s, floor_[s]);
@@ -107,18 +155,23 @@ class canonical_dfs {
       total_[s] -= p_.bytes[b];
     }
     // A section's floor is at least the lowest offset any of its unplaced buffers can take.
-    for (std::uint32_t s = 0; s < p_.sections; ++s) {
-      if (stamp_[s] != epoch_ || total_[s] == 0) continue;
+    for (const std::uint32_t s : touched_) {
+      if (total_[s] == 0) continue;
       std::uint64_t lowest = unplaced;
       for (std::uint32_t k = g_.section_begin[s]; k < g_.section_begin[s + 1]; ++k) {
         const std::uint32_t o = g_.section_members[k];
-        if (offsets_[o] == unplaced) lowest = std::min(lowest, min_offset_[o]);
+        if (offsets_[o] != unplaced) continue;
+        lowest = std::min(lowest, min_offset_[o]);
+        if (lowest <= floor_[s]) break;  // no raise possible
       }
       if (lowest != unplaced && floor_[s] < lowest) {
         floor_log_.emplace_back(s, floor_[s]);
         floor_[s] = lowest;
       }
     }
+    bool split = false;
+    for (std::uint32_t s = p_.lo[b]; s + 1 < p_.hi[b]; ++s) split = (--cuts_[s] == 0) || split;
+    return split;
   }
 
   void unplace(std::uint32_t b, std::size_t offset_mark, std::size_t floor_mark) {
@@ -131,8 +184,8 @@ class canonical_dfs {
       offset_log_.pop_back();
     }
     for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) total_[s] += p_.bytes[b];
+    for (std::uint32_t s = p_.lo[b]; s + 1 < p_.hi[b]; ++s) ++cuts_[s];
     offsets_[b] = unplaced;
-    --placed_;
   }
 
   const plan_problem& p_;
@@ -143,13 +196,15 @@ class canonical_dfs {
   std::uint64_t node_limit_;
   std::uint64_t nodes_ = 0;
   bool stopped_ = false;
-  std::size_t placed_ = 0;
-  std::vector<std::uint64_t> offsets_;
+  std::vector<std::uint64_t> offsets_;   // current assignment
+  std::vector<std::uint64_t> solution_;  // offsets of solved parts
   std::vector<std::uint64_t> min_offset_;
   std::vector<std::uint64_t> floor_;
   std::vector<std::uint64_t> total_;
+  std::vector<std::uint32_t> cuts_;  // unplaced buffers crossing the boundary s | s + 1
   std::vector<std::uint64_t> stamp_;
   std::uint64_t epoch_ = 0;
+  std::vector<std::uint32_t> touched_;
   std::vector<std::pair<std::uint32_t, std::uint64_t>> offset_log_;
   std::vector<std::pair<std::uint32_t, std::uint64_t>> floor_log_;
 };
