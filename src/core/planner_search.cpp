@@ -26,7 +26,7 @@ class canonical_dfs {
       : p_(p), g_(g), capacity_(capacity), rank_(rank), deadline_(deadline),
         node_limit_(node_limit), offsets_(p.size(), unplaced), solution_(p.size(), 0),
         min_offset_(p.size(), 0), floor_(p.sections, 0), total_(g.section_total),
-        cuts_(p.sections, 0), stamp_(p.sections, 0) {}
+        cuts_(p.sections, 0), mark_(p.sections + 1, 0) {}
 
   /// true: a plan within capacity is in offsets(). false: none found (see stopped()).
   bool run() {
@@ -136,33 +136,44 @@ class canonical_dfs {
   bool place(std::uint32_t b, std::uint64_t offset) {
     offsets_[b] = offset;
     const std::uint64_t height = offset + p_.bytes[b];
-    ++epoch_;
-    touched_.clear();
-    // Overlapping unplaced buffers cannot start below this one's top any more.
+    // Overlapping unplaced buffers cannot start below this one's top any more; the sections
+    // they live in are marked with a difference array over [first, last).
+    std::uint32_t first = p_.sections;
+    std::uint32_t last = 0;
     for (std::uint32_t k = g_.overlap_begin[b]; k < g_.overlap_begin[b + 1]; ++k) {
       const std::uint32_t o = g_.overlaps[k];
       if (offsets_[o] != unplaced || min_offset_[o] >= height) continue;
       offset_log_.emplace_back(o, min_offset_[o]);
       min_offset_[o] = height;
-      for (std::uint32_t s = p_.lo[o]; s < p_.hi[o]; ++s) {
-        if (stamp_[s] != epoch_) touched_.push_back(s);
-        stamp_[s] = epoch_;
-      }
+      ++mark_[p_.lo[o]];
+      --mark_[p_.hi[o]];
+      first = std::min(first, p_.lo[o]);
+      last = std::max(last, p_.hi[o]);
     }
+    touched_.clear();
+    for (std::int32_t depth = 0; first < last; ++first) {
+      depth += mark_[first];
+      mark_[first] = 0;
+      if (depth > 0) touched_.push_back(first);
+    }
+    mark_[last] = 0;
     for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) {
       floor_log_.emplace_back(s, floor_[s]);
       floor_[s] = height;
       total_[s] -= p_.bytes[b];
     }
     // A section's floor is at least the lowest offset any of its unplaced buffers can take.
+    // Floors only serve pruning, and nothing in this part goes below `offset` any more, so
+    // the scan stops as soon as the raise could not exceed max(floor, offset).
     for (const std::uint32_t s : touched_) {
       if (total_[s] == 0) continue;
+      const std::uint64_t useless = std::max(floor_[s], offset);
       std::uint64_t lowest = unplaced;
       for (std::uint32_t k = g_.section_begin[s]; k < g_.section_begin[s + 1]; ++k) {
         const std::uint32_t o = g_.section_members[k];
         if (offsets_[o] != unplaced) continue;
         lowest = std::min(lowest, min_offset_[o]);
-        if (lowest <= floor_[s]) break;  // no raise possible
+        if (lowest <= useless) break;
       }
       if (lowest != unplaced && floor_[s] < lowest) {
         floor_log_.emplace_back(s, floor_[s]);
@@ -202,8 +213,7 @@ class canonical_dfs {
   std::vector<std::uint64_t> floor_;
   std::vector<std::uint64_t> total_;
   std::vector<std::uint32_t> cuts_;  // unplaced buffers crossing the boundary s | s + 1
-  std::vector<std::uint64_t> stamp_;
-  std::uint64_t epoch_ = 0;
+  std::vector<std::int32_t> mark_;  // difference array of sections to revisit
   std::vector<std::uint32_t> touched_;
   std::vector<std::pair<std::uint32_t, std::uint64_t>> offset_log_;
   std::vector<std::pair<std::uint32_t, std::uint64_t>> floor_log_;
