@@ -174,9 +174,9 @@ class planner_run {
   }
 
   // Buffer ranks for the canonical search, one vector per heuristic (MiniMalloc's default
-  // preorders): decreasing (span in sections, area, section total), (section total, area,
-  // span) and (section total, span, area), where the section total of a buffer is the largest
-  // sum of sizes in one section of its span.
+  // preorders): decreasing (lifetime length, area, section total), (section total, area,
+  // length) and (section total, length, area), where the section total of a buffer is the
+  // largest sum of sizes in one section of its lifetime.
   std::vector<std::vector<std::uint32_t>> preorder_ranks(const detail::search_graph& g) const {
     const std::size_t n = p_.size();
     std::vector<double> total(n, 0);
@@ -188,7 +188,7 @@ class planner_run {
     auto area = [&](std::uint32_t b) {
       return static_cast<double>(p_.bytes[b]) * static_cast<double>(p_.length[b]);
     };
-    auto width = [&](std::uint32_t b) { return static_cast<double>(p_.hi[b] - p_.lo[b]); };
+    auto width = [&](std::uint32_t b) { return static_cast<double>(p_.length[b]); };
     using key = std::tuple<double, double, double>;
     const std::vector<std::function<key(std::uint32_t)>> heuristics = {
         [&](std::uint32_t b) { return key{width(b), area(b), total[b]}; },

@@ -112,7 +112,8 @@ class canonical_dfs {
       if (c.offset + p_.bytes[c.buffer] > capacity_) continue;
       const std::size_t offset_mark = offset_log_.size();
       const std::size_t floor_mark = floor_log_.size();
-      const bool split = place(c.buffer, c.offset);
+      bool hatless = true;
+      const bool split = place(c.buffer, c.offset, hatless);
       bool found = false;
       if (check(lo, hi, c.offset)) {
         found = split ? solve_split(lo, hi, order) : dfs(lo, hi, c.offset, c.rank, order);
@@ -121,6 +122,9 @@ class canonical_dfs {
       unplace(c.buffer, offset_mark, floor_mark);
       if (found) return true;
       if (stopped_) return false;
+      // Nothing unplaced overlaps c: where c sits cannot matter to the others, so if this
+      // subtree failed, so do its siblings.
+      if (hatless) break;
     }
     return false;
   }
@@ -132,8 +136,9 @@ class canonical_dfs {
   }
 
   // Places b at offset; returns true when a boundary inside b's span lost its last
-  // crossing unplaced buffer (the part can be split).
-  bool place(std::uint32_t b, std::uint64_t offset) {
+  // crossing unplaced buffer (the part can be split). `hatless` is cleared when some
+  // unplaced buffer overlaps b in time.
+  bool place(std::uint32_t b, std::uint64_t offset, bool& hatless) {
     offsets_[b] = offset;
     const std::uint64_t height = offset + p_.bytes[b];
     // Overlapping unplaced buffers cannot start below this one's top any more; the sections
@@ -142,7 +147,9 @@ class canonical_dfs {
     std::uint32_t last = 0;
     for (std::uint32_t k = g_.overlap_begin[b]; k < g_.overlap_begin[b + 1]; ++k) {
       const std::uint32_t o = g_.overlaps[k];
-      if (offsets_[o] != unplaced || min_offset_[o] >= height) continue;
+      if (offsets_[o] != unplaced) continue;
+      hatless = false;
+      if (min_offset_[o] >= height) continue;
       offset_log_.emplace_back(o, min_offset_[o]);
       min_offset_[o] = height;
       ++mark_[p_.lo[o]];
