@@ -140,7 +140,6 @@ class planner_run {
   void canonical_phase() {
     if (detail::overlap_pairs(p_) > 20'000'000) return;
     const detail::search_graph g = detail::make_search_graph(p_);
-    const std::vector<std::vector<std::uint32_t>> ranks = preorder_ranks(g);
     std::uint64_t low = p_.lower_bound;
     while (time_left() && !done() && low < best_.arena) {
       const std::uint64_t target = low == p_.lower_bound ? low : low + (best_.arena - 1 - low) / 2;
@@ -151,10 +150,13 @@ class planner_run {
       bool settled = false;  // a heuristic searched its whole tree without a plan
       for (std::uint64_t limit = 2 * p_.size(); !found && !settled && clock::now() < slice_end;
            limit *= 2) {
-        for (const auto& rank : ranks) {
+        for (const detail::preorder heuristic :
+             {detail::preorder::length_area_total, detail::preorder::total_area_length,
+              detail::preorder::total_length_area}) {
           std::vector<std::uint64_t> offsets;
           bool stopped = false;
-          found = detail::canonical_search(p_, g, target, rank, slice_end, limit, offsets, stopped);
+          found = detail::canonical_search(p_, g, target, heuristic, slice_end, limit, offsets,
+                                           stopped);
           if (found) {
             candidate_plan c;
             c.arena = detail::arena_of(p_, offsets);
@@ -171,43 +173,6 @@ class planner_run {
       }
       if (!found) low = target + 1;
     }
-  }
-
-  // Buffer ranks for the canonical search, one vector per heuristic (MiniMalloc's default
-  // preorders): decreasing (lifetime length, area, section total), (section total, area,
-  // length) and (section total, length, area), where the section total of a buffer is the
-  // largest sum of sizes in one section of its lifetime.
-  std::vector<std::vector<std::uint32_t>> preorder_ranks(const detail::search_graph& g) const {
-    const std::size_t n = p_.size();
-    std::vector<double> total(n, 0);
-    for (std::uint32_t b = 0; b < n; ++b) {
-      for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) {
-        total[b] = std::max(total[b], static_cast<double>(g.section_total[s]));
-      }
-    }
-    auto area = [&](std::uint32_t b) {
-      return static_cast<double>(p_.bytes[b]) * static_cast<double>(p_.length[b]);
-    };
-    auto width = [&](std::uint32_t b) { return static_cast<double>(p_.length[b]); };
-    using key = std::tuple<double, double, double>;
-    const std::vector<std::function<key(std::uint32_t)>> heuristics = {
-        [&](std::uint32_t b) { return key{width(b), area(b), total[b]}; },
-        [&](std::uint32_t b) { return key{total[b], area(b), width(b)}; },
-        [&](std::uint32_t b) { return key{total[b], width(b), area(b)}; },
-    };
-    std::vector<std::vector<std::uint32_t>> ranks;
-    for (const auto& h : heuristics) {
-      std::vector<std::uint32_t> order(n);
-      std::iota(order.begin(), order.end(), 0U);
-      std::vector<key> keys(n);
-      for (std::uint32_t b = 0; b < n; ++b) keys[b] = h(b);
-      std::stable_sort(order.begin(), order.end(),
-                       [&](std::uint32_t a, std::uint32_t b) { return keys[a] > keys[b]; });
-      std::vector<std::uint32_t> rank(n);
-      for (std::uint32_t r = 0; r < n; ++r) rank[order[r]] = r;
-      ranks.push_back(std::move(rank));
-    }
-    return ranks;
   }
 
   // Iterated greedy: skyline and best-fit greedy placement in orders whose keys (size,

@@ -90,13 +90,19 @@ search_graph make_search_graph(const plan_problem& p);
 /// Number of pairs of buffers whose lifetimes overlap, in O(n log n).
 std::uint64_t overlap_pairs(const plan_problem& p);
 
-/// Depth-first search over canonical solutions at a fixed capacity. `rank` orders buffers
-/// that could take the same offset (lower first). Returns true and fills `offsets` when a
+/// Static orders of buffers that could take the same offset in the canonical search
+/// (MiniMalloc's default preorders): by decreasing (lifetime length, area, section total),
+/// (section total, area, length) or (section total, length, area). The section total of a
+/// buffer is the largest sum of unplaced sizes in one section of its lifetime, taken when
+/// its part of the problem starts.
+enum class preorder { length_area_total, total_area_length, total_length_area };
+
+/// Depth-first search over canonical solutions at a fixed capacity. Returns true and fills `offsets` when a
 /// plan with arena <= capacity is found. `stopped` tells whether it gave up at `deadline`
 /// or after `node_limit` nodes (otherwise a false result means this search space holds no
 /// plan at that capacity).
 bool canonical_search(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
-                      std::span<const std::uint32_t> rank, clock::time_point deadline,
+                      preorder heuristic, clock::time_point deadline,
                       std::uint64_t node_limit, std::vector<std::uint64_t>& offsets,
                       bool& stopped);
 

@@ -21,9 +21,8 @@ constexpr std::uint64_t unplaced = std::numeric_limits<std::uint64_t>::max();
 class canonical_dfs {
  public:
   canonical_dfs(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
-                std::span<const std::uint32_t> rank, clock::time_point deadline,
-                std::uint64_t node_limit)
-      : p_(p), g_(g), capacity_(capacity), rank_(rank), deadline_(deadline),
+                preorder heuristic, clock::time_point deadline, std::uint64_t node_limit)
+      : p_(p), g_(g), capacity_(capacity), heuristic_(heuristic), deadline_(deadline),
         node_limit_(node_limit), offsets_(p.size(), unplaced), solution_(p.size(), 0),
         min_offset_(p.size(), 0), floor_(p.sections, 0), total_(g.section_total),
         cuts_(p.sections, 0), mark_(p.sections + 1, 0) {}
@@ -33,7 +32,7 @@ class canonical_dfs {
     std::vector<candidate> all;
     for (std::uint32_t b = 0; b < p_.size(); ++b) {
       if (p_.bytes[b] == 0) continue;  // zero-byte buffers stay at offset 0
-      all.push_back({0, rank_[b], b});
+      all.push_back({0, 0, b});
       for (std::uint32_t s = p_.lo[b]; s + 1 < p_.hi[b]; ++s) ++cuts_[s];
     }
     if (all.empty()) return true;
@@ -61,6 +60,37 @@ class canonical_dfs {
     return true;
   }
 
+  // Ranks the buffers of a part by the preorder heuristic, with section totals as they are
+  // now (so the ranks follow what is left to place).
+  void rank_part(std::vector<candidate>& part) const {
+    struct keyed {
+      double k1, k2, k3;
+      std::uint32_t index;
+    };
+    std::vector<keyed> keys;
+    keys.reserve(part.size());
+    for (std::uint32_t i = 0; i < part.size(); ++i) {
+      const std::uint32_t b = part[i].buffer;
+      std::uint64_t total = 0;
+      for (std::uint32_t s = p_.lo[b]; s < p_.hi[b]; ++s) total = std::max(total, total_[s]);
+      const auto t = static_cast<double>(total);
+      const auto w = static_cast<double>(p_.length[b]);
+      const double a = static_cast<double>(p_.bytes[b]) * w;
+      switch (heuristic_) {
+        case preorder::length_area_total: keys.push_back({w, a, t, i}); break;
+        case preorder::total_area_length: keys.push_back({t, a, w, i}); break;
+        case preorder::total_length_area: keys.push_back({t, w, a, i}); break;
+      }
+    }
+    std::sort(keys.begin(), keys.end(), [&](const keyed& x, const keyed& y) {
+      if (x.k1 != y.k1) return x.k1 > y.k1;
+      if (x.k2 != y.k2) return x.k2 > y.k2;
+      if (x.k3 != y.k3) return x.k3 > y.k3;
+      return part[x.index].buffer < part[y.index].buffer;
+    });
+    for (std::uint32_t r = 0; r < keys.size(); ++r) part[keys[r].index].rank = r;
+  }
+
   // Splits the sections [lo, hi) where no unplaced buffer crosses a boundary and solves the
   // parts independently, each from a fresh canonical order. `pool` holds the unplaced
   // buffers of [lo, hi).
@@ -71,9 +101,10 @@ class canonical_dfs {
       std::vector<candidate> part;
       for (const candidate& c : pool) {
         if (offsets_[c.buffer] == unplaced && p_.lo[c.buffer] <= s && p_.hi[c.buffer] > start) {
-          part.push_back({min_offset_[c.buffer], c.rank, c.buffer});
+          part.push_back({min_offset_[c.buffer], 0, c.buffer});
         }
       }
+      rank_part(part);
       if (!part.empty()) {
         std::sort(part.begin(), part.end(), before);
         if (!check(start, s + 1, 0) || !dfs(start, s + 1, 0, 0, part)) return false;
@@ -174,7 +205,7 @@ class canonical_dfs {
     // the scan stops as soon as the raise could not exceed max(floor, offset).
     for (const std::uint32_t s : touched_) {
       if (total_[s] == 0) continue;
-      const std::uint64_t useless = std::max(floor_[s], offset);
+      const std::uint64_t useless = floor_[s];
       std::uint64_t lowest = unplaced;
       for (std::uint32_t k = g_.section_begin[s]; k < g_.section_begin[s + 1]; ++k) {
         const std::uint32_t o = g_.section_members[k];
@@ -209,7 +240,7 @@ class canonical_dfs {
   const plan_problem& p_;
   const search_graph& g_;
   std::uint64_t capacity_;
-  std::span<const std::uint32_t> rank_;
+  preorder heuristic_;
   clock::time_point deadline_;
   std::uint64_t node_limit_;
   std::uint64_t nodes_ = 0;
@@ -289,10 +320,10 @@ std::uint64_t overlap_pairs(const plan_problem& p) {
 }
 
 bool canonical_search(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
-                      std::span<const std::uint32_t> rank, clock::time_point deadline,
+                      preorder heuristic, clock::time_point deadline,
                       std::uint64_t node_limit, std::vector<std::uint64_t>& offsets,
                       bool& stopped) {
-  canonical_dfs search(p, g, capacity, rank, deadline, node_limit);
+  canonical_dfs search(p, g, capacity, heuristic, deadline, node_limit);
   const bool found = search.run();
   stopped = search.stopped();
   if (found) offsets = search.offsets();
