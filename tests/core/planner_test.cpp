@@ -1,0 +1,183 @@
+// The static planner: published vectors, brute-force optima, random instances, and the
+// independent validator.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "planner_detail.hpp"
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/planner.hpp"
+#include "tensormem/core/replay.hpp"
+#include "tensormem/core/transformer_step.hpp"
+#include "tensormem/trace/trace_io.hpp"
+
+namespace tensormem::core {
+namespace {
+
+/// (size, first, last) with `last` inclusive, as TFLite's planner tests write them.
+std::vector<buffer> from_inclusive(const std::vector<std::array<std::uint64_t, 3>>& rows) {
+  std::vector<buffer> out;
+  for (const auto& [size, first, last] : rows) {
+    out.push_back({"t" + std::to_string(out.size()), first, last + 1, size, {}});
+  }
+  return out;
+}
+
+plan_result checked_plan(const std::vector<buffer>& b, plan_options o = {}) {
+  const plan_result r = plan(b, o);
+  EXPECT_EQ(validate(b, r.offsets, r.arena_bytes, o.alignment), "");
+  EXPECT_GE(r.arena_bytes, r.lower_bound);
+  EXPECT_EQ(r.lower_bound, lower_bound(b, o.alignment));
+  return r;
+}
+
+TEST(planner, tflite_five_buffers) {
+  const auto b = from_inclusive({{16, 0, 1}, {8, 1, 2}, {64, 2, 3}, {32, 3, 4}, {8, 4, 5}});
+  EXPECT_EQ(checked_plan(b).arena_bytes, 96U);
+}
+
+TEST(planner, tflite_nine_buffers) {
+  const auto b = from_inclusive({{32, 0, 1}, {32, 1, 4}, {8, 2, 5}, {16, 3, 5}, {8, 4, 5},
+                                 {64, 5, 7}, {8, 6, 8}, {8, 7, 8}, {16, 8, 9}});
+  EXPECT_EQ(checked_plan(b).arena_bytes, 96U);
+}
+
+TEST(planner, minimalloc_readme_example) {
+  const std::vector<buffer> b = {{"b1", 0, 3, 4, {}}, {"b2", 3, 9, 4, {}}, {"b3", 0, 9, 4, {}},
+                                 {"b4", 9, 21, 4, {}}, {"b5", 0, 21, 4, {}}};
+  const plan_result r = checked_plan(b);
+  EXPECT_EQ(r.lower_bound, 12U);
+  EXPECT_EQ(r.arena_bytes, 12U);
+}
+
+TEST(planner, empty_and_degenerate_inputs) {
+  EXPECT_EQ(plan(std::vector<buffer>{}).arena_bytes, 0U);
+  const std::vector<buffer> zero = {{"z", 0, 1, 0, {}}, {"a", 0, 2, 10, {}}};
+  EXPECT_EQ(checked_plan(zero).arena_bytes, 10U);
+  const std::vector<buffer> bad = {{"x", 3, 3, 1, {}}};
+  EXPECT_THROW(plan(bad), std::invalid_argument);
+  plan_options o;
+  o.alignment = 3;
+  EXPECT_THROW(plan(zero, o), std::invalid_argument);
+}
+
+TEST(planner, alignment_rounds_sizes_and_offsets) {
+  const std::vector<buffer> b = {{"a", 0, 2, 100, {}}, {"b", 1, 3, 300, {}}, {"c", 2, 4, 1, {}}};
+  plan_options o;
+  o.alignment = 256;
+  const plan_result r = checked_plan(b, o);
+  for (const std::uint64_t off : r.offsets) EXPECT_EQ(off % 256, 0U);
+  EXPECT_EQ(r.lower_bound, 256U + 512U);
+  EXPECT_EQ(r.arena_bytes, 768U);
+}
+
+// Brute force: in any packing, sliding every buffer down in the order of its offset never
+// raises it, so the optimum is the best first-fit placement over all orders.
+std::uint64_t brute_force_optimum(const std::vector<buffer>& b) {
+  const detail::plan_problem p = detail::make_problem(b, 1);
+  detail::occupancy_index index(p.sections);
+  std::vector<std::uint32_t> order(b.size());
+  std::iota(order.begin(), order.end(), 0U);
+  std::uint64_t best = UINT64_MAX;
+  do {
+    best = std::min(best, detail::place_in_order(p, order, detail::fit::first, index).arena);
+  } while (std::next_permutation(order.begin(), order.end()));
+  return best;
+}
+
+std::vector<buffer> random_instance(std::mt19937_64& rng, std::size_t n, std::uint64_t horizon,
+                                    std::uint64_t max_bytes) {
+  std::vector<buffer> b;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t lower = rng() % horizon;
+    const std::uint64_t length = 1 + rng() % (horizon / 2 + 1);
+    b.push_back({"b" + std::to_string(i), lower, lower + length, 1 + rng() % max_bytes, {}});
+  }
+  return b;
+}
+
+TEST(planner, tiny_instances_reach_the_brute_force_optimum) {
+  std::mt19937_64 rng(7);
+  for (int instance = 0; instance < 60; ++instance) {
+    const auto b = random_instance(rng, 3 + static_cast<std::size_t>(instance % 5), 8, 16);
+    plan_options o;
+    o.time_limit_seconds = 2;
+    const plan_result r = checked_plan(b, o);
+    EXPECT_EQ(r.arena_bytes, brute_force_optimum(b)) << "instance " << instance;
+  }
+}
+
+TEST(planner, random_instances_are_valid) {
+  std::mt19937_64 rng(11);
+  for (int instance = 0; instance < 30; ++instance) {
+    const auto b = random_instance(rng, 50 + static_cast<std::size_t>(rng() % 300), 200, 1 << 16);
+    plan_options o;
+    o.time_limit_seconds = 0.05;
+    o.seed = static_cast<std::uint64_t>(instance);
+    const plan_result r = checked_plan(b, o);
+    EXPECT_FALSE(r.strategy.empty());
+    EXPECT_LE(r.greedy_seconds, r.seconds);
+  }
+}
+
+TEST(planner, greedy_only_and_determinism) {
+  const auto b = trace::read_trace(std::string(TENSORMEM_TEST_DATA) + "/traces/minimalloc_C.csv");
+  plan_options greedy;
+  greedy.search = false;
+  const plan_result g = checked_plan(b, greedy);
+  EXPECT_EQ(g.strategy.rfind("greedy", 0), 0U) << g.strategy;
+  plan_options o;
+  o.time_limit_seconds = 30;
+  const plan_result first = checked_plan(b, o);
+  const plan_result second = checked_plan(b, o);
+  EXPECT_EQ(first.arena_bytes, first.lower_bound);  // the search reaches the bound
+  EXPECT_EQ(first.offsets, second.offsets);
+  EXPECT_LT(first.arena_bytes, g.arena_bytes);
+}
+
+TEST(planner, real_trace_plans_at_the_lower_bound) {
+  const auto b = trace::read_trace(std::string(TENSORMEM_TEST_DATA) + "/traces/somas_resnet50.csv");
+  plan_options o;
+  o.time_limit_seconds = 20;
+  const plan_result r = checked_plan(b, o);
+  EXPECT_LE(r.ratio(), 1.001);
+}
+
+TEST(planner, graph_plans_beat_online_allocation) {
+  transformer_config cfg;
+  cfg.layers = 2;
+  cfg.batch = 2;
+  cfg.sequence = 256;
+  const graph g = make_transformer_step(cfg);
+  plan_options o;
+  o.alignment = 256;
+  o.time_limit_seconds = 1;
+  const plan_result r = plan(g, o);
+  const graph_lifetimes life = derive_lifetimes(g, 256);
+  EXPECT_EQ(validate(life.buffers, r.offsets, r.arena_bytes, 256), "");
+  best_fit_allocator online;
+  EXPECT_LE(r.arena_bytes, replay(life.buffers, online).high_water);
+}
+
+TEST(validate, finds_every_kind_of_fault) {
+  const std::vector<buffer> b = {{"a", 0, 2, 10, {}}, {"b", 1, 3, 10, {}}, {"c", 2, 4, 10, {}}};
+  EXPECT_EQ(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 20), "");
+  EXPECT_NE(validate(b, std::vector<std::uint64_t>{0, 5, 20}, 30).find("'b' and 'a' overlap"),
+            std::string::npos);
+  // c starts when a ends: half-open lifetimes do not meet.
+  EXPECT_EQ(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 20), "");
+  EXPECT_NE(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 25).find("arena is 25"),
+            std::string::npos);
+  EXPECT_NE(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 22, 4).find("not a multiple"),
+            std::string::npos);
+  EXPECT_NE(validate(b, std::vector<std::uint64_t>{0, 10}, 20).find("2 offsets for 3"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace tensormem::core
