@@ -11,6 +11,7 @@
 #include "report.hpp"
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/core/graph.hpp"
+#include "tensormem/core/planner.hpp"
 #include "tensormem/core/replay.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/core/transformer_step.hpp"
@@ -22,6 +23,7 @@ namespace {
 struct demo_options {
   core::transformer_config model;
   std::uint64_t alignment = 256;
+  double plan_seconds = 2.0;
   bool json = false;
 };
 
@@ -46,6 +48,13 @@ void run_demo(const demo_options& o) {
   const std::uint64_t no_reuse =
       std::accumulate(life.buffers.begin(), life.buffers.end(), std::uint64_t{0},
                       [](std::uint64_t s, const core::buffer& b) { return s + b.bytes; });
+  core::plan_options popts;
+  popts.alignment = o.alignment;
+  popts.time_limit_seconds = o.plan_seconds;
+  const core::plan_result offline = core::plan(life.buffers, popts);
+  const std::string problem =
+      core::validate(life.buffers, offline.offsets, offline.arena_bytes, o.alignment);
+  if (!problem.empty()) throw std::logic_error("invalid offline plan: " + problem);
   const online_row rows[] = {
       run_online<core::best_fit_allocator>("online best-fit", life.buffers, o.alignment),
       run_online<core::tlsf_allocator>("online O(1) (TLSF)", life.buffers, o.alignment),
@@ -62,6 +71,10 @@ void run_demo(const demo_options& o) {
     j["weight_bytes"] = life.weight_bytes;
     j["lower_bound"] = lb;
     j["no_reuse_bytes"] = no_reuse;
+    j["offline"] = {{"arena_bytes", offline.arena_bytes},
+                    {"ratio", offline.ratio()},
+                    {"strategy", offline.strategy},
+                    {"seconds", offline.seconds}};
     for (const online_row& r : rows) {
       j["online"].push_back({{"allocator", r.name},
                              {"high_water", r.high_water},
@@ -88,6 +101,10 @@ void run_demo(const demo_options& o) {
                            "x lower", "ns/op");
   std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "lower bound (peak live)",
                            human_bytes(lb), "1.0000", "");
+  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "offline plan",
+                           human_bytes(offline.arena_bytes),
+                           ratio_text(offline.arena_bytes, lb),
+                           fmt::format("({}, {:.2f} s)", offline.strategy, offline.seconds));
   for (const online_row& r : rows) {
     std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10.1f}\n", r.name,
                              human_bytes(r.high_water), ratio_text(r.high_water, lb),
@@ -114,6 +131,8 @@ void add_demo_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--alignment", opts->alignment, "allocation alignment in bytes")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--plan-seconds", opts->plan_seconds, "search budget of the offline plan")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] { run_demo(*opts); });
 }

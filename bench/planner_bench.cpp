@@ -1,0 +1,79 @@
+// The static planner on the public traces: the greedy phase alone, and the full planner with
+// the CLI's time limits (30 s for MiniMalloc's tight instances, 10 s for the real traces).
+//
+//   build/bin/planner_bench [--benchmark_filter=greedy]
+//
+// Counters: seconds (wall time of one plan), ratio (arena / lower bound).
+
+#include <benchmark/benchmark.h>
+
+#include <filesystem>
+#include <string>
+
+#include "tensormem/core/planner.hpp"
+#include "tensormem/trace/trace_io.hpp"
+
+namespace core = tensormem::core;
+namespace trace = tensormem::trace;
+
+namespace {
+
+std::string trace_file(const std::string& name) {
+  const std::string shared = std::string(TENSORMEM_SOURCE_DIR) + "/../shared/traces/" + name;
+  if (std::filesystem::exists(shared)) return shared;
+  return std::string(TENSORMEM_SOURCE_DIR) + "/tests/data/traces/" + name;
+}
+
+void bm_plan(benchmark::State& state, const std::string& name, double time_limit, bool search) {
+  const auto buffers = trace::read_trace(trace_file(name));
+  core::plan_options o;
+  o.time_limit_seconds = time_limit;
+  o.search = search;
+  for (auto _ : state) {
+    const core::plan_result r = core::plan(buffers, o);
+    if (!core::validate(buffers, r.offsets, r.arena_bytes).empty()) {
+      state.SkipWithError("invalid plan");
+      return;
+    }
+    state.SetIterationTime(r.seconds);
+    state.counters["seconds"] = r.seconds;
+    state.counters["greedy_seconds"] = r.greedy_seconds;
+    state.counters["ratio"] = r.ratio();
+    state.SetLabel(r.strategy);
+  }
+}
+
+void register_all() {
+  struct entry {
+    const char* file;
+    double time_limit;
+  };
+  const entry traces[] = {
+      {"minimalloc_A.csv", 30}, {"minimalloc_B.csv", 30}, {"minimalloc_C.csv", 30},
+      {"minimalloc_D.csv", 30}, {"minimalloc_E.csv", 30}, {"minimalloc_F.csv", 30},
+      {"somas_resnet50.csv", 10}, {"iopddl_G_1.csv", 10},  {"iopddl_S_1.csv", 10},
+  };
+  for (const entry& t : traces) {
+    const std::string name = t.file;
+    const std::string stem = name.substr(0, name.find('.'));
+    benchmark::RegisterBenchmark(("greedy/" + stem).c_str(), bm_plan, name, 0.0, false)
+        ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+  }
+  for (const entry& t : traces) {
+    const std::string name = t.file;
+    const std::string stem = name.substr(0, name.find('.'));
+    benchmark::RegisterBenchmark(("plan/" + stem).c_str(), bm_plan, name, t.time_limit, true)
+        ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
