@@ -1,0 +1,44 @@
+#pragma once
+// CUDA memory resources. Declared always; implemented when tensormem is built with CUDA
+// (TENSORMEM_CUDA=AUTO finds the toolkit, ON requires it). `cuda_available()` tells at run
+// time whether a device can be used.
+
+#include <string>
+
+#include "tensormem/memory/memory_resource.hpp"
+
+namespace tensormem::memory {
+
+/// True when this build has CUDA support.
+bool cuda_built() noexcept;
+/// Empty when a CUDA device is usable; otherwise why not ("built without CUDA", "no CUDA
+/// device: cudaGetDeviceCount returned ...").
+std::string cuda_unavailable_reason();
+
+/// cudaMalloc / cudaFree on the current device. The memory is not host-accessible.
+/// Constructing it without a usable device throws device_unavailable. Thread-safe.
+class cuda_device_resource final : public memory_resource {
+ public:
+  cuda_device_resource();
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  memory_kind do_kind() const noexcept override { return memory_kind::cuda_device; }
+  bool do_thread_safe() const noexcept override { return true; }
+};
+
+/// cudaHostAlloc / cudaFreeHost: page-locked host memory the device can reach directly.
+/// Constructing it without a usable device throws device_unavailable. Thread-safe.
+class cuda_pinned_resource final : public memory_resource {
+ public:
+  cuda_pinned_resource();
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  memory_kind do_kind() const noexcept override { return memory_kind::cuda_pinned_host; }
+  bool do_thread_safe() const noexcept override { return true; }
+};
+
+}  // namespace tensormem::memory

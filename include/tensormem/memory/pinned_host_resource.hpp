@@ -1,0 +1,66 @@
+#pragma once
+// Page-locked host memory: mmap + mlock, one mapping per allocation.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <unordered_set>
+
+#include "tensormem/memory/memory_resource.hpp"
+
+namespace tensormem::memory {
+
+struct pinned_options {
+  /// When locking fails (RLIMIT_MEMLOCK), hand out the memory unlocked instead of throwing
+  /// lock_limit_error. Every such fallback is counted in `pinned_stats::unlocked_fallbacks`.
+  bool allow_unlocked_fallback = false;
+};
+
+struct pinned_stats {
+  std::uint64_t mappings = 0;            ///< live mappings
+  std::uint64_t mapped_bytes = 0;        ///< bytes mapped (page-rounded), locked or not
+  std::uint64_t locked_bytes = 0;        ///< bytes currently locked
+  std::uint64_t system_calls = 0;        ///< mmap + mlock + munmap calls made so far
+  std::uint64_t unlocked_fallbacks = 0;  ///< allocations handed out unlocked
+};
+
+/// Page-locked host memory, suitable for O_DIRECT I/O and fast device copies. Each
+/// allocation is its own anonymous mapping, populated (MAP_POPULATE) and locked (mlock);
+/// sizes round up to whole pages and pointers are page-aligned at least (4096 bytes, or the
+/// requested alignment if larger). One allocation costs several system calls: use
+/// pinned_pool for many small ones. Thread-safe.
+///
+/// When mlock fails (RLIMIT_MEMLOCK reached without CAP_IPC_LOCK), allocate throws
+/// lock_limit_error naming the bytes asked, the limit and how to raise it, unless
+/// `allow_unlocked_fallback` is set.
+class pinned_host_resource final : public memory_resource {
+ public:
+  explicit pinned_host_resource(pinned_options options = {}) : options_(options) {}
+  pinned_stats stats() const noexcept;
+  static std::size_t page_bytes() noexcept;
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  memory_kind do_kind() const noexcept override { return memory_kind::pinned_host; }
+  bool do_thread_safe() const noexcept override { return true; }
+
+  pinned_options options_;
+  std::atomic<std::uint64_t> mappings_{0};
+  std::atomic<std::uint64_t> mapped_bytes_{0};
+  std::atomic<std::uint64_t> locked_bytes_{0};
+  std::atomic<std::uint64_t> system_calls_{0};
+  std::atomic<std::uint64_t> unlocked_fallbacks_{0};
+  // Mappings handed out unlocked (fallback only; usually empty).
+  std::mutex unlocked_mutex_;
+  std::unordered_set<void*> unlocked_;
+  std::atomic<std::uint64_t> unlocked_live_{0};
+};
+
+/// RLIMIT_MEMLOCK's soft limit in bytes (SIZE_MAX when unlimited).
+std::size_t memlock_limit_bytes() noexcept;
+/// VmLck of this process from /proc/self/status, in bytes (0 if it cannot be read).
+std::size_t process_locked_bytes();
+
+}  // namespace tensormem::memory

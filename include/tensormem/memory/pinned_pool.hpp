@@ -1,0 +1,100 @@
+#pragma once
+// A pool of page-locked host memory: large locked slabs sub-allocated in O(1).
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "tensormem/core/tlsf_allocator.hpp"
+#include "tensormem/memory/dtype.hpp"
+#include "tensormem/memory/memory_resource.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
+
+namespace tensormem::memory {
+
+struct pool_options {
+  /// Size of a slab; an allocation larger than this gets a slab of its own.
+  std::size_t slab_bytes = std::size_t{64} << 20;
+  /// Cap on the bytes of all slabs together; beyond it allocate throws out_of_memory.
+  std::size_t max_locked_bytes = std::numeric_limits<std::size_t>::max();
+  /// Granularity and least alignment of every allocation (a power of two, at most a page).
+  std::size_t alignment = 256;
+  /// Hand out unlocked slabs instead of failing when RLIMIT_MEMLOCK is reached (reported in
+  /// the stats as unlocked_fallbacks).
+  bool allow_unlocked_fallback = false;
+};
+
+struct pool_stats {
+  std::uint64_t slabs = 0;
+  std::uint64_t slab_bytes = 0;          ///< bytes of all slabs (locked or fallback)
+  std::uint64_t locked_bytes = 0;        ///< bytes of slabs actually locked
+  std::uint64_t in_use_bytes = 0;        ///< bytes held by live allocations (rounded)
+  std::uint64_t peak_in_use_bytes = 0;
+  std::uint64_t allocations = 0;         ///< live allocations
+  std::uint64_t total_allocations = 0;   ///< allocations made since construction
+  std::uint64_t system_calls = 0;        ///< mmap/mlock/munmap calls made for slabs
+  std::uint64_t unlocked_fallbacks = 0;  ///< slabs handed out unlocked
+};
+
+/// DeepSpeed-style pinned tensor memory, pooled. Slabs of `slab_bytes` are mapped and locked
+/// by a pinned_host_resource and sub-allocated with the O(1) tlsf_allocator, so an
+/// allocation that fits in an existing slab makes no system call. Empty standard slabs are
+/// kept for reuse until `trim()`; a slab made for one oversized allocation is released when
+/// that allocation is freed. The destructor releases every slab, live allocations included
+/// (their pointers dangle afterwards). Thread-safe: one mutex guards the pool.
+class pinned_pool final : public memory_resource {
+ public:
+  explicit pinned_pool(pool_options options = {});
+  ~pinned_pool() override;
+
+  using memory_resource::allocate;
+  /// `elements` elements of `type`; throws out_of_memory (lock_limit_error when locking fails).
+  void* allocate(std::size_t elements, dtype type);
+  /// Frees a pointer this pool handed out. Returns false, changing nothing, for a pointer it
+  /// does not own or one already freed.
+  bool free(void* p) noexcept;
+  /// True when `p` is a live allocation of this pool.
+  bool owns(const void* p) const;
+  /// Releases empty slabs.
+  void trim() noexcept;
+  pool_stats stats() const;
+  const pool_options& options() const noexcept { return options_; }
+
+ private:
+  struct slab {
+    std::byte* base = nullptr;
+    std::size_t bytes = 0;
+    bool dedicated = false;
+    core::tlsf_allocator offsets;
+    slab(std::byte* b, std::size_t n, bool d, std::size_t alignment)
+        : base(b), bytes(n), dedicated(d), offsets(n, alignment) {}
+  };
+  struct live {
+    slab* owner;
+    core::allocation where;
+  };
+
+  void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  memory_kind do_kind() const noexcept override { return memory_kind::pinned_host; }
+  bool do_thread_safe() const noexcept override { return true; }
+  slab& add_slab(std::size_t bytes, bool dedicated);
+  void release_slab(slab* s) noexcept;
+
+  pool_options options_;
+  pinned_host_resource upstream_;
+  mutable std::mutex mutex_;
+  std::vector<std::unique_ptr<slab>> slabs_;
+  std::unordered_map<const void*, live> live_;
+  std::uint64_t slab_bytes_total_ = 0;
+  std::uint64_t in_use_ = 0;
+  std::uint64_t peak_in_use_ = 0;
+  std::uint64_t total_allocations_ = 0;
+};
+
+}  // namespace tensormem::memory

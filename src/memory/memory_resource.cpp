@@ -1,0 +1,33 @@
+#include "tensormem/memory/memory_resource.hpp"
+
+#include <bit>
+#include <stdexcept>
+#include <string>
+
+namespace tensormem::memory {
+
+std::string_view to_string(memory_kind kind) noexcept {
+  switch (kind) {
+    case memory_kind::host: return "host";
+    case memory_kind::pinned_host: return "pinned_host";
+    case memory_kind::cuda_pinned_host: return "cuda_pinned_host";
+    case memory_kind::cuda_device: return "cuda_device";
+  }
+  return "unknown";
+}
+
+void* memory_resource::allocate(std::size_t bytes, std::size_t alignment) {
+  if (!std::has_single_bit(alignment)) {
+    throw std::invalid_argument("memory_resource: alignment " + std::to_string(alignment) +
+                                " is not a power of two");
+  }
+  // A zero-byte request gets a distinct pointer: one byte is reserved behind it.
+  return do_allocate(bytes == 0 ? 1 : bytes, alignment);
+}
+
+void memory_resource::deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept {
+  if (p == nullptr) return;
+  do_deallocate(p, bytes == 0 ? 1 : bytes, alignment);
+}
+
+}  // namespace tensormem::memory

@@ -1,0 +1,148 @@
+#include "tensormem/memory/pinned_host_resource.hpp"
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "tensormem/memory/errors.hpp"
+
+namespace tensormem::memory {
+
+namespace {
+
+std::size_t round_up(std::size_t bytes, std::size_t unit) {
+  return (bytes + unit - 1) / unit * unit;
+}
+
+std::string limit_text(std::size_t limit) {
+  return limit == std::numeric_limits<std::size_t>::max() ? "unlimited"
+                                                          : std::to_string(limit) + " bytes";
+}
+
+}  // namespace
+
+std::size_t pinned_host_resource::page_bytes() noexcept {
+  static const std::size_t page = [] {
+    const long v = sysconf(_SC_PAGESIZE);
+    return v > 0 ? static_cast<std::size_t>(v) : std::size_t{4096};
+  }();
+  return page;
+}
+
+std::size_t memlock_limit_bytes() noexcept {
+  rlimit r{};
+  if (getrlimit(RLIMIT_MEMLOCK, &r) != 0 || r.rlim_cur == RLIM_INFINITY) {
+    return std::numeric_limits<std::size_t>::max();
+  }
+  return static_cast<std::size_t>(r.rlim_cur);
+}
+
+std::size_t process_locked_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmLck:", 0) == 0) {
+      return static_cast<std::size_t>(std::stoull(line.substr(6))) * 1024;  // kB
+    }
+  }
+  return 0;
+}
+
+void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment) {
+  const std::size_t page = page_bytes();
+  const std::size_t mapped = round_up(bytes, page);
+  // Alignments above a page: map more and trim both ends.
+  const std::size_t extra = alignment > page ? alignment - page : 0;
+  // Populating a mapping larger than the machine would only end in the OOM killer.
+  static const std::size_t physical = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    return pages > 0 ? static_cast<std::size_t>(pages) * page_bytes()
+                     : std::numeric_limits<std::size_t>::max();
+  }();
+  if (bytes > physical || mapped + extra > physical) {
+    throw out_of_memory("pinned_host_resource: " + std::to_string(bytes) +
+                        " bytes is more than this machine's " + std::to_string(physical) +
+                        " bytes of memory");
+  }
+  system_calls_.fetch_add(1, std::memory_order_relaxed);
+  void* base = mmap(nullptr, mapped + extra, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (base == MAP_FAILED) {
+    throw out_of_memory("pinned_host_resource: mmap of " + std::to_string(mapped + extra) +
+                        " bytes failed: " + std::strerror(errno));
+  }
+  auto* start = static_cast<std::byte*>(base);
+  if (extra != 0) {
+    const auto addr = reinterpret_cast<std::uintptr_t>(start);
+    const std::size_t head = (alignment - addr % alignment) % alignment;
+    const std::size_t tail = extra - head;
+    if (head != 0) munmap(start, head);
+    if (tail != 0) munmap(start + head + mapped, tail);
+    system_calls_.fetch_add((head != 0 ? 1U : 0U) + (tail != 0 ? 1U : 0U), std::memory_order_relaxed);
+    start += head;
+  }
+  system_calls_.fetch_add(1, std::memory_order_relaxed);
+  if (mlock(start, mapped) != 0) {
+    const int error = errno;
+    if (!options_.allow_unlocked_fallback) {
+      munmap(start, mapped);
+      system_calls_.fetch_add(1, std::memory_order_relaxed);
+      const std::size_t limit = memlock_limit_bytes();
+      throw lock_limit_error(
+          "pinned_host_resource: cannot lock " + std::to_string(mapped) + " bytes (" +
+              std::strerror(error) + "); RLIMIT_MEMLOCK is " + limit_text(limit) + " and " +
+              std::to_string(process_locked_bytes()) +
+              " bytes are locked already. Raise it with `ulimit -l` (in kB; or the memlock "
+              "line of /etc/security/limits.conf, or LimitMEMLOCK= for a systemd service), "
+              "run with CAP_IPC_LOCK, or allow the unlocked fallback",
+          mapped, limit);
+    }
+    unlocked_fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    try {
+      const std::lock_guard lock(unlocked_mutex_);
+      unlocked_.insert(start);
+    } catch (...) {
+      munmap(start, mapped);
+      throw;
+    }
+    unlocked_live_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    locked_bytes_.fetch_add(mapped, std::memory_order_relaxed);
+  }
+  mappings_.fetch_add(1, std::memory_order_relaxed);
+  mapped_bytes_.fetch_add(mapped, std::memory_order_relaxed);
+  return start;
+}
+
+void pinned_host_resource::do_deallocate(void* p, std::size_t bytes,
+                                         std::size_t /*alignment*/) noexcept {
+  const std::size_t mapped = round_up(bytes, page_bytes());
+  bool was_locked = true;
+  if (unlocked_live_.load(std::memory_order_relaxed) != 0) {
+    const std::lock_guard lock(unlocked_mutex_);
+    if (unlocked_.erase(p) != 0) {
+      was_locked = false;
+      unlocked_live_.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  munmap(p, mapped);  // unlocks as it unmaps
+  system_calls_.fetch_add(1, std::memory_order_relaxed);
+  if (was_locked) locked_bytes_.fetch_sub(mapped, std::memory_order_relaxed);
+  mappings_.fetch_sub(1, std::memory_order_relaxed);
+  mapped_bytes_.fetch_sub(mapped, std::memory_order_relaxed);
+}
+
+pinned_stats pinned_host_resource::stats() const noexcept {
+  return {mappings_.load(), mapped_bytes_.load(), locked_bytes_.load(), system_calls_.load(),
+          unlocked_fallbacks_.load()};
+}
+
+}  // namespace tensormem::memory

@@ -1,0 +1,149 @@
+#include "tensormem/memory/pinned_pool.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <stdexcept>
+#include <string>
+
+#include "tensormem/memory/errors.hpp"
+
+namespace tensormem::memory {
+
+pinned_pool::pinned_pool(pool_options options)
+    : options_(options), upstream_(pinned_options{options.allow_unlocked_fallback}) {
+  if (!std::has_single_bit(options_.alignment) ||
+      options_.alignment > pinned_host_resource::page_bytes()) {
+    throw std::invalid_argument("pinned_pool: alignment " + std::to_string(options_.alignment) +
+                                " must be a power of two no larger than a page");
+  }
+  if (options_.slab_bytes == 0) throw std::invalid_argument("pinned_pool: slab_bytes is 0");
+  const std::size_t page = pinned_host_resource::page_bytes();
+  options_.slab_bytes = (options_.slab_bytes + page - 1) / page * page;
+}
+
+pinned_pool::~pinned_pool() {
+  for (auto& s : slabs_) upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
+}
+
+pinned_pool::slab& pinned_pool::add_slab(std::size_t bytes, bool dedicated) {
+  if (bytes > options_.max_locked_bytes - std::min<std::uint64_t>(slab_bytes_total_, options_.max_locked_bytes)) {
+    throw out_of_memory("pinned_pool: a slab of " + std::to_string(bytes) +
+                        " bytes would pass the cap of " + std::to_string(options_.max_locked_bytes) +
+                        " locked bytes (" + std::to_string(slab_bytes_total_) + " in slabs, " +
+                        std::to_string(in_use_) + " in use)");
+  }
+  auto* base = static_cast<std::byte*>(upstream_.allocate(bytes, pinned_host_resource::page_bytes()));
+  try {
+    slabs_.push_back(std::make_unique<slab>(base, bytes, dedicated, options_.alignment));
+  } catch (...) {
+    upstream_.deallocate(base, bytes, pinned_host_resource::page_bytes());
+    throw;
+  }
+  slab_bytes_total_ += bytes;
+  return *slabs_.back();
+}
+
+void pinned_pool::release_slab(slab* s) noexcept {
+  upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
+  slab_bytes_total_ -= s->bytes;
+  const auto it = std::find_if(slabs_.begin(), slabs_.end(),
+                               [s](const std::unique_ptr<slab>& x) { return x.get() == s; });
+  if (it != slabs_.end()) slabs_.erase(it);
+}
+
+void* pinned_pool::do_allocate(std::size_t bytes, std::size_t alignment) {
+  // Alignments above the pool's unit: ask for more and align inside.
+  const std::size_t slack = alignment > options_.alignment ? alignment - options_.alignment : 0;
+  if (bytes > std::numeric_limits<std::size_t>::max() / 2 - slack) {
+    throw out_of_memory("pinned_pool: " + std::to_string(bytes) + " bytes cannot be allocated");
+  }
+  const std::size_t need = bytes + slack;
+  const std::lock_guard lock(mutex_);
+  slab* owner = nullptr;
+  std::optional<core::allocation> where;
+  for (auto& s : slabs_) {
+    if (s->dedicated) continue;
+    if ((where = s->offsets.allocate(need))) {
+      owner = s.get();
+      break;
+    }
+  }
+  if (owner == nullptr) {
+    const std::size_t page = pinned_host_resource::page_bytes();
+    const bool dedicated = need > options_.slab_bytes;
+    const std::size_t slab_size = dedicated ? (need + page - 1) / page * page : options_.slab_bytes;
+    slab& s = add_slab(slab_size, dedicated);
+    where = s.offsets.allocate(need);
+    owner = &s;
+  }
+  auto addr = reinterpret_cast<std::uintptr_t>(owner->base + where->offset);
+  addr = (addr + alignment - 1) / alignment * alignment;
+  void* p = reinterpret_cast<void*>(addr);
+  try {
+    live_.emplace(p, live{owner, *where});
+  } catch (...) {
+    owner->offsets.deallocate(*where);
+    throw;
+  }
+  in_use_ += where->bytes;
+  peak_in_use_ = std::max(peak_in_use_, in_use_);
+  ++total_allocations_;
+  return p;
+}
+
+void* pinned_pool::allocate(std::size_t elements, dtype type) {
+  const std::size_t size = dtype_bytes(type);
+  if (elements > std::numeric_limits<std::size_t>::max() / size) {
+    throw out_of_memory("pinned_pool: " + std::to_string(elements) + " elements of " +
+                        std::string(to_string(type)) + " overflow");
+  }
+  return memory_resource::allocate(elements * size, options_.alignment);
+}
+
+bool pinned_pool::free(void* p) noexcept {
+  const std::lock_guard lock(mutex_);
+  const auto it = live_.find(p);
+  if (it == live_.end()) return false;
+  const live l = it->second;
+  live_.erase(it);
+  l.owner->offsets.deallocate(l.where);
+  in_use_ -= l.where.bytes;
+  if (l.owner->dedicated) release_slab(l.owner);
+  return true;
+}
+
+void pinned_pool::do_deallocate(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/) noexcept {
+  free(p);
+}
+
+bool pinned_pool::owns(const void* p) const {
+  const std::lock_guard lock(mutex_);
+  return live_.contains(p);
+}
+
+void pinned_pool::trim() noexcept {
+  const std::lock_guard lock(mutex_);
+  std::vector<slab*> empty;
+  for (auto& s : slabs_) {
+    if (s->offsets.used() == 0) empty.push_back(s.get());
+  }
+  for (slab* s : empty) release_slab(s);
+}
+
+pool_stats pinned_pool::stats() const {
+  const std::lock_guard lock(mutex_);
+  const pinned_stats up = upstream_.stats();
+  pool_stats s;
+  s.slabs = slabs_.size();
+  s.slab_bytes = slab_bytes_total_;
+  s.locked_bytes = up.locked_bytes;
+  s.in_use_bytes = in_use_;
+  s.peak_in_use_bytes = peak_in_use_;
+  s.allocations = live_.size();
+  s.total_allocations = total_allocations_;
+  s.system_calls = up.system_calls;
+  s.unlocked_fallbacks = up.unlocked_fallbacks;
+  return s;
+}
+
+}  // namespace tensormem::memory

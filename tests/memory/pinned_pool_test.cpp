@@ -1,0 +1,192 @@
+// The pinned pool: reuse without system calls, misuse, the lock limit, and locked bytes.
+
+#include <gtest/gtest.h>
+
+#include <grp.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+
+#include "tensormem/memory/errors.hpp"
+#include "tensormem/memory/pinned_pool.hpp"
+
+namespace tensormem::memory {
+namespace {
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+
+TEST(pinned_pool, fitting_allocations_make_no_system_call_and_slabs_are_reused) {
+  pinned_pool pool(pool_options{.slab_bytes = 8 * mib});
+  void* first = pool.allocate(4096);
+  const pool_stats after_first = pool.stats();
+  EXPECT_EQ(after_first.slabs, 1U);
+  EXPECT_GT(after_first.system_calls, 0U);
+  EXPECT_EQ(after_first.locked_bytes, 8 * mib);
+  for (int round = 0; round < 100; ++round) {
+    void* a = pool.allocate(1 * mib);
+    void* b = pool.allocate(100, dtype::f16);
+    std::memset(a, round, 1 * mib);
+    EXPECT_TRUE(pool.free(a));
+    EXPECT_TRUE(pool.free(b));
+  }
+  const pool_stats s = pool.stats();
+  EXPECT_EQ(s.system_calls, after_first.system_calls);
+  EXPECT_EQ(s.slabs, 1U);
+  EXPECT_EQ(s.total_allocations, 201U);
+  EXPECT_EQ(s.allocations, 1U);
+  EXPECT_GE(s.peak_in_use_bytes, 1 * mib + 256 + 4096);
+  EXPECT_TRUE(pool.free(first));
+  EXPECT_EQ(pool.stats().in_use_bytes, 0U);
+  EXPECT_EQ(pool.stats().slabs, 1U);  // kept for reuse
+  pool.trim();
+  EXPECT_EQ(pool.stats().slabs, 0U);
+  EXPECT_EQ(pool.stats().locked_bytes, 0U);
+}
+
+TEST(pinned_pool, elements_and_dtypes) {
+  pinned_pool pool(pool_options{.slab_bytes = mib});
+  void* p = pool.allocate(1000, dtype::f32);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 256, 0U);
+  EXPECT_EQ(pool.stats().in_use_bytes, 4096U);  // 4000 bytes rounded to 256
+  EXPECT_TRUE(pool.owns(p));
+  EXPECT_TRUE(pool.free(p));
+  EXPECT_FALSE(pool.owns(p));
+  EXPECT_THROW(pool.allocate(SIZE_MAX / 2, dtype::f64), out_of_memory);
+}
+
+TEST(pinned_pool, foreign_and_double_frees_return_false_and_change_nothing) {
+  pinned_pool pool(pool_options{.slab_bytes = mib});
+  void* p = pool.allocate(1000);
+  void* q = pool.allocate(1000);
+  const pool_stats before = pool.stats();
+  int on_stack = 0;
+  EXPECT_FALSE(pool.free(&on_stack));
+  EXPECT_FALSE(pool.free(nullptr));
+  EXPECT_FALSE(pool.free(static_cast<char*>(p) + 1));
+  EXPECT_EQ(pool.stats().in_use_bytes, before.in_use_bytes);
+  EXPECT_EQ(pool.stats().allocations, before.allocations);
+  EXPECT_TRUE(pool.free(p));
+  EXPECT_FALSE(pool.free(p));  // double free
+  EXPECT_EQ(pool.stats().allocations, 1U);
+  EXPECT_TRUE(pool.free(q));
+}
+
+TEST(pinned_pool, oversized_allocations_get_their_own_slab) {
+  pinned_pool pool(pool_options{.slab_bytes = mib});
+  void* big = pool.allocate(3 * mib + 5);
+  EXPECT_EQ(pool.stats().slabs, 1U);
+  EXPECT_GE(pool.stats().slab_bytes, 3 * mib + 5);
+  std::memset(big, 1, 3 * mib + 5);
+  EXPECT_TRUE(pool.free(big));
+  EXPECT_EQ(pool.stats().slabs, 0U);  // released with its allocation
+}
+
+TEST(pinned_pool, cap_on_locked_bytes_is_a_typed_error_that_changes_nothing) {
+  pinned_pool pool(pool_options{.slab_bytes = mib, .max_locked_bytes = 2 * mib});
+  void* a = pool.allocate(mib);
+  void* b = pool.allocate(mib);
+  const pool_stats before = pool.stats();
+  try {
+    pool.allocate(mib);
+    FAIL() << "allocation past the cap succeeded";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("cap of 2097152"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(pool.stats().slabs, before.slabs);
+  EXPECT_EQ(pool.stats().allocations, before.allocations);
+  EXPECT_TRUE(pool.free(a));
+  EXPECT_NE(pool.allocate(mib), nullptr);  // fits the freed space
+  EXPECT_TRUE(pool.free(b));
+}
+
+TEST(pinned_pool, destructor_returns_every_locked_byte) {
+  const std::size_t before = process_locked_bytes();
+  {
+    pinned_pool pool(pool_options{.slab_bytes = 4 * mib});
+    for (int i = 0; i < 10; ++i) pool.allocate(3 * mib);  // left live on purpose
+    EXPECT_GE(process_locked_bytes(), before + 10 * 4 * mib);
+    EXPECT_EQ(pool.stats().locked_bytes, 10 * 4 * mib);
+  }
+  EXPECT_EQ(process_locked_bytes(), before);
+}
+
+// Runs `body` in a child process that cannot bypass RLIMIT_MEMLOCK: the limit is lowered to
+// 1 MiB and, when running as root, the child becomes user nobody (dropping CAP_IPC_LOCK).
+// The child's exit code is body's result; its message comes back through a pipe.
+std::pair<int, std::string> in_limited_child(int (*body)(std::string&)) {
+  int fds[2];
+  if (pipe(fds) != 0) return {-1, "pipe failed"};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    std::string message;
+    int code = 0;
+    rlimit limit{mib, mib};
+    if (setrlimit(RLIMIT_MEMLOCK, &limit) != 0) {
+      message = "setrlimit failed";
+      code = 90;
+    } else if (geteuid() == 0 && (setgroups(0, nullptr) != 0 || setgid(65534) != 0 ||
+                                  setuid(65534) != 0)) {
+      message = "could not drop root";
+      code = 91;
+    } else {
+      code = body(message);
+    }
+    if (write(fds[1], message.data(), message.size()) < 0) code = 92;
+    _exit(code);
+  }
+  close(fds[1]);
+  std::string message;
+  char buffer[512];
+  ssize_t n = 0;
+  while ((n = read(fds[0], buffer, sizeof buffer)) > 0) message.append(buffer, static_cast<std::size_t>(n));
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 99, message};
+}
+
+TEST(pinned_pool, lock_limit_gives_a_clear_error) {
+  const auto [code, message] = in_limited_child([](std::string& out) {
+    try {
+      pinned_pool pool(pool_options{.slab_bytes = 4 * mib});
+      pool.allocate(1000);
+      out = "allocation past RLIMIT_MEMLOCK succeeded";
+      return 1;
+    } catch (const lock_limit_error& e) {
+      out = e.what();
+      return e.requested_bytes() == 4 * mib && e.limit_bytes() == mib ? 0 : 2;
+    } catch (const std::exception& e) {
+      out = std::string("wrong exception: ") + e.what();
+      return 3;
+    }
+  });
+  EXPECT_EQ(code, 0) << message;
+  EXPECT_NE(message.find("cannot lock 4194304 bytes"), std::string::npos) << message;
+  EXPECT_NE(message.find("RLIMIT_MEMLOCK is 1048576 bytes"), std::string::npos) << message;
+  EXPECT_NE(message.find("ulimit -l"), std::string::npos) << message;
+}
+
+TEST(pinned_pool, unlocked_fallback_is_reported) {
+  const auto [code, message] = in_limited_child([](std::string& out) {
+    try {
+      pinned_pool pool(pool_options{.slab_bytes = 4 * mib, .allow_unlocked_fallback = true});
+      void* p = pool.allocate(1000);
+      std::memset(p, 7, 1000);
+      const pool_stats s = pool.stats();
+      out = "fallbacks " + std::to_string(s.unlocked_fallbacks) + " locked " +
+            std::to_string(s.locked_bytes);
+      return s.unlocked_fallbacks == 1 && s.locked_bytes == 0 && pool.free(p) ? 0 : 1;
+    } catch (const std::exception& e) {
+      out = e.what();
+      return 2;
+    }
+  });
+  EXPECT_EQ(code, 0) << message;
+}
+
+}  // namespace
+}  // namespace tensormem::memory
