@@ -8,5 +8,6 @@ namespace tensormem::cli {
 void add_replay_command(CLI::App& app);
 void add_demo_command(CLI::App& app);
 void add_plan_command(CLI::App& app);
+void add_pinned_bench_command(CLI::App& app);
 
 }  // namespace tensormem::cli
