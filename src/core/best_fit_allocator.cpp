@@ -60,6 +60,51 @@ std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
   return allocation{offset, need, 0, 0};
 }
 
+std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
+                                                          std::uint64_t bytes) {
+  if (bytes == 0) return allocation{0, 0, zero_node, 0};
+  const auto aligned = align_up(bytes, alignment_);
+  if (!aligned || !is_aligned(offset, alignment_) || offset > capacity_ ||
+      *aligned > capacity_ - offset) {
+    return std::nullopt;
+  }
+  const std::uint64_t need = *aligned;
+  const std::uint64_t end = offset + need;
+  if (offset >= peak_) {
+    // Past the high-water mark: the gap [peak, offset) becomes free, merged with a free
+    // block that ends at the mark.
+    if (offset > peak_) {
+      std::uint64_t start = peak_;
+      std::uint64_t length = offset - peak_;
+      if (!free_by_offset_.empty()) {
+        const auto last = std::prev(free_by_offset_.end());
+        if (last->first + last->second == peak_) {
+          start = last->first;
+          length += last->second;
+          erase_free(last->first, last->second);
+        }
+      }
+      insert_free(start, length);
+    }
+    peak_ = end;
+  } else {
+    auto it = free_by_offset_.upper_bound(offset);
+    if (it == free_by_offset_.begin()) return std::nullopt;
+    --it;
+    const auto [block, block_bytes] = *it;
+    const std::uint64_t block_end = block + block_bytes;
+    if (end > block_end && block_end != peak_) return std::nullopt;
+    if (offset >= block_end) return std::nullopt;
+    erase_free(block, block_bytes);
+    if (offset > block) insert_free(block, offset - block);
+    if (end < block_end) insert_free(end, block_end - end);
+    if (end > block_end) peak_ = end;  // the free tail block is extended past the mark
+  }
+  live_.emplace(offset, need);
+  used_ += need;
+  return allocation{offset, need, 0, 0};
+}
+
 free_status best_fit_allocator::try_free(std::uint64_t offset, std::uint64_t bytes) noexcept {
   if (bytes == 0 && offset == 0) return free_status::ok;  // the zero-byte allocation
   const auto it = live_.find(offset);

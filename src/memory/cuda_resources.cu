@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <stdexcept>
 #include <string>
 
 #include "tensormem/memory/cuda_resources.hpp"
@@ -34,6 +35,22 @@ std::string cuda_unavailable_reason() {
   if (e != cudaSuccess) return "no CUDA device: cudaGetDeviceCount returned " + error_text(e);
   if (count == 0) return "no CUDA device: cudaGetDeviceCount found 0 devices";
   return {};
+}
+
+void cuda_move(void* dst, const void* src, std::size_t bytes) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  if (d == s || bytes == 0) return;
+  const std::size_t distance = d < s ? static_cast<std::size_t>(s - d) : static_cast<std::size_t>(d - s);
+  const std::size_t chunk = distance < bytes ? distance : bytes;
+  // Forward when moving down, backward when moving up: no chunk overlaps its source.
+  for (std::size_t done = 0; done < bytes;) {
+    const std::size_t n = chunk < bytes - done ? chunk : bytes - done;
+    const std::size_t at = d < s ? done : bytes - done - n;
+    const cudaError_t e = cudaMemcpy(d + at, s + at, n, cudaMemcpyDeviceToDevice);
+    if (e != cudaSuccess) throw std::runtime_error("cuda_move: " + error_text(e));
+    done += n;
+  }
 }
 
 cuda_device_resource::cuda_device_resource() { require_device(); }

@@ -12,6 +12,8 @@ constexpr const char* reason = "built without CUDA (configure with TENSORMEM_CUD
 bool cuda_built() noexcept { return false; }
 std::string cuda_unavailable_reason() { return reason; }
 
+void cuda_move(void*, const void*, std::size_t) { throw device_unavailable(reason); }
+
 cuda_device_resource::cuda_device_resource() { throw device_unavailable(reason); }
 void* cuda_device_resource::do_allocate(std::size_t, std::size_t) { throw device_unavailable(reason); }
 void cuda_device_resource::do_deallocate(void*, std::size_t, std::size_t) noexcept {}

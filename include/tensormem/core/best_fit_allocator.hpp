@@ -37,6 +37,12 @@ class best_fit_allocator {
   /// Empty optional when the request does not fit (fixed capacity) or overflows 64 bits.
   std::optional<allocation> allocate(std::uint64_t bytes);
 
+  /// Takes exactly [offset, offset + bytes) (rounded up to the alignment; offset must be
+  /// aligned): it must lie in a free block or at or past the high-water mark (the gap up to
+  /// it becomes free). Empty optional, nothing changed, when any of it is taken or past the
+  /// capacity. Used to rebuild an allocator around blocks that already sit somewhere.
+  std::optional<allocation> allocate_at(std::uint64_t offset, std::uint64_t bytes);
+
   void deallocate(const allocation& a);
   free_status try_deallocate(const allocation& a) noexcept;
   /// InfiniTensor-style free: `bytes` is the size asked for at allocation (rounded here).

@@ -15,6 +15,11 @@ bool cuda_built() noexcept;
 /// device: cudaGetDeviceCount returned ...").
 std::string cuda_unavailable_reason();
 
+/// Moves `bytes` of device memory from `src` to `dst`, overlapping or not (chunks that do
+/// not overlap, each a device-to-device cudaMemcpy). Throws device_unavailable without CUDA
+/// and std::runtime_error when a copy fails.
+void cuda_move(void* dst, const void* src, std::size_t bytes);
+
 /// cudaMalloc / cudaFree on the current device. The memory is not host-accessible.
 /// Constructing it without a usable device throws device_unavailable. Thread-safe.
 class cuda_device_resource final : public memory_resource {

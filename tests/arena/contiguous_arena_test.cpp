@@ -1,0 +1,251 @@
+// The contiguous arena, checked by content: patterns survive every defragmentation and every
+// observer knows where its tensor is.
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <map>
+#include <random>
+#include <string>
+
+#include "tensormem/arena/contiguous_arena.hpp"
+#include "tensormem/core/align.hpp"
+#include "tensormem/core/compaction.hpp"
+#include "tensormem/memory/host_resource.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
+
+namespace tensormem::arena {
+namespace {
+
+void fill(const tensor_block& b) {
+  for (std::uint64_t i = 0; i < b.bytes; ++i) {
+    b.data()[i] = static_cast<std::byte>((b.id * 37 + i * 11) & 0xff);
+  }
+}
+bool intact(const tensor_block& b) {
+  for (std::uint64_t i = 0; i < b.bytes; ++i) {
+    if (b.data()[i] != static_cast<std::byte>((b.id * 37 + i * 11) & 0xff)) return false;
+  }
+  return true;
+}
+
+TEST(contiguous_arena, defragments_when_free_bytes_suffice_but_no_hole_does) {
+  memory::host_resource host;
+  for (const defrag_policy policy : {defrag_policy::minimal_move, defrag_policy::full_compaction}) {
+    contiguous_arena arena(host, 1024, {.alignment = 1, .policy = policy});
+    std::vector<tensor_block> t;
+    for (int i = 0; i < 8; ++i) {
+      t.push_back(arena.allocate(128));
+      fill(t.back());
+    }
+    arena.release(t[1]);
+    arena.release(t[4]);
+    std::map<std::uint64_t, std::byte*> seen;
+    for (const std::size_t i : {0U, 2U, 3U, 5U, 6U, 7U}) {
+      arena.bind(t[i].id, [&seen](const tensor_block& b) { seen[b.id] = b.data(); });
+    }
+    EXPECT_EQ(arena.print_allocation(8), "|.||.|||");
+    const tensor_block big = arena.allocate(256);  // 256 free, holes of 128
+    fill(big);
+    const arena_stats s = arena.stats();
+    EXPECT_EQ(s.defragmentations, 1U);
+    EXPECT_EQ(s.free_bytes, 0U);
+    EXPECT_EQ(arena.print_allocation(8), "||||||||");
+    for (const std::size_t i : {0U, 2U, 3U, 5U, 6U, 7U}) {
+      const tensor_block now = arena.block(t[i].id);
+      EXPECT_TRUE(intact(now)) << "tensor " << i;
+      if (now.offset != t[i].offset) {
+        EXPECT_EQ(seen.at(t[i].id), now.data()) << "observer of tensor " << i;
+      } else {
+        EXPECT_FALSE(seen.contains(t[i].id));
+      }
+    }
+    if (policy == defrag_policy::minimal_move) {
+      EXPECT_EQ(s.bytes_moved, 256U);  // t2, t3 slide into t1's hole
+    } else {
+      EXPECT_EQ(s.bytes_moved, 6U * 128 - 128);  // everything above the first hole
+    }
+  }
+}
+
+TEST(contiguous_arena, out_of_memory_leaves_everything_untouched) {
+  memory::host_resource host;
+  contiguous_arena arena(host, 4096, {.alignment = 256});
+  const tensor_block a = arena.allocate(1000);
+  const tensor_block b = arena.allocate(1000);
+  fill(a);
+  fill(b);
+  const arena_stats before = arena.stats();
+  try {
+    arena.allocate(3000);
+    FAIL() << "expected arena_out_of_memory";
+  } catch (const arena_out_of_memory& e) {
+    EXPECT_EQ(e.requested_bytes(), 3000U);
+    EXPECT_EQ(e.free_bytes(), 2048U);
+    EXPECT_EQ(e.largest_free_bytes(), 2048U);
+    EXPECT_NE(std::string(e.what()).find("2048 bytes free"), std::string::npos);
+  }
+  const arena_stats after = arena.stats();
+  EXPECT_EQ(after.used_bytes, before.used_bytes);
+  EXPECT_EQ(after.defragmentations, 0U);
+  EXPECT_TRUE(intact(arena.block(a.id)));
+  EXPECT_TRUE(intact(arena.block(b.id)));
+}
+
+TEST(contiguous_arena, misuse_is_reported_and_changes_nothing) {
+  memory::host_resource host;
+  contiguous_arena arena(host, 4096);
+  const tensor_block a = arena.allocate(100);
+  arena.release(a);
+  try {
+    arena.release(a.id);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("already released"), std::string::npos);
+  }
+  EXPECT_THROW(arena.release(999), std::invalid_argument);
+  EXPECT_THROW(arena.bind(a.id, [](const tensor_block&) {}), std::invalid_argument);
+  EXPECT_THROW(arena.block(a.id), std::invalid_argument);
+  EXPECT_EQ(arena.stats().used_bytes, 0U);
+}
+
+TEST(contiguous_arena, zero_byte_tensors_and_capacity_exactly_used) {
+  memory::host_resource host;
+  contiguous_arena arena(host, 1024, {.alignment = 256});
+  const tensor_block z1 = arena.allocate(0);
+  const tensor_block z2 = arena.allocate(0);
+  EXPECT_NE(z1.id, z2.id);
+  std::vector<tensor_block> t;
+  for (int i = 0; i < 4; ++i) t.push_back(arena.allocate(256));
+  EXPECT_EQ(arena.stats().free_bytes, 0U);
+  EXPECT_EQ(arena.stats().live_tensors, 6U);
+  EXPECT_THROW(arena.allocate(1), arena_out_of_memory);
+  const tensor_block z3 = arena.allocate(0);  // still fine when full
+  arena.release(z1);
+  arena.release(z3);
+  arena.release(t[1]);
+  EXPECT_EQ(arena.allocate(256).offset, t[1].offset);
+  arena.release(z2);
+  EXPECT_EQ(arena.max_allocated(), 1024U);
+}
+
+TEST(contiguous_arena, released_tensors_lose_their_observers) {
+  memory::host_resource host;
+  contiguous_arena arena(host, 768, {.alignment = 256});
+  const tensor_block a = arena.allocate(256);
+  const tensor_block b = arena.allocate(256);
+  const tensor_block c = arena.allocate(256);
+  int calls = 0;
+  arena.bind(c.id, [&calls](const tensor_block&) { ++calls; });
+  arena.release(c);
+  arena.release(a);
+  const tensor_block d = arena.allocate(256);  // fits a's hole: no move
+  EXPECT_EQ(calls, 0);
+  (void)b;
+  (void)d;
+}
+
+// Long randomized sequences with many forced defragmentations, both policies, checked by
+// content and by observers after every step. TENSORMEM_SEED overrides the seed.
+void random_run(defrag_policy policy, memory::memory_resource& resource, std::uint64_t alignment) {
+  const char* env = std::getenv("TENSORMEM_SEED");
+  const std::uint64_t seed = env != nullptr ? std::strtoull(env, nullptr, 10) : 20261122;
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  contiguous_arena arena(resource, 1 << 20, {.alignment = alignment, .policy = policy});
+  std::map<std::uint64_t, std::byte*> told;  // what observers last reported
+  std::vector<std::uint64_t> live;
+  std::uint64_t refused = 0;
+  for (int step = 0; step < 3000; ++step) {
+    if (live.empty() || rng() % 100 < 52) {
+      const std::uint64_t bytes = rng() % 8 == 0 ? 0 : 1 + rng() % 60000;
+      try {
+        const tensor_block b = arena.allocate(bytes);
+        fill(b);
+        told[b.id] = b.data();
+        arena.bind(b.id, [&told](const tensor_block& moved) { told[moved.id] = moved.data(); });
+        live.push_back(b.id);
+      } catch (const arena_out_of_memory&) {
+        ++refused;
+        ASSERT_LT(arena.stats().free_bytes, core::align_up(bytes, alignment).value());
+      }
+    } else {
+      const std::size_t i = rng() % live.size();
+      arena.release(live[i]);
+      told.erase(live[i]);
+      live[i] = live.back();
+      live.pop_back();
+    }
+    for (const std::uint64_t id : live) {
+      const tensor_block b = arena.block(id);
+      ASSERT_TRUE(intact(b)) << "step " << step << " tensor " << id;
+      if (b.bytes != 0) {
+        ASSERT_EQ(told.at(id), b.data()) << "step " << step;
+      }
+    }
+  }
+  EXPECT_GT(arena.stats().defragmentations, 20U);
+  EXPECT_GT(refused, 0U);
+}
+
+TEST(contiguous_arena, random_sequences_minimal_move) {
+  memory::host_resource host;
+  random_run(defrag_policy::minimal_move, host, 256);
+}
+TEST(contiguous_arena, random_sequences_full_compaction) {
+  memory::host_resource host;
+  random_run(defrag_policy::full_compaction, host, 256);
+}
+TEST(contiguous_arena, random_sequences_byte_exact_on_pinned_memory) {
+  memory::pinned_host_resource pinned;
+  random_run(defrag_policy::minimal_move, pinned, 1);
+}
+
+TEST(compaction, minimal_move_never_moves_more_than_full_compaction) {
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<core::placed_block> blocks;
+    std::uint64_t cursor = 0;
+    for (std::uint64_t id = 0; id < 30; ++id) {
+      cursor += rng() % 3 == 0 ? rng() % 100 : 0;
+      const std::uint64_t bytes = 1 + rng() % 100;
+      blocks.push_back({cursor, bytes, id});
+      cursor += bytes;
+    }
+    const std::uint64_t capacity = cursor + rng() % 50;
+    std::uint64_t free_total = capacity;
+    for (const auto& b : blocks) free_total -= b.bytes;
+    if (free_total == 0) continue;
+    const std::uint64_t need = 1 + rng() % free_total;
+    EXPECT_FALSE(core::plan_minimal_move(blocks, capacity, free_total + 1).has_value());
+    const auto minimal = core::plan_minimal_move(blocks, capacity, need);
+    ASSERT_TRUE(minimal.has_value());
+    std::uint64_t minimal_bytes = 0;
+    for (const auto& m : *minimal) minimal_bytes += m.bytes;
+    std::uint64_t full_bytes = 0;
+    for (const auto& m : core::plan_full_compaction(blocks)) full_bytes += m.bytes;
+    EXPECT_LE(minimal_bytes, full_bytes);
+    // Apply and check that a hole of `need` bytes opened and nothing overlaps.
+    std::map<std::uint64_t, std::uint64_t> layout;
+    for (const auto& b : blocks) layout[b.id] = b.offset;
+    for (const auto& m : *minimal) layout[m.id] = m.to;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+    for (const auto& b : blocks) ranges.emplace_back(layout[b.id], layout[b.id] + b.bytes);
+    std::sort(ranges.begin(), ranges.end());
+    std::uint64_t largest = 0;
+    std::uint64_t end = 0;
+    for (const auto& [from, to] : ranges) {
+      ASSERT_GE(from, end) << "overlap after the moves";
+      largest = std::max(largest, from - end);
+      end = to;
+    }
+    largest = std::max(largest, capacity - end);
+    EXPECT_GE(largest, need);
+  }
+  EXPECT_FALSE(core::plan_minimal_move(std::vector<core::placed_block>{{0, 10, 1}}, 12, 3));
+}
+
+}  // namespace
+}  // namespace tensormem::arena
