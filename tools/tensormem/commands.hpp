@@ -9,5 +9,6 @@ void add_replay_command(CLI::App& app);
 void add_demo_command(CLI::App& app);
 void add_plan_command(CLI::App& app);
 void add_pinned_bench_command(CLI::App& app);
+void add_arena_command(CLI::App& app);
 
 }  // namespace tensormem::cli

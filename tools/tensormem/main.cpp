@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   tensormem::cli::add_demo_command(app);
   tensormem::cli::add_plan_command(app);
+  tensormem::cli::add_arena_command(app);
   tensormem::cli::add_pinned_bench_command(app);
   tensormem::cli::add_replay_command(app);
   try {

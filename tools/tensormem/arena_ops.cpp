@@ -1,0 +1,196 @@
+#include "arena_ops.hpp"
+
+#include <istream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+namespace tensormem::cli {
+
+std::vector<arena_op> parse_arena_ops(std::istream& in, const std::string& source) {
+  std::vector<arena_op> ops;
+  std::string line;
+  std::size_t number = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (const auto hash = line.find('#'); hash != std::string::npos) line.erase(hash);
+    std::istringstream words(line);
+    std::string verb;
+    if (!(words >> verb)) continue;
+    arena_op op;
+    op.line = number;
+    auto fail = [&](const std::string& what) {
+      return std::runtime_error(source + ":" + std::to_string(number) + ": " + what);
+    };
+    if (verb == "alloc") {
+      std::string bytes;
+      if (!(words >> op.name >> bytes)) throw fail("expected 'alloc ID BYTES'");
+      if (bytes.empty() || bytes.find_first_not_of("0123456789") != std::string::npos) {
+        throw fail("BYTES is not an unsigned integer: '" + bytes + "'");
+      }
+      try {
+        op.bytes = std::stoull(bytes);
+      } catch (const std::out_of_range&) {
+        throw fail("BYTES does not fit in 64 bits: '" + bytes + "'");
+      }
+      op.allocate = true;
+    } else if (verb == "free") {
+      if (!(words >> op.name)) throw fail("expected 'free ID'");
+    } else {
+      throw fail("unknown step '" + verb + "' (expected alloc or free)");
+    }
+    std::string extra;
+    if (words >> extra) throw fail("unexpected '" + extra + "' at the end of the step");
+    ops.push_back(std::move(op));
+  }
+  return ops;
+}
+
+namespace {
+
+std::byte pattern(std::uint64_t seed, std::uint64_t i) {
+  return static_cast<std::byte>(((seed ^ (i * 0x9E3779B97F4A7C15ULL)) >> 29) & 0xff);
+}
+
+std::uint64_t seed_of(const std::string& name) { return std::hash<std::string>{}(name) | 1U; }
+
+}  // namespace
+
+arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector<arena_op>& ops,
+                               bool verify, std::size_t resolution) {
+  arena_run_result r;
+  std::map<std::string, std::uint64_t> ids;  // name -> arena id
+  if (verify) r.verified = true;
+  for (const arena_op& op : ops) {
+    ++r.steps;
+    const std::uint64_t defrags = arena.stats().defragmentations;
+    auto failed = [&](const std::string& what) {
+      r.failed_lines.push_back(op.line);
+      r.failures.push_back("line " + std::to_string(op.line) + ": " + what);
+    };
+    if (op.allocate) {
+      if (ids.contains(op.name)) {
+        failed("'" + op.name + "' is already allocated");
+        continue;
+      }
+      try {
+        const arena::tensor_block b = arena.allocate(op.bytes);
+        ids[op.name] = b.id;
+        if (verify) {
+          for (std::uint64_t i = 0; i < b.bytes; ++i) b.data()[i] = pattern(seed_of(op.name), i);
+        }
+      } catch (const arena::arena_out_of_memory& e) {
+        failed(e.what());
+      }
+    } else {
+      const auto it = ids.find(op.name);
+      if (it == ids.end()) {
+        failed("'" + op.name + "' is not allocated");
+        continue;
+      }
+      arena.release(it->second);
+      ids.erase(it);
+    }
+    if (arena.stats().defragmentations != defrags) {
+      r.maps_after_defrag.push_back(arena.print_allocation(resolution));
+    }
+    if (verify && *r.verified) {
+      for (const auto& [name, id] : ids) {
+        const arena::tensor_block b = arena.block(id);
+        for (std::uint64_t i = 0; i < b.bytes; ++i) {
+          if (b.data()[i] != pattern(seed_of(name), i)) {
+            r.verified = false;
+            failed("contents of '" + name + "' changed");
+            break;
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+arena_scenario zero3_scenario(std::uint32_t layers, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::ostringstream s;
+  std::map<std::string, std::uint64_t> live;  // to size the arena from the peak live bytes
+  std::uint64_t live_bytes = 0;
+  std::uint64_t peak = 0;
+  auto alloc = [&](const std::string& name, std::uint64_t bytes) {
+    bytes = (bytes + 255) / 256 * 256;
+    s << "alloc " << name << ' ' << bytes << '\n';
+    live[name] = bytes;
+    live_bytes += bytes;
+    peak = std::max(peak, live_bytes);
+  };
+  auto release = [&](const std::string& name) {
+    s << "free " << name << '\n';
+    live_bytes -= live[name];
+    live.erase(name);
+  };
+  std::vector<std::uint64_t> weight(layers);
+  std::vector<std::uint64_t> activation(layers);
+  for (std::uint32_t l = 0; l < layers; ++l) {
+    weight[l] = (32 + rng() % 224) * 4096;
+    activation[l] = (16 + rng() % 112) * 4096;
+  }
+  s << "# ZeRO-3-like step over " << layers << " layers: gather a layer's parameters, run it,\n"
+    << "# release them; activations stay for backward; gradients are reduced one layer late\n";
+  for (std::uint32_t l = 0; l < layers; ++l) {
+    const std::string n = std::to_string(l);
+    alloc("w" + n, weight[l]);
+    alloc("act" + n, activation[l]);
+    release("w" + n);
+  }
+  for (std::uint32_t l = layers; l-- > 0;) {
+    const std::string n = std::to_string(l);
+    alloc("w" + n, weight[l]);
+    alloc("grad" + n, weight[l]);
+    release("w" + n);
+    release("act" + n);
+    if (l + 1 < layers) release("grad" + std::to_string(l + 1));
+  }
+  release("grad0");
+  arena_scenario sc;
+  sc.script = s.str();
+  sc.capacity = peak + peak / 20;  // 5 % slack over the most bytes live at once
+  sc.alignment = 256;
+  sc.description = "ZeRO-3-like gather/release over " + std::to_string(layers) + " layers";
+  return sc;
+}
+
+std::optional<arena_scenario> find_arena_scenario(const std::string& name) {
+  if (name == "deepspeed-test1") {
+    // Sizes in bytes of fp16 elements: 1024 elements in all.
+    arena_scenario sc;
+    sc.capacity = 1024 * 2;
+    sc.alignment = 2;
+    sc.description = "1024 fp16 elements; tensors of 64-256 elements; two compactions";
+    sc.script =
+        "# DeepSpeed's test1 as a story: a 1024-element fp16 buffer (2048 bytes),\n"
+        "# tensors of 64-256 elements (128-512 bytes).\n"
+        "alloc wte 256        # 128 elements at 0\n"
+        "alloc wpe 256        # 128 at 256\n"
+        "alloc qkv 512        # 256 at 512\n"
+        "alloc proj 256       # 128 at 1024\n"
+        "alloc fc1 512        # 256 at 1280\n"
+        "alloc ln 128         # 64 at 1792; 128 bytes left at the top\n"
+        "free wpe             # a 256-byte hole at 256\n"
+        "free proj            # another at 1024: 640 bytes free, no hole above 256\n"
+        "alloc fc2 384        # compaction #1: minimal-move slides qkv down (512 bytes);\n"
+        "                     # full compaction moves qkv, fc1 and ln (1152 bytes)\n"
+        "free wte             # 512 free: holes of 256, 128 and 128\n"
+        "alloc head 384       # compaction #2\n"
+        "alloc extra 256      # only 128 bytes free: out of memory, reported, run goes on\n"
+        "free qkv\n"
+        "free ln\n";
+    return sc;
+  }
+  if (name == "zero3") return zero3_scenario(24, 7);
+  return std::nullopt;
+}
+
+std::vector<std::string> arena_scenario_names() { return {"deepspeed-test1", "zero3"}; }
+
+}  // namespace tensormem::cli
