@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -90,7 +91,8 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
     start += head;
   }
   system_calls_.fetch_add(1, std::memory_order_relaxed);
-  if (mlock(start, mapped) != 0) {
+  // The raw system call: sanitizer runtimes replace mlock() with a no-op.
+  if (syscall(SYS_mlock, start, mapped) != 0) {
     const int error = errno;
     if (!options_.allow_unlocked_fallback) {
       munmap(start, mapped);

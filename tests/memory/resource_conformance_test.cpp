@@ -149,27 +149,29 @@ TYPED_TEST(resource_conformance, random_sequences_keep_contents) {
   struct block {
     void* p;
     std::size_t bytes;
+    std::size_t alignment;
     std::uint64_t seed;
   };
   std::vector<block> live;
   for (int step = 0; step < 1500; ++step) {
     if (live.empty() || rng() % 100 < 55) {
       const auto bytes = static_cast<std::size_t>(std::exp2(std::uniform_real_distribution<double>(0, 17)(rng)));
-      void* p = r.allocate(bytes, std::size_t{1} << (rng() % 8));
+      const std::size_t alignment = std::size_t{1} << (rng() % 8);
+      void* p = r.allocate(bytes, alignment);
       const std::uint64_t seed = rng();
       fill(p, bytes, seed);
-      live.push_back({p, bytes, seed});
+      live.push_back({p, bytes, alignment, seed});
     } else {
       const std::size_t i = rng() % live.size();
       ASSERT_TRUE(intact(live[i].p, live[i].bytes, live[i].seed)) << "step " << step;
-      r.deallocate(live[i].p, live[i].bytes, 1);
+      r.deallocate(live[i].p, live[i].bytes, live[i].alignment);
       live[i] = live.back();
       live.pop_back();
     }
   }
   for (const block& b : live) {
     EXPECT_TRUE(intact(b.p, b.bytes, b.seed));
-    r.deallocate(b.p, b.bytes, 1);
+    r.deallocate(b.p, b.bytes, b.alignment);
   }
 }
 
