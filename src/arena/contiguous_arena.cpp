@@ -6,6 +6,7 @@
 
 #include "tensormem/core/align.hpp"
 #include "tensormem/core/compaction.hpp"
+#include "move_down.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 
 namespace tensormem::arena {
@@ -37,7 +38,7 @@ void contiguous_arena::move_bytes(std::byte* dst, const std::byte* src, std::siz
   if (resource_.kind() == memory::memory_kind::cuda_device) {
     memory::cuda_move(dst, src, bytes);
   } else {
-    std::memmove(dst, src, bytes);
+    detail::move_down(dst, src, bytes);  // every defragmentation move goes down
   }
 }
 

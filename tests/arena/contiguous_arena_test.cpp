@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 
+#include "move_down.hpp"
 #include "tensormem/arena/contiguous_arena.hpp"
 #include "tensormem/core/align.hpp"
 #include "tensormem/core/compaction.hpp"
@@ -245,6 +246,46 @@ TEST(compaction, minimal_move_never_moves_more_than_full_compaction) {
     EXPECT_GE(largest, need);
   }
   EXPECT_FALSE(core::plan_minimal_move(std::vector<core::placed_block>{{0, 10, 1}}, 12, 3));
+}
+
+}  // namespace
+}  // namespace tensormem::arena
+
+namespace tensormem::arena {
+namespace {
+
+TEST(move_down, matches_memmove_for_overlapping_and_distant_moves) {
+  std::mt19937_64 rng(3);
+  std::vector<std::byte> buffer(std::size_t{3} << 20);
+  for (int trial = 0; trial < 40; ++trial) {
+    for (std::byte& b : buffer) b = static_cast<std::byte>(rng());
+    std::vector<std::byte> expected = buffer;
+    const std::size_t bytes = (std::size_t{256} << 10) + rng() % (std::size_t{1} << 20);
+    const std::size_t src = 1 + rng() % (buffer.size() - bytes - 1);
+    const std::size_t dst = rng() % src;  // below the source, overlapping or not
+    std::memmove(expected.data() + dst, expected.data() + src, bytes);
+    detail::move_down(buffer.data() + dst, buffer.data() + src, bytes);
+    ASSERT_EQ(std::memcmp(buffer.data(), expected.data(), buffer.size()), 0)
+        << "dst " << dst << " src " << src << " bytes " << bytes;
+  }
+}
+
+TEST(contiguous_arena, large_tensors_survive_defragmentation) {
+  memory::host_resource host;
+  contiguous_arena arena(host, std::uint64_t{8} << 20, {.alignment = 1});
+  std::vector<tensor_block> t;
+  for (int i = 0; i < 8; ++i) {
+    t.push_back(arena.allocate((std::uint64_t{1} << 20) - 3 + static_cast<std::uint64_t>(i)));
+    fill(t.back());
+  }
+  arena.release(t[0]);
+  arena.release(t[2]);
+  arena.release(t[4]);
+  const tensor_block big = arena.allocate(std::uint64_t{3} << 20);
+  fill(big);
+  EXPECT_GE(arena.stats().defragmentations, 1U);
+  for (const std::size_t i : {1U, 3U, 5U, 6U, 7U}) EXPECT_TRUE(intact(arena.block(t[i].id))) << i;
+  EXPECT_TRUE(intact(arena.block(big.id)));
 }
 
 }  // namespace
