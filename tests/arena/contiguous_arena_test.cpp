@@ -275,7 +275,7 @@ TEST(contiguous_arena, large_tensors_survive_defragmentation) {
   contiguous_arena arena(host, std::uint64_t{8} << 20, {.alignment = 1});
   std::vector<tensor_block> t;
   for (int i = 0; i < 8; ++i) {
-    t.push_back(arena.allocate((std::uint64_t{1} << 20) - 3 + static_cast<std::uint64_t>(i)));
+    t.push_back(arena.allocate((std::uint64_t{1} << 20) - 3 - static_cast<std::uint64_t>(i)));
     fill(t.back());
   }
   arena.release(t[0]);
