@@ -8,9 +8,10 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <map>
 #include <optional>
 #include <random>
@@ -150,18 +151,10 @@ void bm_random_mix(benchmark::State& state) {
   }
 }
 
-std::string trace_file(const std::string& name) {
-  for (const std::string& dir :
-       {std::string(TENSORMEM_SOURCE_DIR) + "/../shared/traces",
-        std::string(TENSORMEM_SOURCE_DIR) + "/tests/data/traces"}) {
-    if (std::filesystem::exists(dir + "/" + name)) return dir + "/" + name;
-  }
-  return std::string(TENSORMEM_SOURCE_DIR) + "/tests/data/traces/" + name;
-}
 
 template <class Allocator>
 void bm_trace(benchmark::State& state, const std::string& name) {
-  const auto buffers = trace::read_trace(trace_file(name));
+  const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
   const std::uint64_t lb = core::lower_bound(buffers);
   for (auto _ : state) {
     Allocator a(core::growing, 1);
@@ -198,10 +191,5 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  register_all();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return tensormem::bench::run_benchmarks(argc, argv, register_all);
 }

@@ -7,7 +7,8 @@
 
 #include <benchmark/benchmark.h>
 
-#include <filesystem>
+#include "bench_support.hpp"
+
 #include <string>
 
 #include "tensormem/core/planner.hpp"
@@ -18,14 +19,9 @@ namespace trace = tensormem::trace;
 
 namespace {
 
-std::string trace_file(const std::string& name) {
-  const std::string shared = std::string(TENSORMEM_SOURCE_DIR) + "/../shared/traces/" + name;
-  if (std::filesystem::exists(shared)) return shared;
-  return std::string(TENSORMEM_SOURCE_DIR) + "/tests/data/traces/" + name;
-}
 
 void bm_plan(benchmark::State& state, const std::string& name, double time_limit, bool search) {
-  const auto buffers = trace::read_trace(trace_file(name));
+  const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
   core::plan_options o;
   o.time_limit_seconds = time_limit;
   o.search = search;
@@ -70,10 +66,5 @@ void register_all() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  register_all();
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return tensormem::bench::run_benchmarks(argc, argv, register_all);
 }
