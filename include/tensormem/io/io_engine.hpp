@@ -1,0 +1,66 @@
+#pragma once
+// Asynchronous file I/O engines behind one interface: io_uring, or a pool of threads.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tensormem::io {
+
+/// One read or write of `bytes` at `offset` of `fd`. The buffer must stay valid, and
+/// untouched for a write, until the request's completion has been returned by `wait`.
+struct io_request {
+  int fd = -1;
+  std::uint64_t offset = 0;
+  void* buffer = nullptr;
+  std::size_t bytes = 0;
+  bool write = false;
+  std::uint64_t user_data = 0;  ///< returned with the completion
+};
+
+/// The outcome of one request: the bytes transferred (all of them unless the file ended, or
+/// a write stopped making progress) or -errno. Short transfers are continued by the engine;
+/// a completion with 0 <= result < bytes means no further progress was possible.
+struct io_completion {
+  std::uint64_t user_data = 0;
+  std::int64_t result = 0;
+  std::size_t bytes = 0;  ///< what was asked
+};
+
+enum class engine_kind { uring, threads };
+
+/// Contract of every engine. Requests are queued by `submit` (never blocks on I/O; the
+/// engine keeps at most `queue_depth` in flight and starts the rest as others complete).
+/// `wait(n)` blocks until at least n completions are ready (n is clamped to what is
+/// outstanding) and returns every ready one. Errors are per request, never exceptions;
+/// `submit` throws only std::bad_alloc. The destructor waits for everything in flight.
+/// Not thread-safe: one thread submits and waits.
+class io_engine {
+ public:
+  virtual ~io_engine() = default;
+  virtual void submit(std::span<const io_request> requests) = 0;
+  virtual std::vector<io_completion> wait(std::size_t min_completions) = 0;
+  /// Submitted requests whose completions have not been returned yet.
+  virtual std::size_t outstanding() const noexcept = 0;
+  virtual engine_kind kind() const noexcept = 0;
+  virtual unsigned queue_depth() const noexcept = 0;
+};
+
+/// An io_uring engine (liburing). Throws std::system_error when io_uring cannot be set up
+/// (old kernel, seccomp, io_uring_disabled).
+std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth);
+/// pread/pwrite on `threads` threads, at most `queue_depth` requests in flight.
+std::unique_ptr<io_engine> make_thread_engine(unsigned queue_depth, unsigned threads = 4);
+
+/// The engine asked for; when io_uring is asked for but unavailable, the thread engine,
+/// with the reason written to `fallback_reason` (empty when no fallback happened).
+std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_depth,
+                                       std::string& fallback_reason);
+
+std::string_view to_string(engine_kind kind) noexcept;
+
+}  // namespace tensormem::io

@@ -1,0 +1,130 @@
+// Thread-pool engine: pread/pwrite on worker threads, for systems without io_uring.
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "tensormem/io/io_engine.hpp"
+
+namespace tensormem::io {
+
+namespace {
+
+std::int64_t transfer(const io_request& r) {
+  std::size_t done = 0;
+  while (done < r.bytes) {
+    auto* buffer = static_cast<char*>(r.buffer) + done;
+    const auto offset = static_cast<off_t>(r.offset + done);
+    const ssize_t n = r.write ? pwrite(r.fd, buffer, r.bytes - done, offset)
+                              : pread(r.fd, buffer, r.bytes - done, offset);
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return -errno;
+    }
+    if (n == 0) break;  // end of file, or a write that makes no progress
+    done += static_cast<std::size_t>(n);
+  }
+  return static_cast<std::int64_t>(done);
+}
+
+class thread_engine final : public io_engine {
+ public:
+  thread_engine(unsigned queue_depth, unsigned threads)
+      : depth_(queue_depth == 0 ? 1 : queue_depth) {
+    threads = std::clamp(threads, 1U, depth_);
+    for (unsigned t = 0; t < threads; ++t) workers_.emplace_back([this] { work(); });
+  }
+
+  ~thread_engine() override {
+    {
+      const std::lock_guard lock(mutex_);
+      stopping_ = true;  // workers finish the queue first
+    }
+    work_ready_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  void submit(std::span<const io_request> requests) override {
+    {
+      const std::lock_guard lock(mutex_);
+      queue_.insert(queue_.end(), requests.begin(), requests.end());
+    }
+    outstanding_ += requests.size();
+    work_ready_.notify_all();
+  }
+
+  std::vector<io_completion> wait(std::size_t min_completions) override {
+    min_completions = std::min(min_completions, outstanding_);
+    std::unique_lock lock(mutex_);
+    done_ready_.wait(lock, [&] { return done_.size() >= min_completions; });
+    std::vector<io_completion> out(done_.begin(), done_.end());
+    done_.clear();
+    lock.unlock();
+    outstanding_ -= out.size();
+    return out;
+  }
+
+  std::size_t outstanding() const noexcept override { return outstanding_; }
+  engine_kind kind() const noexcept override { return engine_kind::threads; }
+  unsigned queue_depth() const noexcept override { return depth_; }
+
+ private:
+  void work() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      work_ready_.wait(lock, [&] { return (!queue_.empty() && busy_ < depth_) || (stopping_ && queue_.empty()); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      const io_request r = queue_.front();
+      queue_.pop_front();
+      ++busy_;
+      lock.unlock();
+      const std::int64_t result = transfer(r);
+      lock.lock();
+      --busy_;
+      done_.push_back({r.user_data, result, r.bytes});
+      done_ready_.notify_all();
+      work_ready_.notify_one();
+    }
+  }
+
+  unsigned depth_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable done_ready_;
+  std::deque<io_request> queue_;
+  std::vector<io_completion> done_;
+  unsigned busy_ = 0;
+  bool stopping_ = false;
+  std::size_t outstanding_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<io_engine> make_thread_engine(unsigned queue_depth, unsigned threads) {
+  return std::make_unique<thread_engine>(queue_depth, threads);
+}
+
+std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_depth,
+                                       std::string& fallback_reason) {
+  fallback_reason.clear();
+  if (preferred == engine_kind::uring) {
+    try {
+      return make_uring_engine(queue_depth);
+    } catch (const std::system_error& e) {
+      fallback_reason = std::string("io_uring unavailable (") + e.what() + "); using threads";
+    }
+  }
+  return make_thread_engine(queue_depth, std::min(queue_depth, 8U));
+}
+
+std::string_view to_string(engine_kind kind) noexcept {
+  return kind == engine_kind::uring ? "uring" : "threads";
+}
+
+}  // namespace tensormem::io

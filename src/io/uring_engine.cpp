@@ -1,0 +1,158 @@
+// io_uring engine: bounded queue depth, many requests queued then submitted at once,
+// completions reaped in batches, short transfers and -EAGAIN continued, drained on teardown.
+
+#include <liburing.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <deque>
+#include <system_error>
+
+#include "tensormem/io/io_engine.hpp"
+
+namespace tensormem::io {
+
+namespace {
+
+class uring_engine final : public io_engine {
+ public:
+  explicit uring_engine(unsigned queue_depth) : depth_(queue_depth == 0 ? 1 : queue_depth) {
+    const int rc = io_uring_queue_init(depth_, &ring_, 0);
+    if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_queue_init");
+    slots_.resize(depth_);
+    for (unsigned i = 0; i < depth_; ++i) free_slots_.push_back(i);
+  }
+
+  ~uring_engine() override {
+    while (in_flight_ != 0) reap(1);  // the kernel may still write into our buffers
+    io_uring_queue_exit(&ring_);
+  }
+
+  void submit(std::span<const io_request> requests) override {
+    for (const io_request& r : requests) pending_.push_back({r, 0});
+    outstanding_ += requests.size();
+    pump();
+  }
+
+  std::vector<io_completion> wait(std::size_t min_completions) override {
+    min_completions = std::min(min_completions, outstanding_);
+    while (ready_.size() < min_completions) {
+      pump();
+      reap(1);
+    }
+    reap(0);  // whatever else is ready, without blocking
+    pump();
+    std::vector<io_completion> out(ready_.begin(), ready_.end());
+    ready_.clear();
+    outstanding_ -= out.size();
+    return out;
+  }
+
+  std::size_t outstanding() const noexcept override { return outstanding_; }
+  engine_kind kind() const noexcept override { return engine_kind::uring; }
+  unsigned queue_depth() const noexcept override { return depth_; }
+
+ private:
+  struct op {
+    io_request request;
+    std::size_t done = 0;  // bytes already transferred
+  };
+
+  // Moves pending requests into free slots and submits them with one system call.
+  void pump() {
+    bool queued = false;
+    while (!pending_.empty() && !free_slots_.empty()) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe == nullptr) break;
+      const unsigned slot = free_slots_.back();
+      free_slots_.pop_back();
+      slots_[slot] = pending_.front();
+      pending_.pop_front();
+      prepare(sqe, slot);
+      queued = true;
+    }
+    if (queued) {
+      const int rc = io_uring_submit(&ring_);
+      if (rc >= 0) in_flight_ += static_cast<unsigned>(rc);
+    }
+  }
+
+  void prepare(io_uring_sqe* sqe, unsigned slot) {
+    const op& o = slots_[slot];
+    auto* buffer = static_cast<char*>(o.request.buffer) + o.done;
+    const auto remaining = static_cast<unsigned>(std::min<std::size_t>(o.request.bytes - o.done, 1U << 30));
+    const auto offset = static_cast<__u64>(o.request.offset + o.done);
+    if (o.request.write) io_uring_prep_write(sqe, o.request.fd, buffer, remaining, offset);
+    else io_uring_prep_read(sqe, o.request.fd, buffer, remaining, offset);
+    io_uring_sqe_set_data64(sqe, slot);
+  }
+
+  // Reaps completions; blocks for at least `min` of them.
+  void reap(unsigned min) {
+    io_uring_cqe* cqe = nullptr;
+    if (min > 0 && in_flight_ > 0) {
+      const int rc = io_uring_wait_cqe(&ring_, &cqe);
+      if (rc < 0 && rc != -EINTR && rc != -EAGAIN) return;
+    }
+    unsigned head = 0;
+    unsigned seen = 0;
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+      ++seen;
+      finish(static_cast<unsigned>(io_uring_cqe_get_data64(cqe)), cqe->res);
+    }
+    io_uring_cq_advance(&ring_, seen);
+    in_flight_ -= seen;
+    bool resubmit = false;
+    for (const unsigned slot : retry_) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe == nullptr) {  // cannot happen: a slot frees an entry; be safe anyway
+        pending_.push_front(slots_[slot]);
+        free_slots_.push_back(slot);
+        continue;
+      }
+      prepare(sqe, slot);
+      resubmit = true;
+    }
+    retry_.clear();
+    if (resubmit) {
+      const int rc = io_uring_submit(&ring_);
+      if (rc >= 0) in_flight_ += static_cast<unsigned>(rc);
+    }
+  }
+
+  void finish(unsigned slot, int res) {
+    op& o = slots_[slot];
+    if (res == -EAGAIN || res == -EINTR) {
+      retry_.push_back(slot);
+      return;
+    }
+    if (res > 0) {
+      o.done += static_cast<std::size_t>(res);
+      if (o.done < o.request.bytes) {  // short transfer: continue where it stopped
+        retry_.push_back(slot);
+        return;
+      }
+    }
+    const std::int64_t result = res < 0 ? res : static_cast<std::int64_t>(o.done);
+    ready_.push_back({o.request.user_data, result, o.request.bytes});
+    free_slots_.push_back(slot);
+  }
+
+  unsigned depth_;
+  io_uring ring_{};
+  std::vector<op> slots_;
+  std::vector<unsigned> free_slots_;
+  std::vector<unsigned> retry_;
+  std::deque<op> pending_;
+  std::vector<io_completion> ready_;
+  unsigned in_flight_ = 0;
+  std::size_t outstanding_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth) {
+  return std::make_unique<uring_engine>(queue_depth);
+}
+
+}  // namespace tensormem::io
