@@ -1,0 +1,126 @@
+#pragma once
+// Tensors out to files and back, asynchronously, through pinned staging buffers.
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensormem/io/io_engine.hpp"
+#include "tensormem/memory/pinned_pool.hpp"
+
+namespace tensormem::swap {
+
+struct swap_options {
+  io::engine_kind engine = io::engine_kind::uring;  ///< falls back to threads, reported
+  unsigned queue_depth = 32;
+  std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per I/O request (multiple of 4096)
+  std::size_t staging_buffers = 8;                 ///< pinned buffers of block_bytes each
+  bool direct = true;      ///< O_DIRECT where the filesystem allows it (reported otherwise)
+  bool checksums = true;   ///< CRC-32C written with each tensor and verified on swap-in
+};
+
+/// A tensor's bytes in host memory.
+struct tensor_ref {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+/// The outcome for one tensor: error 0 means the tensor's bytes are on disk (swap-out; its
+/// memory may be reused now) or back in the tensor (swap-in, checksum verified when on).
+struct swap_result {
+  std::string path;
+  std::size_t bytes = 0;
+  int error = 0;        ///< 0 or an errno value (EIO for a short transfer, EBADMSG for a bad checksum)
+  std::string message;  ///< empty on success
+};
+
+struct swap_stats {
+  std::uint64_t tensors_out = 0;
+  std::uint64_t tensors_in = 0;
+  std::uint64_t bytes_out = 0;
+  std::uint64_t bytes_in = 0;
+  std::uint64_t failed = 0;
+  std::uint64_t staged_bytes = 0;   ///< bytes copied through staging buffers
+  std::uint64_t direct_bytes = 0;   ///< bytes written/read straight from/to tensor memory
+  double seconds_out = 0;           ///< from submission to completion, summed per ticket
+  double seconds_in = 0;
+  double seconds_waiting = 0;       ///< time the caller spent blocked in wait/synchronize
+  bool direct = false;              ///< O_DIRECT in use
+  bool checksums = false;
+  std::string engine;               ///< "uring" or "threads"
+  std::string fallback;             ///< why an engine or O_DIRECT fallback happened; empty if none
+  double write_gbps() const noexcept { return seconds_out > 0 ? static_cast<double>(bytes_out) / seconds_out / 1e9 : 0; }
+  double read_gbps() const noexcept { return seconds_in > 0 ? static_cast<double>(bytes_in) / seconds_in / 1e9 : 0; }
+};
+
+/// DeepSpeed's AsyncTensorSwapper, both ways, on io_uring.
+///
+/// File format: a 4096-byte header (magic, tensor bytes, CRC-32C, flags) then the bytes,
+/// padded to 4096. A file is rewritten in place (no O_TRUNC, so its blocks are reused) and
+/// cut to its new length once the data is written, so a smaller tensor leaves no old tail.
+///
+/// Contract:
+/// - `swap_out(tensors, paths)` / `swap_in(paths, tensors)` queue the transfers and return a
+///   ticket; they block only while every staging buffer is busy. Tensor memory must stay
+///   valid and, for swap-out, unchanged until `wait(ticket)` reports it.
+/// - Tensors whose memory and size are 4096-aligned move straight between their memory and
+///   the file; others go through pinned staging buffers. A staging buffer is reused only after
+///   its request completed.
+/// - `wait(ticket)` returns one result per tensor. A failed or short write is reported for that
+///   tensor (its bytes are still in its memory). Swap-in of a path never written, or of a file
+///   that holds another size, is an error for that tensor.
+/// Not thread-safe: one thread drives a swapper.
+class tensor_swapper {
+ public:
+  tensor_swapper(memory::pinned_pool& pool, swap_options options = {});
+  ~tensor_swapper();
+  tensor_swapper(const tensor_swapper&) = delete;
+  tensor_swapper& operator=(const tensor_swapper&) = delete;
+
+  std::uint64_t swap_out(std::span<const tensor_ref> tensors, std::span<const std::string> paths);
+  std::uint64_t swap_in(std::span<const std::string> paths, std::span<const tensor_ref> tensors);
+  std::vector<swap_result> wait(std::uint64_t ticket);
+  /// Waits for every ticket; their results are dropped.
+  void synchronize();
+  swap_stats stats() const { return stats_; }
+  /// Named timers (seconds): "checksum", "staging_copy", "wait".
+  const std::map<std::string, double>& timers() const noexcept { return timers_; }
+  const swap_options& options() const noexcept { return options_; }
+
+ private:
+  struct job;
+  struct pending_request;
+  using clock = std::chrono::steady_clock;
+
+  std::uint64_t start(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
+                      bool out);
+  void start_out(job& j);
+  void start_in(job& j);
+  int open_file(const std::string& path, bool out, bool& direct);
+  std::size_t take_staging();
+  void issue(std::size_t job_index, std::uint64_t file_offset, void* buffer, std::size_t bytes,
+             bool write, std::size_t staging, void* copy_to, std::size_t copy_bytes);
+  void drive(std::size_t min_completions);
+  void on_completion(const io::io_completion& c);
+  void finish(job& j);
+
+  memory::pinned_pool& pool_;
+  swap_options options_;
+  std::unique_ptr<io::io_engine> engine_;
+  std::vector<std::byte*> staging_;
+  std::vector<std::size_t> free_staging_;
+  std::vector<job> jobs_;
+  std::vector<pending_request> requests_;
+  std::vector<std::size_t> free_requests_;
+  std::map<std::uint64_t, std::vector<std::size_t>> tickets_;  // ticket -> job indices
+  std::uint64_t next_ticket_ = 1;
+  swap_stats stats_;
+  std::map<std::string, double> timers_;
+};
+
+}  // namespace tensormem::swap

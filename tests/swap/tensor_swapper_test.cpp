@@ -1,0 +1,211 @@
+// The swapper, by content, on real files and both engines: odd sizes, checksums, misuse,
+// a file-size limit, and O_DIRECT fallback on tmpfs.
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tensormem/memory/pinned_pool.hpp"
+#include "tensormem/swap/crc32c.hpp"
+#include "tensormem/swap/tensor_swapper.hpp"
+
+namespace tensormem::swap {
+namespace {
+
+namespace fs = std::filesystem;
+
+class swap_dir {
+ public:
+  explicit swap_dir(const fs::path& parent = fs::temp_directory_path()) {
+    std::string templ = (parent / "tensormem-swap-XXXXXX").string();
+    if (mkdtemp(templ.data()) != nullptr) path_ = templ;
+  }
+  ~swap_dir() {
+    if (!path_.empty()) fs::remove_all(path_);
+  }
+  bool ok() const { return !path_.empty(); }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+void fill(std::byte* p, std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>(rng());
+}
+
+TEST(crc32c, known_vector) {
+  const char text[] = "123456789";
+  EXPECT_EQ(crc32c(text, 9), 0xE3069283U);
+  EXPECT_EQ(crc32c(text + 4, 5, crc32c(text, 4)), 0xE3069283U);
+}
+
+class swapper_test : public ::testing::TestWithParam<io::engine_kind> {};
+
+TEST_P(swapper_test, round_trips_odd_sizes_by_content) {
+  swap_dir dir;
+  ASSERT_TRUE(dir.ok());
+  memory::pinned_pool pool({.slab_bytes = std::size_t{64} << 20});
+  tensor_swapper swapper(pool, {.engine = GetParam(), .queue_depth = 16,
+                                .block_bytes = std::size_t{1} << 20, .staging_buffers = 4});
+  const std::vector<std::size_t> sizes = {1, 7, 4095, 4096, 4097, 100000, (std::size_t{1} << 20) + 13,
+                                          std::size_t{3} << 20, std::size_t{64} << 20};
+  std::vector<std::vector<std::byte>> plain;  // unaligned memory: staged under O_DIRECT
+  std::vector<void*> pinned;                  // aligned memory: straight from the tensor
+  std::vector<tensor_ref> out;
+  std::vector<std::string> paths;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const bool aligned_case = i % 2 == 1;
+    std::byte* p = nullptr;
+    if (aligned_case) {
+      p = static_cast<std::byte*>(pool.allocate(sizes[i], 4096));
+      pinned.push_back(p);
+    } else {
+      plain.emplace_back(sizes[i] + 1);
+      p = plain.back().data() + 1;  // deliberately misaligned
+    }
+    fill(p, sizes[i], i);
+    out.push_back({p, sizes[i]});
+    paths.push_back(dir.file("t" + std::to_string(i)));
+  }
+  for (const swap_result& r : swapper.wait(swapper.swap_out(out, paths))) {
+    EXPECT_EQ(r.error, 0) << r.path << ": " << r.message;
+  }
+  // Wipe the tensors, read them back, compare.
+  std::vector<std::vector<std::byte>> expected;
+  for (const tensor_ref& t : out) {
+    expected.emplace_back(static_cast<std::byte*>(t.data), static_cast<std::byte*>(t.data) + t.bytes);
+    std::memset(t.data, 0, t.bytes);
+  }
+  for (const swap_result& r : swapper.wait(swapper.swap_in(paths, out))) {
+    EXPECT_EQ(r.error, 0) << r.path << ": " << r.message;
+  }
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    EXPECT_EQ(std::memcmp(out[i].data, expected[i].data(), out[i].bytes), 0) << "tensor " << i;
+    EXPECT_EQ(fs::file_size(paths[i]), 4096 + (sizes[i] + 4095) / 4096 * 4096);
+  }
+  const swap_stats s = swapper.stats();
+  EXPECT_EQ(s.tensors_out, sizes.size());
+  EXPECT_EQ(s.tensors_in, sizes.size());
+  EXPECT_GT(s.direct_bytes, 0U);
+  if (s.direct) {
+    EXPECT_GT(s.staged_bytes, 0U);
+  }
+  EXPECT_TRUE(s.checksums);
+  for (void* p : pinned) pool.free(p);
+}
+
+TEST_P(swapper_test, checksum_catches_corruption_and_misuse_is_reported) {
+  swap_dir dir;
+  memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+  tensor_swapper swapper(pool, {.engine = GetParam(), .staging_buffers = 2});
+  std::vector<std::byte> a(50000);
+  fill(a.data(), a.size(), 9);
+  const std::string path = dir.file("a");
+  const tensor_ref t{a.data(), a.size()};
+  ASSERT_EQ(swapper.wait(swapper.swap_out({&t, 1}, {&path, 1})).at(0).error, 0);
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4096 + 1234);
+    f.put('\x5a');
+  }
+  const swap_result bad = swapper.wait(swapper.swap_in({&path, 1}, {&t, 1})).at(0);
+  EXPECT_EQ(bad.error, EBADMSG) << bad.message;
+  EXPECT_NE(bad.message.find("checksum mismatch"), std::string::npos);
+
+  const std::string never = dir.file("never-written");
+  const swap_result missing = swapper.wait(swapper.swap_in({&never, 1}, {&t, 1})).at(0);
+  EXPECT_EQ(missing.error, ENOENT);
+  EXPECT_NE(missing.message.find("never swapped out"), std::string::npos) << missing.message;
+
+  std::vector<std::byte> small(100);
+  const tensor_ref s{small.data(), small.size()};
+  const swap_result wrong = swapper.wait(swapper.swap_in({&path, 1}, {&s, 1})).at(0);
+  EXPECT_EQ(wrong.error, EINVAL);
+  EXPECT_NE(wrong.message.find("holds 50000 bytes"), std::string::npos) << wrong.message;
+
+  // Rewriting with a smaller tensor leaves no old tail.
+  ASSERT_EQ(swapper.wait(swapper.swap_out({&s, 1}, {&path, 1})).at(0).error, 0);
+  EXPECT_EQ(fs::file_size(path), 4096U + 4096U);
+  EXPECT_THROW(swapper.wait(12345), std::invalid_argument);
+  EXPECT_EQ(swapper.stats().failed, 3U);
+}
+
+TEST_P(swapper_test, a_full_file_size_limit_fails_that_tensor_and_keeps_its_bytes) {
+  swap_dir dir;
+  const std::string big_path = dir.file("big");
+  const std::string small_path = dir.file("small");
+  const io::engine_kind kind = GetParam();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit{std::size_t{2} << 20, std::size_t{2} << 20};
+    setrlimit(RLIMIT_FSIZE, &limit);
+    memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+    tensor_swapper swapper(pool, {.engine = kind, .staging_buffers = 2});
+    std::vector<std::byte> big(std::size_t{3} << 20);
+    std::vector<std::byte> small(5000);
+    fill(big.data(), big.size(), 1);
+    fill(small.data(), small.size(), 2);
+    const std::vector<std::byte> big_copy = big;
+    const tensor_ref tensors[] = {{big.data(), big.size()}, {small.data(), small.size()}};
+    const std::string paths[] = {big_path, small_path};
+    const auto r = swapper.wait(swapper.swap_out(tensors, paths));
+    const bool ok = r[0].error == EFBIG && r[1].error == 0 && big == big_copy &&
+                    r[0].message.find("failed") != std::string::npos;
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(engines, swapper_test,
+                         ::testing::Values(io::engine_kind::uring, io::engine_kind::threads),
+                         [](const auto& param_info) { return std::string(io::to_string(param_info.param)); });
+
+TEST(swapper, tmpfs_direct_or_buffered_is_reported) {
+  if (!fs::exists("/dev/shm")) GTEST_SKIP() << "no /dev/shm (tmpfs) here";
+  swap_dir dir("/dev/shm");
+  if (!dir.ok()) GTEST_SKIP() << "cannot create a directory in /dev/shm";
+  memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+  tensor_swapper swapper(pool, {.staging_buffers = 2});
+  std::vector<std::byte> a(10000);
+  fill(a.data(), a.size(), 3);
+  const tensor_ref t{a.data(), a.size()};
+  const std::string path = dir.file("x");
+  ASSERT_EQ(swapper.wait(swapper.swap_out({&t, 1}, {&path, 1})).at(0).error, 0);
+  std::memset(a.data(), 0, a.size());
+  ASSERT_EQ(swapper.wait(swapper.swap_in({&path, 1}, {&t, 1})).at(0).error, 0);
+  std::vector<std::byte> expected(10000);
+  fill(expected.data(), expected.size(), 3);
+  EXPECT_EQ(a, expected);
+  // Kernels since 6.6 let tmpfs take O_DIRECT; older ones refuse it. Either way the swapper
+  // must say what it used.
+  const int probe = open(dir.file("probe").c_str(), O_CREAT | O_WRONLY | O_DIRECT, 0644);
+  const bool tmpfs_direct = probe >= 0;
+  if (probe >= 0) close(probe);
+  EXPECT_EQ(swapper.stats().direct, tmpfs_direct);
+  if (!tmpfs_direct) {
+    EXPECT_NE(swapper.stats().fallback.find("O_DIRECT refused"), std::string::npos)
+        << swapper.stats().fallback;
+  } else {
+    EXPECT_EQ(swapper.stats().fallback.find("O_DIRECT"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace tensormem::swap
