@@ -1,5 +1,6 @@
 #include "arena_ops.hpp"
 
+#include <cstring>
 #include <istream>
 #include <map>
 #include <random>
@@ -61,6 +62,7 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
                                bool verify, std::size_t resolution) {
   arena_run_result r;
   std::map<std::string, std::uint64_t> ids;  // name -> arena id
+  std::map<std::string, std::vector<std::byte>> expected;  // name -> its pattern (verify)
   if (verify) r.verified = true;
   for (const arena_op& op : ops) {
     ++r.steps;
@@ -78,7 +80,10 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
         const arena::tensor_block b = arena.allocate(op.bytes);
         ids[op.name] = b.id;
         if (verify) {
-          for (std::uint64_t i = 0; i < b.bytes; ++i) b.data()[i] = pattern(seed_of(op.name), i);
+          std::vector<std::byte>& want = expected[op.name];
+          want.resize(b.bytes);
+          for (std::uint64_t i = 0; i < b.bytes; ++i) want[i] = pattern(seed_of(op.name), i);
+          std::memcpy(b.data(), want.data(), want.size());
         }
       } catch (const arena::arena_out_of_memory& e) {
         failed(e.what());
@@ -91,6 +96,7 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
       }
       arena.release(it->second);
       ids.erase(it);
+      expected.erase(op.name);
     }
     if (arena.stats().defragmentations != defrags) {
       r.maps_after_defrag.push_back(arena.print_allocation(resolution));
@@ -98,12 +104,10 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
     if (verify && *r.verified) {
       for (const auto& [name, id] : ids) {
         const arena::tensor_block b = arena.block(id);
-        for (std::uint64_t i = 0; i < b.bytes; ++i) {
-          if (b.data()[i] != pattern(seed_of(name), i)) {
-            r.verified = false;
-            failed("contents of '" + name + "' changed");
-            break;
-          }
+        const std::vector<std::byte>& want = expected.at(name);
+        if (b.bytes != 0 && std::memcmp(b.data(), want.data(), want.size()) != 0) {
+          r.verified = false;
+          failed("contents of '" + name + "' changed");
         }
       }
     }

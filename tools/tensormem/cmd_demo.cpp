@@ -1,6 +1,10 @@
 // `tensormem demo`: the main job on the built-in model, a transformer training step.
 
+#include <stdlib.h>
+
 #include <iostream>
+#include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -18,6 +22,7 @@
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/core/transformer_step.hpp"
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/swap/tensor_swapper.hpp"
 
 namespace tensormem::cli {
 
@@ -66,6 +71,65 @@ std::vector<arena_row> run_arena_section(const arena_scenario& sc) {
   return rows;
 }
 
+struct swap_section {
+  std::size_t tensors = 0;
+  std::uint64_t bytes = 0;
+  swap::swap_stats stats;
+  bool verified = false;
+};
+
+// The swap section: layer 0's saved activations out to a temporary directory and back.
+swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes& life) {
+  namespace fs = std::filesystem;
+  std::string templ = (fs::temp_directory_path() / "tensormem-demo-XXXXXX").string();
+  if (mkdtemp(templ.data()) == nullptr) throw std::runtime_error("cannot create a directory in " + fs::temp_directory_path().string());
+  const fs::path dir = templ;
+  swap_section out;
+  try {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 20});
+    swap::tensor_swapper swapper(pool);
+    std::vector<swap::tensor_ref> tensors;
+    std::vector<std::string> paths;
+    std::vector<std::uint32_t> seeds;
+    for (std::size_t k = 0; k < life.buffers.size(); ++k) {
+      const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
+      // Activations layer 0 keeps for its backward pass.
+      if (t.name.rfind("l0.", 0) != 0 || t.name.find(".grad") != std::string::npos ||
+          life.buffers[k].upper - life.buffers[k].lower < 3) {
+        continue;
+      }
+      auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(t.bytes), 4096));
+      for (std::size_t i = 0; i < t.bytes; i += 64) p[i] = static_cast<std::byte>(k * 31 + i / 64);
+      tensors.push_back({p, static_cast<std::size_t>(t.bytes)});
+      paths.push_back((dir / t.name).string());
+      out.bytes += t.bytes;
+    }
+    out.tensors = tensors.size();
+    bool ok = true;
+    for (const auto& r : swapper.wait(swapper.swap_out(tensors, paths))) ok = ok && r.error == 0;
+    for (const auto& t : tensors) std::memset(t.data, 0, t.bytes);
+    for (const auto& r : swapper.wait(swapper.swap_in(paths, tensors))) ok = ok && r.error == 0;
+    std::size_t k = 0;
+    for (std::size_t b = 0; b < life.buffers.size() && ok; ++b) {
+      const core::graph_tensor& t = g.tensors()[life.tensor_of[b]];
+      if (t.name.rfind("l0.", 0) != 0 || t.name.find(".grad") != std::string::npos ||
+          life.buffers[b].upper - life.buffers[b].lower < 3) {
+        continue;
+      }
+      const auto* p = static_cast<const std::byte*>(tensors[k++].data);
+      for (std::size_t i = 0; i < t.bytes && ok; i += 64) ok = p[i] == static_cast<std::byte>(b * 31 + i / 64);
+    }
+    out.verified = ok;
+    out.stats = swapper.stats();
+    for (const auto& t : tensors) pool.free(t.data);
+  } catch (...) {
+    fs::remove_all(dir);
+    throw;
+  }
+  fs::remove_all(dir);
+  return out;
+}
+
 void run_demo(const demo_options& o) {
   const core::graph g = core::make_transformer_step(o.model);
   const core::graph_lifetimes life = core::derive_lifetimes(g, o.alignment);
@@ -87,6 +151,7 @@ void run_demo(const demo_options& o) {
 
   const arena_scenario zero3 = zero3_scenario(o.model.layers * 2, 7);
   const std::vector<arena_row> arena_rows = run_arena_section(zero3);
+  const swap_section swapped = run_swap_section(g, life);
 
   if (o.json) {
     nlohmann::json j;
@@ -98,6 +163,14 @@ void run_demo(const demo_options& o) {
                             {"moves", r.stats.moves},
                             {"verified", r.verified}});
     }
+    j["swap"] = {{"tensors", swapped.tensors},
+                 {"bytes", swapped.bytes},
+                 {"write_gbps", swapped.stats.write_gbps()},
+                 {"read_gbps", swapped.stats.read_gbps()},
+                 {"engine", swapped.stats.engine},
+                 {"direct", swapped.stats.direct},
+                 {"checksums", swapped.stats.checksums},
+                 {"verified", swapped.verified}};
     j["model"] = {{"layers", o.model.layers},         {"hidden", o.model.hidden},
                   {"heads", o.model.heads},           {"sequence", o.model.sequence},
                   {"batch", o.model.batch},           {"vocabulary", o.model.vocabulary},
@@ -157,6 +230,15 @@ void run_demo(const demo_options& o) {
                              r.stats.defragmentations, human_bytes(r.stats.bytes_moved),
                              r.stats.moves, r.verified ? "intact" : "CHANGED");
   }
+  std::cout << fmt::format("\nswap: layer 0's {} saved activations ({}) out to {} and back\n",
+                           swapped.tensors, human_bytes(swapped.bytes),
+                           std::filesystem::temp_directory_path().string())
+            << fmt::format("  engine {}, {}, checksums {}; write {:.2f} GB/s, read {:.2f} GB/s; "
+                           "contents {}\n",
+                           swapped.stats.engine, swapped.stats.direct ? "O_DIRECT" : "buffered",
+                           swapped.stats.checksums ? "verified" : "off", swapped.stats.write_gbps(),
+                           swapped.stats.read_gbps(), swapped.verified ? "intact" : "CHANGED");
+  if (!swapped.stats.fallback.empty()) std::cout << "  fallback: " << swapped.stats.fallback << '\n';
 }
 
 }  // namespace

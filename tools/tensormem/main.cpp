@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   tensormem::cli::add_demo_command(app);
   tensormem::cli::add_plan_command(app);
   tensormem::cli::add_arena_command(app);
+  tensormem::cli::add_swap_bench_command(app);
   tensormem::cli::add_pinned_bench_command(app);
   tensormem::cli::add_replay_command(app);
   try {
