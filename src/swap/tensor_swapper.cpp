@@ -62,12 +62,16 @@ struct tensor_swapper::pending_request {
 };
 
 tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options)
-    : pool_(pool), options_(options) {
+    : tensor_swapper(pool, options, nullptr) {}
+
+tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
+                               std::unique_ptr<io::io_engine> engine)
+    : pool_(pool), options_(options), engine_(std::move(engine)) {
   if (options_.block_bytes == 0 || options_.block_bytes % io_alignment != 0) {
     throw std::invalid_argument("tensor_swapper: block_bytes must be a positive multiple of 4096");
   }
   std::string reason;
-  engine_ = io::make_engine(options_.engine, options_.queue_depth, reason);
+  if (!engine_) engine_ = io::make_engine(options_.engine, options_.queue_depth, reason);
   stats_.engine = std::string(io::to_string(engine_->kind()));
   stats_.fallback = reason;
   stats_.checksums = options_.checksums;

@@ -12,7 +12,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <chrono>
+#include <map>
 #include <random>
+#include <set>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -176,6 +180,59 @@ TEST_P(swapper_test, a_full_file_size_limit_fails_that_tensor_and_keeps_its_byte
 INSTANTIATE_TEST_SUITE_P(engines, swapper_test,
                          ::testing::Values(io::engine_kind::uring, io::engine_kind::threads),
                          [](const auto& param_info) { return std::string(io::to_string(param_info.param)); });
+
+// An engine that completes slowly and records any buffer handed to it again before the
+// request that used it completed.
+class slow_checking_engine final : public io::io_engine {
+ public:
+  explicit slow_checking_engine(std::unique_ptr<io::io_engine> inner) : inner_(std::move(inner)) {}
+  void submit(std::span<const io::io_request> requests) override {
+    for (const io::io_request& r : requests) {
+      if (!busy_.insert(r.buffer).second) ++reused_while_busy_;
+      buffer_of_[r.user_data] = r.buffer;
+    }
+    inner_->submit(requests);
+  }
+  std::vector<io::io_completion> wait(std::size_t min_completions) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    auto done = inner_->wait(min_completions);
+    for (const auto& c : done) busy_.erase(buffer_of_.at(c.user_data));
+    return done;
+  }
+  std::size_t outstanding() const noexcept override { return inner_->outstanding(); }
+  io::engine_kind kind() const noexcept override { return inner_->kind(); }
+  unsigned queue_depth() const noexcept override { return inner_->queue_depth(); }
+  int reused_while_busy() const { return reused_while_busy_; }
+
+ private:
+  std::unique_ptr<io::io_engine> inner_;
+  std::set<void*> busy_;
+  std::map<std::uint64_t, void*> buffer_of_;
+  int reused_while_busy_ = 0;
+};
+
+TEST(swapper, staging_buffers_are_reused_only_after_their_io_completes) {
+  swap_dir dir;
+  memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+  auto engine = std::make_unique<slow_checking_engine>(io::make_thread_engine(4, 2));
+  slow_checking_engine* probe = engine.get();
+  tensor_swapper swapper(pool, {.block_bytes = std::size_t{1} << 20, .staging_buffers = 2},
+                         std::move(engine));
+  std::vector<std::byte> a((std::size_t{8} << 20) + 1);  // misaligned: every chunk is staged
+  fill(a.data() + 1, a.size() - 1, 5);
+  const tensor_ref t{a.data() + 1, a.size() - 1};
+  const std::string path = dir.file("staged");
+  ASSERT_EQ(swapper.wait(swapper.swap_out({&t, 1}, {&path, 1})).at(0).error, 0);
+  std::memset(t.data, 0, t.bytes);
+  ASSERT_EQ(swapper.wait(swapper.swap_in({&path, 1}, {&t, 1})).at(0).error, 0);
+  std::vector<std::byte> expected(t.bytes);
+  fill(expected.data(), expected.size(), 5);
+  EXPECT_EQ(std::memcmp(t.data, expected.data(), t.bytes), 0);
+  EXPECT_EQ(probe->reused_while_busy(), 0);
+  if (swapper.stats().direct) {
+    EXPECT_GE(swapper.stats().staged_bytes, 2 * t.bytes);
+  }
+}
 
 TEST(swapper, tmpfs_direct_or_buffered_is_reported) {
   if (!fs::exists("/dev/shm")) GTEST_SKIP() << "no /dev/shm (tmpfs) here";

@@ -78,6 +78,9 @@ struct swap_stats {
 class tensor_swapper {
  public:
   tensor_swapper(memory::pinned_pool& pool, swap_options options = {});
+  /// With an engine of the caller's (tests, instrumentation); `options.engine` is ignored.
+  tensor_swapper(memory::pinned_pool& pool, swap_options options,
+                 std::unique_ptr<io::io_engine> engine);
   ~tensor_swapper();
   tensor_swapper(const tensor_swapper&) = delete;
   tensor_swapper& operator=(const tensor_swapper&) = delete;
