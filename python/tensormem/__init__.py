@@ -1,0 +1,28 @@
+"""tensormem: tensor memory planning, arenas, pinned memory and swapping.
+
+The compiled core lives in ``tensormem._tensormem``; ``tensormem.torch`` adds the PyTorch
+front ends (a DeepSpeed-compatible ContiguousMemoryAllocator and AsyncTensorSwapper).
+Errors map to Python exceptions: MemoryError (out of memory, lock limit), ValueError (misuse,
+malformed traces), OSError (system errors, with errno).
+"""
+
+from ._tensormem import (  # noqa: F401
+    GROWING,
+    Allocation,
+    BestFitAllocator,
+    ContiguousArena,
+    MemoryView,
+    PinnedBuffer,
+    PinnedPool,
+    TensorSwapper,
+    TlsfAllocator,
+    lower_bound,
+    plan,
+    read_trace,
+    validate,
+)
+
+__all__ = [
+    "GROWING", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "PinnedBuffer",
+    "PinnedPool", "TensorSwapper", "TlsfAllocator", "lower_bound", "plan", "read_trace", "validate",
+]

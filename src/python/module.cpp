@@ -1,0 +1,422 @@
+// The `tensormem` Python module (compiled part, `tensormem._tensormem`).
+
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <dlpack/dlpack.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "tensormem/arena/contiguous_arena.hpp"
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/planner.hpp"
+#include "tensormem/core/tlsf_allocator.hpp"
+#include "tensormem/memory/host_resource.hpp"
+#include "tensormem/memory/pinned_pool.hpp"
+#include "tensormem/swap/tensor_swapper.hpp"
+#include "tensormem/trace/trace_io.hpp"
+
+namespace py = pybind11;
+using namespace tensormem;
+
+namespace {
+
+// ---------------------------------------------------------------- memory views and DLPack
+
+/// Bytes owned by something else (an arena, a pool buffer) that Python may view without a
+/// copy, through the buffer protocol and DLPack. `owner` keeps the memory alive.
+struct memory_view {
+  std::byte* data = nullptr;
+  std::size_t bytes = 0;
+  py::object owner;
+};
+
+struct dlpack_context {
+  std::int64_t shape[1];
+  py::object owner;
+};
+
+void delete_managed(DLManagedTensor* self) {
+  auto* ctx = static_cast<dlpack_context*>(self->manager_ctx);
+  {
+    py::gil_scoped_acquire gil;
+    delete ctx;
+  }
+  delete self;
+}
+
+py::capsule to_dlpack(const memory_view& v, py::object self) {
+  auto* ctx = new dlpack_context{{static_cast<std::int64_t>(v.bytes)}, std::move(self)};
+  auto* managed = new DLManagedTensor{};
+  managed->dl_tensor.data = v.data;
+  managed->dl_tensor.device = {kDLCPU, 0};
+  managed->dl_tensor.ndim = 1;
+  managed->dl_tensor.dtype = {kDLUInt, 8, 1};
+  managed->dl_tensor.shape = ctx->shape;
+  managed->dl_tensor.strides = nullptr;
+  managed->dl_tensor.byte_offset = 0;
+  managed->manager_ctx = ctx;
+  managed->deleter = delete_managed;
+  return py::capsule(managed, "dltensor", [](PyObject* capsule) {
+    // Called when the capsule dies unconsumed (a consumer renames it "used_dltensor").
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+      auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+      if (m != nullptr && m->deleter != nullptr) m->deleter(m);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- arena with move log
+
+class py_arena {
+ public:
+  py_arena(std::uint64_t capacity, std::uint64_t alignment, const std::string& policy)
+      : arena_(host_, capacity,
+               {.alignment = alignment,
+                .policy = policy == "full" ? arena::defrag_policy::full_compaction
+                                           : arena::defrag_policy::minimal_move}) {
+    if (policy != "full" && policy != "minimal") {
+      throw std::invalid_argument("policy must be 'minimal' or 'full', not '" + policy + "'");
+    }
+  }
+  py::tuple allocate(std::uint64_t bytes) {
+    const arena::tensor_block b = arena_.allocate(bytes);
+    arena_.bind(b.id, [this](const arena::tensor_block& moved) {
+      moves_.emplace_back(moved.id, moved.offset);
+    });
+    return py::make_tuple(b.id, b.offset);
+  }
+  void release(std::uint64_t id) { arena_.release(id); }
+  std::uint64_t offset(std::uint64_t id) const { return arena_.block(id).offset; }
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> take_moves() {
+    return std::exchange(moves_, {});
+  }
+  memory_view view(py::object self) const { return {arena_.base(), arena_.capacity(), std::move(self)}; }
+  arena::contiguous_arena& get() { return arena_; }
+
+ private:
+  memory::host_resource host_;
+  arena::contiguous_arena arena_;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> moves_;
+};
+
+// ---------------------------------------------------------------- pinned buffers
+
+struct pinned_buffer {
+  std::shared_ptr<memory::pinned_pool> pool;
+  std::byte* data = nullptr;
+  std::size_t bytes = 0;
+  bool live = true;
+  pinned_buffer() = default;
+  pinned_buffer(const pinned_buffer&) = delete;
+  pinned_buffer& operator=(const pinned_buffer&) = delete;
+  void free() {
+    if (live && pool) pool->free(data);
+    live = false;
+  }
+  ~pinned_buffer() { free(); }
+};
+
+std::span<const std::byte> bytes_of(const py::buffer& b, bool writable) {
+  const py::buffer_info info = b.request(writable);
+  if (!PyBuffer_IsContiguous(info.view(), 'C')) throw std::invalid_argument("buffer is not contiguous");
+  return {static_cast<const std::byte*>(info.ptr), static_cast<std::size_t>(info.size * info.itemsize)};
+}
+
+swap::tensor_ref ref_of(const py::buffer& b, bool writable) {
+  const auto s = bytes_of(b, writable);
+  return {const_cast<std::byte*>(s.data()), s.size()};
+}
+
+py::list results_to_python(const std::vector<swap::swap_result>& results) {
+  py::list out;
+  for (const auto& r : results) {
+    py::dict d;
+    d["path"] = r.path;
+    d["bytes"] = r.bytes;
+    d["error"] = r.error;
+    d["message"] = r.message;
+    out.append(d);
+  }
+  return out;
+}
+
+template <class Allocator>
+void bind_allocator(py::module_& m, const char* name, const char* doc) {
+  py::class_<Allocator>(m, name, doc)
+      .def(py::init<std::uint64_t, std::uint64_t>(), py::arg("capacity") = core::growing,
+           py::arg("alignment") = 256)
+      .def("allocate",
+           [](Allocator& a, std::uint64_t bytes) -> py::object {
+             const auto r = a.allocate(bytes);
+             if (!r) return py::none();
+             return py::cast(*r);
+           },
+           py::arg("bytes"), "Returns an Allocation, or None when it does not fit.")
+      .def("deallocate", &Allocator::deallocate, py::arg("allocation"))
+      .def("free", &Allocator::free, py::arg("offset"), py::arg("bytes"),
+           "InfiniTensor-style free; raises ValueError on misuse, changing nothing.")
+      .def_property_readonly("peak", &Allocator::peak)
+      .def_property_readonly("used", &Allocator::used)
+      .def("check_invariants", &Allocator::check_invariants)
+      .def("stats", [](const Allocator& a) {
+        const core::allocator_stats s = a.stats();
+        py::dict d;
+        d["used_bytes"] = s.used_bytes;
+        d["peak_bytes"] = s.peak_bytes;
+        d["free_bytes"] = s.free_bytes;
+        d["free_blocks"] = s.free_blocks;
+        d["largest_free_bytes"] = s.largest_free_bytes;
+        d["fragmentation"] = s.fragmentation();
+        return d;
+      });
+}
+
+std::vector<core::buffer> buffers_from(const py::array_t<std::uint64_t>& lower,
+                                       const py::array_t<std::uint64_t>& upper,
+                                       const py::array_t<std::uint64_t>& size) {
+  if (lower.size() != upper.size() || lower.size() != size.size()) {
+    throw std::invalid_argument("lower, upper and size must have the same length");
+  }
+  auto l = lower.unchecked<1>();
+  auto u = upper.unchecked<1>();
+  auto s = size.unchecked<1>();
+  std::vector<core::buffer> b(static_cast<std::size_t>(lower.size()));
+  for (py::ssize_t i = 0; i < lower.size(); ++i) {
+    b[static_cast<std::size_t>(i)] = {std::to_string(i), l(i), u(i), s(i), {}};
+  }
+  return b;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_tensormem, m) {
+  m.doc() = "tensormem: tensor memory planning, arenas, pinned memory and swapping";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const memory::out_of_memory& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
+    } catch (const std::system_error& e) {
+      py::object err = py::module_::import("builtins").attr("OSError")(e.code().value(), e.what());
+      PyErr_SetObject(PyExc_OSError, err.ptr());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const trace::trace_error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  py::class_<memory_view>(m, "MemoryView", py::buffer_protocol(),
+                          "Bytes viewed without a copy (buffer protocol and DLPack).")
+      .def_buffer([](memory_view& v) {
+        return py::buffer_info(v.data, 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(v.bytes)}, {1});
+      })
+      .def("__dlpack__", [](py::object self, py::object /*stream*/) {
+             return to_dlpack(self.cast<memory_view&>(), self);
+           }, py::arg("stream") = py::none())
+      .def("__dlpack_device__", [](const memory_view&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
+      .def_property_readonly("nbytes", [](const memory_view& v) { return v.bytes; })
+      .def_property_readonly("address", [](const memory_view& v) { return reinterpret_cast<std::uintptr_t>(v.data); });
+
+  py::class_<core::allocation>(m, "Allocation")
+      .def_readonly("offset", &core::allocation::offset)
+      .def_readonly("bytes", &core::allocation::bytes)
+      .def("__repr__", [](const core::allocation& a) {
+        return "Allocation(offset=" + std::to_string(a.offset) + ", bytes=" + std::to_string(a.bytes) + ")";
+      });
+  bind_allocator<core::best_fit_allocator>(m, "BestFitAllocator",
+                                           "Exact best fit (InfiniTensor LazyAllocator policy).");
+  bind_allocator<core::tlsf_allocator>(m, "TlsfAllocator", "O(1) TLSF-family allocator.");
+  m.attr("GROWING") = core::growing;
+
+  m.def("read_trace", [](const std::string& path) {
+    const auto b = trace::read_trace(path);
+    py::array_t<std::uint64_t> lower(static_cast<py::ssize_t>(b.size()));
+    py::array_t<std::uint64_t> upper(static_cast<py::ssize_t>(b.size()));
+    py::array_t<std::uint64_t> size(static_cast<py::ssize_t>(b.size()));
+    py::list ids;
+    for (std::size_t i = 0; i < b.size(); ++i) {
+      lower.mutable_at(static_cast<py::ssize_t>(i)) = b[i].lower;
+      upper.mutable_at(static_cast<py::ssize_t>(i)) = b[i].upper;
+      size.mutable_at(static_cast<py::ssize_t>(i)) = b[i].bytes;
+      ids.append(b[i].id);
+    }
+    py::dict d;
+    d["id"] = ids;
+    d["lower"] = lower;
+    d["upper"] = upper;
+    d["size"] = size;
+    return d;
+  }, py::arg("path"), "Reads an id,lower,upper,size trace into numpy arrays.");
+
+  m.def("lower_bound", [](const py::array_t<std::uint64_t>& lower, const py::array_t<std::uint64_t>& upper,
+                          const py::array_t<std::uint64_t>& size, std::uint64_t alignment) {
+    return core::lower_bound(buffers_from(lower, upper, size), alignment);
+  }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("alignment") = 1);
+
+  m.def("plan", [](const py::array_t<std::uint64_t>& lower, const py::array_t<std::uint64_t>& upper,
+                   const py::array_t<std::uint64_t>& size, double time_limit, std::uint64_t alignment,
+                   std::uint64_t seed) {
+    const auto buffers = buffers_from(lower, upper, size);
+    core::plan_options o;
+    o.time_limit_seconds = time_limit;
+    o.alignment = alignment;
+    o.seed = seed;
+    core::plan_result r;
+    {
+      py::gil_scoped_release release;
+      r = core::plan(buffers, o);
+    }
+    py::dict d;
+    d["offsets"] = py::array_t<std::uint64_t>(static_cast<py::ssize_t>(r.offsets.size()), r.offsets.data());
+    d["arena_bytes"] = r.arena_bytes;
+    d["lower_bound"] = r.lower_bound;
+    d["ratio"] = r.ratio();
+    d["strategy"] = r.strategy;
+    d["seconds"] = r.seconds;
+    return d;
+  }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
+     py::arg("alignment") = 1, py::arg("seed") = 1,
+     "Plans buffers with half-open lifetimes [lower, upper) in one arena.");
+
+  m.def("validate", [](const py::array_t<std::uint64_t>& lower, const py::array_t<std::uint64_t>& upper,
+                       const py::array_t<std::uint64_t>& size, const py::array_t<std::uint64_t>& offsets,
+                       std::uint64_t arena_bytes, std::uint64_t alignment) {
+    std::vector<std::uint64_t> off(offsets.data(), offsets.data() + offsets.size());
+    return core::validate(buffers_from(lower, upper, size), off, arena_bytes, alignment);
+  }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("offsets"), py::arg("arena_bytes"),
+     py::arg("alignment") = 1, "Empty string when the plan is valid, else what is wrong.");
+
+  py::class_<py_arena>(m, "ContiguousArena", "A host buffer that hands out tensors and defragments.")
+      .def(py::init<std::uint64_t, std::uint64_t, const std::string&>(), py::arg("capacity"),
+           py::arg("alignment") = 256, py::arg("policy") = "minimal")
+      .def("allocate", &py_arena::allocate, py::arg("bytes"),
+           "Returns (id, offset); may defragment first; MemoryError when free bytes are short.")
+      .def("release", &py_arena::release, py::arg("id"))
+      .def("offset", &py_arena::offset, py::arg("id"))
+      .def("take_moves", &py_arena::take_moves,
+           "(id, new_offset) of every tensor moved since the last call.")
+      .def("buffer", [](py::object self) { return self.cast<py_arena&>().view(self); },
+           "The whole arena as a MemoryView (no copy).")
+      .def("print_allocation", [](py_arena& a, std::size_t r) { return a.get().print_allocation(r); },
+           py::arg("resolution") = 200)
+      .def("max_allocated", [](py_arena& a) { return a.get().max_allocated(); })
+      .def("stats", [](py_arena& a) {
+        const arena::arena_stats s = a.get().stats();
+        py::dict d;
+        d["capacity_bytes"] = s.capacity_bytes;
+        d["used_bytes"] = s.used_bytes;
+        d["free_bytes"] = s.free_bytes;
+        d["largest_free_bytes"] = s.largest_free_bytes;
+        d["max_allocated_bytes"] = s.max_allocated_bytes;
+        d["defragmentations"] = s.defragmentations;
+        d["bytes_moved"] = s.bytes_moved;
+        d["moves"] = s.moves;
+        return d;
+      });
+
+  py::class_<memory::pinned_pool, std::shared_ptr<memory::pinned_pool>>(m, "PinnedPool",
+                                                                       "Page-locked host memory, pooled.")
+      .def(py::init([](std::size_t slab_bytes, bool allow_unlocked_fallback) {
+             return std::make_shared<memory::pinned_pool>(memory::pool_options{
+                 .slab_bytes = slab_bytes, .allow_unlocked_fallback = allow_unlocked_fallback});
+           }),
+           py::arg("slab_bytes") = std::size_t{64} << 20, py::arg("allow_unlocked_fallback") = false)
+      .def("allocate", [](std::shared_ptr<memory::pinned_pool> pool, std::size_t bytes) {
+             auto buffer = std::make_shared<pinned_buffer>();
+             buffer->pool = pool;
+             buffer->data = static_cast<std::byte*>(pool->allocate(bytes, 4096));
+             buffer->bytes = bytes;
+             return buffer;
+           }, py::arg("bytes"), "A 4096-aligned locked buffer (PinnedBuffer).")
+      .def("stats", [](const memory::pinned_pool& pool) {
+        const memory::pool_stats s = pool.stats();
+        py::dict d;
+        d["slabs"] = s.slabs;
+        d["locked_bytes"] = s.locked_bytes;
+        d["in_use_bytes"] = s.in_use_bytes;
+        d["allocations"] = s.allocations;
+        d["system_calls"] = s.system_calls;
+        d["unlocked_fallbacks"] = s.unlocked_fallbacks;
+        return d;
+      });
+
+  py::class_<pinned_buffer, std::shared_ptr<pinned_buffer>>(m, "PinnedBuffer", py::buffer_protocol())
+      .def_buffer([](pinned_buffer& b) {
+        if (!b.live) throw std::invalid_argument("PinnedBuffer was freed");
+        return py::buffer_info(b.data, 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.bytes)}, {1});
+      })
+      .def("__dlpack__", [](py::object self, py::object) {
+             auto& b = self.cast<pinned_buffer&>();
+             if (!b.live) throw std::invalid_argument("PinnedBuffer was freed");
+             return to_dlpack(memory_view{b.data, b.bytes, py::none()}, self);
+           }, py::arg("stream") = py::none())
+      .def("__dlpack_device__", [](const pinned_buffer&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
+      .def("free", &pinned_buffer::free, "Returns the memory to the pool now (views must be gone).")
+      .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.bytes; })
+      .def_property_readonly("address", [](const pinned_buffer& b) { return reinterpret_cast<std::uintptr_t>(b.data); });
+
+  py::class_<swap::tensor_swapper>(m, "TensorSwapper", "Tensors out to files and back on io_uring.")
+      .def(py::init([](std::shared_ptr<memory::pinned_pool> pool, unsigned queue_depth,
+                       std::size_t block_bytes, std::size_t staging_buffers, bool direct,
+                       bool checksums, const std::string& engine) {
+             return std::make_unique<swap::tensor_swapper>(
+                 *pool, swap::swap_options{engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring,
+                                           queue_depth, block_bytes, staging_buffers, direct, checksums});
+           }),
+           py::arg("pool"), py::arg("queue_depth") = 32, py::arg("block_bytes") = std::size_t{1} << 20,
+           py::arg("staging_buffers") = 8, py::arg("direct") = true, py::arg("checksums") = true,
+           py::arg("engine") = "uring", py::keep_alive<1, 2>())
+      .def("swap_out", [](swap::tensor_swapper& s, const std::vector<py::buffer>& tensors,
+                          const std::vector<std::string>& paths) {
+             std::vector<swap::tensor_ref> refs;
+             for (const auto& t : tensors) refs.push_back(ref_of(t, false));
+             return s.swap_out(refs, paths);
+           }, py::arg("tensors"), py::arg("paths"),
+           "Queues the writes; returns a ticket. The buffers must stay alive and unchanged until wait().")
+      .def("swap_in", [](swap::tensor_swapper& s, const std::vector<std::string>& paths,
+                         const std::vector<py::buffer>& tensors) {
+             std::vector<swap::tensor_ref> refs;
+             for (const auto& t : tensors) refs.push_back(ref_of(t, true));
+             return s.swap_in(paths, refs);
+           }, py::arg("paths"), py::arg("tensors"))
+      .def("wait", [](swap::tensor_swapper& s, std::uint64_t ticket) {
+             std::vector<swap::swap_result> r;
+             {
+               py::gil_scoped_release release;
+               r = s.wait(ticket);
+             }
+             return results_to_python(r);
+           }, py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message.")
+      .def("synchronize", [](swap::tensor_swapper& s) {
+        py::gil_scoped_release release;
+        s.synchronize();
+      })
+      .def("timers", &swap::tensor_swapper::timers)
+      .def("stats", [](const swap::tensor_swapper& s) {
+        const swap::swap_stats st = s.stats();
+        py::dict d;
+        d["tensors_out"] = st.tensors_out;
+        d["tensors_in"] = st.tensors_in;
+        d["bytes_out"] = st.bytes_out;
+        d["bytes_in"] = st.bytes_in;
+        d["failed"] = st.failed;
+        d["write_gbps"] = st.write_gbps();
+        d["read_gbps"] = st.read_gbps();
+        d["engine"] = st.engine;
+        d["direct"] = st.direct;
+        d["checksums"] = st.checksums;
+        d["fallback"] = st.fallback;
+        return d;
+      });
+}
