@@ -1,0 +1,204 @@
+"""tensormem from Python: numpy and PyTorch without copies, DeepSpeed-style scenarios,
+error mapping, the planner and the swapper."""
+
+import errno
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.dlpack
+
+import tensormem
+from tensormem.torch import AsyncTensorSwapper, ContiguousMemoryAllocator
+
+TRACES = pathlib.Path(__file__).resolve().parents[1] / "data" / "traces"
+
+
+# ----------------------------------------------------------------------------- allocators
+
+@pytest.mark.parametrize("cls", [tensormem.BestFitAllocator, tensormem.TlsfAllocator])
+def test_allocators_reuse_and_report_misuse(cls):
+    a = cls()
+    x = a.allocate(1000)
+    y = a.allocate(3000)
+    assert (x.offset, x.bytes, y.offset) == (0, 1024, 1024)
+    a.free(y.offset, 3000)
+    assert a.allocate(3000).offset == 1024
+    with pytest.raises(ValueError, match="cannot free offset 5"):
+        a.free(5, 10)
+    fixed = cls(4096, 256)
+    assert fixed.allocate(8192) is None
+    assert a.check_invariants() == ""
+    assert a.stats()["used_bytes"] == 1024 + 3072
+
+
+# ----------------------------------------------------------------------------- planner
+
+def test_plan_and_validate_with_numpy():
+    t = tensormem.read_trace(str(TRACES / "minimalloc_C.csv"))
+    assert len(t["id"]) == 203 and t["size"].dtype == np.uint64
+    p = tensormem.plan(t["lower"], t["upper"], t["size"], time_limit=5)
+    assert p["arena_bytes"] == p["lower_bound"] == tensormem.lower_bound(t["lower"], t["upper"], t["size"])
+    assert tensormem.validate(t["lower"], t["upper"], t["size"], p["offsets"], p["arena_bytes"]) == ""
+    bad = p["offsets"].copy()
+    bad[:] = 0
+    assert "overlap" in tensormem.validate(t["lower"], t["upper"], t["size"], bad, int(t["size"].max()))
+
+
+def test_malformed_trace_is_a_value_error(tmp_path):
+    f = tmp_path / "bad.csv"
+    f.write_text("id,lower,upper,size\na,3,3,10\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:2: lower 3 is not below upper 3"):
+        tensormem.read_trace(str(f))
+
+
+# ----------------------------------------------------------------------------- pinned pool
+
+def test_pinned_buffers_cross_without_copies():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    buf = pool.allocate(8192)
+    writable = np.frombuffer(buf, dtype=np.uint8)        # buffer protocol
+    writable[:] = 3
+    via_numpy = np.from_dlpack(buf)                       # DLPack (numpy marks it read-only)
+    via_torch = torch.utils.dlpack.from_dlpack(buf)       # DLPack
+    assert writable.ctypes.data == via_numpy.ctypes.data == via_torch.data_ptr() == buf.address
+    via_torch[10] = 99
+    assert writable[10] == 99 and via_numpy[10] == 99
+    assert buf.address % 4096 == 0
+    stats = pool.stats()
+    assert stats["allocations"] == 1 and stats["locked_bytes"] >= 1 << 20
+    calls = stats["system_calls"]
+    more = [pool.allocate(1000) for _ in range(10)]
+    assert pool.stats()["system_calls"] == calls          # fits the slab: no system call
+    for m in more:
+        m.free()
+    assert pool.stats()["allocations"] == 1
+
+
+def test_out_of_memory_is_a_memory_error():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    with pytest.raises(MemoryError):
+        pool.allocate(1 << 52)
+
+
+# ----------------------------------------------------------------------------- DeepSpeed-style arena
+
+def test_deepspeed_scenario_with_half_tensors_and_params():
+    cma = ContiguousMemoryAllocator(1024, torch.half, "cpu")
+    t1 = cma.allocate_tensor(256)
+    t2 = cma.allocate_tensor(256)
+    t3 = cma.allocate_tensor(256)
+    t4 = cma.allocate_tensor(256)
+    for i, t in enumerate([t1, t2, t3, t4]):
+        t.copy_(torch.arange(256, dtype=torch.half) + i)
+    base = cma.buffer.data_ptr()
+    assert t1.data_ptr() == base  # a view of the arena buffer, no copy
+    p3 = torch.nn.Parameter(torch.empty(0, dtype=torch.half))
+    cma.assign_to_param(t3, p3, 256, (16, 16))
+    assert p3.data_ptr() == t3.data_ptr()
+    cma.release_tensor(t2)
+    cma.release_tensor(t4)
+    # 512 elements free in two holes of 256: a 512-element tensor forces a defragmentation.
+    t5 = cma.allocate_tensor(512)
+    t5.fill_(7)
+    assert cma.stats()["defragmentations"] == 1
+    assert torch.equal(t1, torch.arange(256, dtype=torch.half))
+    assert torch.equal(t3, torch.arange(256, dtype=torch.half) + 2)       # moved, same values
+    assert torch.equal(p3.data.flatten(), t3) and p3.data_ptr() == t3.data_ptr()
+    assert p3.shape == (16, 16)
+    assert cma.max_allocated() == 1024
+    with pytest.raises(MemoryError):
+        cma.allocate_tensor(1)
+
+
+def test_tensors_without_params_move_too_and_released_params_are_detached():
+    cma = ContiguousMemoryAllocator(64, torch.float32)
+    a = cma.allocate_tensor(16)
+    b = cma.allocate_tensor(16)
+    c = cma.allocate_tensor(16)   # no param bound: DeepSpeed raised KeyError here
+    c.fill_(5)
+    pb = torch.nn.Parameter(torch.empty(0))
+    cma.assign_to_param(b, pb, 16, (4, 4))
+    cma.release_tensor(a)
+    d = cma.allocate_tensor(32)   # 48 free: 16 + 32 in two holes -> defragment
+    assert cma.stats()["defragmentations"] == 1
+    assert torch.all(c == 5)
+    cma.release_tensor(b)
+    assert pb.numel() == 0        # detached, not pointing into memory handed out again
+    with pytest.raises(ValueError):
+        cma.release_tensor(b)
+    with pytest.raises(ValueError):
+        cma.release_tensor_with_id(12345)
+    assert d.numel() == 32
+
+
+def test_zero_size_tensors_do_not_corrupt_bookkeeping():
+    cma = ContiguousMemoryAllocator(32, torch.half)
+    z = cma.allocate_tensor(0)
+    x = cma.allocate_tensor(32)
+    assert z.numel() == 0 and x.numel() == 32
+    cma.release_tensor(z)
+    cma.release_tensor(x)
+    assert cma.stats()["used_bytes"] == 0
+
+
+def test_print_allocation(capsys):
+    cma = ContiguousMemoryAllocator(100, torch.half)
+    cma.allocate_tensor(50)
+    cma.print_allocation(resolution=10)
+    assert capsys.readouterr().out.strip() == "|||||....."
+
+
+# ----------------------------------------------------------------------------- swapper
+
+def test_swapper_round_trip_numpy_and_torch(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=16 << 20)
+    swapper = tensormem.TensorSwapper(pool, queue_depth=8, staging_buffers=4)
+    a = np.random.default_rng(1).integers(0, 255, 3 << 20, dtype=np.uint8)
+    t = torch.randn(100_003)
+    paths = [str(tmp_path / "a"), str(tmp_path / "t")]
+    results = swapper.wait(swapper.swap_out([a, t.numpy()], paths))
+    assert [r["error"] for r in results] == [0, 0]
+    a_back = np.zeros_like(a)
+    t_back = torch.zeros_like(t)
+    results = swapper.wait(swapper.swap_in(paths, [a_back, t_back.numpy()]))
+    assert [r["error"] for r in results] == [0, 0]
+    assert np.array_equal(a, a_back) and torch.equal(t, t_back)
+    missing = swapper.wait(swapper.swap_in([str(tmp_path / "never")], [a_back]))
+    assert missing[0]["error"] == errno.ENOENT
+    s = swapper.stats()
+    assert s["tensors_out"] == 2 and s["checksums"] is True
+
+
+def test_async_tensor_swapper_deepspeed_api(tmp_path):
+    swapper = AsyncTensorSwapper()
+    swapper.add_buffers([torch.empty(4 << 20, dtype=torch.uint8)])
+    tensors = [torch.randn(1000 + i) for i in range(5)]
+    copies = [t.clone() for t in tensors]
+    paths = [tmp_path / f"p{i}.swp" for i in range(5)]
+    swapper.swap_out_tensors(tensors, paths)
+    swapper.synchronize()
+    for t in tensors:
+        t.zero_()
+    swapper.swap_in_tensors(paths, tensors)
+    swapper.synchronize()
+    assert all(torch.equal(t, c) for t, c in zip(tensors, copies))
+    assert set(swapper.get_timer_names()) == {"swap_out", "swap_in", "wait"}
+    swapper.swap_in_tensors([tmp_path / "absent"], [tensors[0]])
+    with pytest.raises(OSError) as info:
+        swapper.synchronize()
+    assert info.value.errno == errno.ENOENT
+    swapper.release_buffers()
+
+
+# ----------------------------------------------------------------------------- example
+
+def test_example_script_runs():
+    example = pathlib.Path(os.environ.get("TENSORMEM_EXAMPLES", pathlib.Path(__file__).resolve().parents[2] / "examples" / "python")) / "deepspeed_style.py"
+    out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "values intact after defragmentation: True" in out.stdout
