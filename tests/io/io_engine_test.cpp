@@ -127,7 +127,10 @@ TEST_P(io_engine_test, queue_depth_bounds_what_is_in_flight_and_teardown_drains)
 }
 
 TEST_P(io_engine_test, file_size_limit_fails_the_write_it_hits) {
-  // In a child: lower RLIMIT_FSIZE so that the third write cannot be made.
+  // In a child: lower RLIMIT_FSIZE so that the third write cannot be made. The fixture's
+  // engine is destroyed first: forking while its worker threads live could leave the child
+  // with a lock some other thread held.
+  engine_.reset();
   const engine_kind kind = GetParam();
   const std::string path = path_;
   const pid_t pid = fork();
