@@ -206,21 +206,20 @@ void run_demo(const demo_options& o) {
             << fmt::format("  alignment {} B; forward activations stay alive until the "
                            "backward pass consumes them\n\n",
                            o.alignment);
-  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "activation memory", "bytes",
-                           "x lower", "ns/op");
-  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "lower bound (peak live)",
-                           human_bytes(lb), "1.0000", "");
-  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "offline plan",
+  std::cout << fmt::format("  {:<26} {:>14} {:>10}   {}\n", "activation memory", "bytes",
+                           "x lower", "how");
+  std::cout << fmt::format("  {:<26} {:>14} {:>10}   {}\n", "lower bound (peak live)",
+                           human_bytes(lb), "1.0000", "no plan can do better");
+  std::cout << fmt::format("  {:<26} {:>14} {:>10}   {} in {:.2f} s\n", "offline plan",
                            human_bytes(offline.arena_bytes),
-                           ratio_text(offline.arena_bytes, lb),
-                           fmt::format("({}, {:.2f} s)", offline.strategy, offline.seconds));
+                           ratio_text(offline.arena_bytes, lb), offline.strategy, offline.seconds);
   for (const online_row& r : rows) {
-    std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10.1f}\n", r.name,
+    std::cout << fmt::format("  {:<26} {:>14} {:>10}   {:.1f} ns per operation\n", r.name,
                              human_bytes(r.high_water), ratio_text(r.high_water, lb),
                              r.ns_per_op);
   }
-  std::cout << fmt::format("  {:<26} {:>14} {:>10} {:>10}\n", "no reuse (sum of buffers)",
-                           human_bytes(no_reuse), ratio_text(no_reuse, lb), "");
+  std::cout << fmt::format("  {:<26} {:>14} {:>10}   {}\n", "no reuse (sum of buffers)",
+                           human_bytes(no_reuse), ratio_text(no_reuse, lb), "every buffer its own bytes");
   std::cout << fmt::format("\ncontiguous arena: {}, {} arena (5 % over the peak)\n",
                            zero3.description, human_bytes(zero3.capacity))
             << fmt::format("  {:<26} {:>10} {:>14} {:>8} {:>10}\n", "defragmentation policy",
