@@ -2,6 +2,7 @@
 // completions reaped in batches, short transfers and -EAGAIN continued, drained on teardown.
 
 #include <liburing.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -48,6 +49,17 @@ class uring_engine final : public io_engine {
     return out;
   }
 
+  bool register_buffers(std::span<const std::span<std::byte>> regions) override {
+    if (outstanding_ != 0 || !registered_.empty() || regions.empty()) return false;
+    std::vector<iovec> iov;
+    for (const auto& r : regions) iov.push_back({r.data(), r.size()});
+    if (io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(iov.size())) < 0) {
+      return false;
+    }
+    registered_.assign(regions.begin(), regions.end());
+    return true;
+  }
+
   std::size_t outstanding() const noexcept override { return outstanding_; }
   engine_kind kind() const noexcept override { return engine_kind::uring; }
   unsigned queue_depth() const noexcept override { return depth_; }
@@ -82,9 +94,26 @@ class uring_engine final : public io_engine {
     auto* buffer = static_cast<char*>(o.request.buffer) + o.done;
     const auto remaining = static_cast<unsigned>(std::min<std::size_t>(o.request.bytes - o.done, 1U << 30));
     const auto offset = static_cast<__u64>(o.request.offset + o.done);
-    if (o.request.write) io_uring_prep_write(sqe, o.request.fd, buffer, remaining, offset);
-    else io_uring_prep_read(sqe, o.request.fd, buffer, remaining, offset);
+    const int fixed = registered_index(buffer, remaining);
+    if (fixed >= 0) {
+      if (o.request.write) io_uring_prep_write_fixed(sqe, o.request.fd, buffer, remaining, offset, fixed);
+      else io_uring_prep_read_fixed(sqe, o.request.fd, buffer, remaining, offset, fixed);
+    } else if (o.request.write) {
+      io_uring_prep_write(sqe, o.request.fd, buffer, remaining, offset);
+    } else {
+      io_uring_prep_read(sqe, o.request.fd, buffer, remaining, offset);
+    }
     io_uring_sqe_set_data64(sqe, slot);
+  }
+
+  // Index of the registered region holding [p, p + n), or -1.
+  int registered_index(const char* p, std::size_t n) const noexcept {
+    const auto* b = reinterpret_cast<const std::byte*>(p);
+    for (std::size_t i = 0; i < registered_.size(); ++i) {
+      const auto& r = registered_[i];
+      if (b >= r.data() && b + n <= r.data() + r.size()) return static_cast<int>(i);
+    }
+    return -1;
   }
 
   // Reaps completions; blocks for at least `min` of them.
@@ -147,6 +176,7 @@ class uring_engine final : public io_engine {
   std::vector<io_completion> ready_;
   unsigned in_flight_ = 0;
   std::size_t outstanding_ = 0;
+  std::vector<std::span<std::byte>> registered_;
 };
 
 }  // namespace

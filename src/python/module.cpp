@@ -417,6 +417,7 @@ PYBIND11_MODULE(_tensormem, m) {
         d["direct"] = st.direct;
         d["checksums"] = st.checksums;
         d["fallback"] = st.fallback;
+        d["registered_staging"] = st.registered_staging;
         return d;
       });
 }

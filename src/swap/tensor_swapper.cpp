@@ -86,10 +86,15 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
     for (std::byte* b : staging_) pool_.free(b);
     throw;
   }
+  // Fixed buffers where io_uring allows them; plain requests otherwise.
+  std::vector<std::span<std::byte>> regions;
+  for (std::byte* b : staging_) regions.emplace_back(b, options_.block_bytes);
+  stats_.registered_staging = engine_->register_buffers(regions);
 }
 
 tensor_swapper::~tensor_swapper() {
   synchronize();
+  engine_.reset();  // unregisters the staging buffers before they go back to the pool
   for (std::byte* b : staging_) pool_.free(b);
 }
 

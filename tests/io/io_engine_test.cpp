@@ -158,6 +158,29 @@ TEST_P(io_engine_test, file_size_limit_fails_the_write_it_hits) {
   EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
+TEST_P(io_engine_test, registered_buffers_carry_the_same_bytes) {
+  std::vector<std::byte> region(std::size_t{1} << 20);
+  std::vector<std::byte> plain(4096);
+  const std::span<std::byte> regions[] = {std::span<std::byte>(region)};
+  const bool registered = engine_->register_buffers(regions);
+  if (GetParam() == engine_kind::threads) {
+    EXPECT_FALSE(registered);
+  }
+  std::mt19937_64 rng(4);
+  for (std::byte& b : region) b = static_cast<std::byte>(rng());
+  for (std::byte& b : plain) b = static_cast<std::byte>(rng());
+  const io_request writes[] = {{fd_, 0, region.data() + 4096, 65536, true, 1},   // inside the region
+                               {fd_, 65536, plain.data(), plain.size(), true, 2}};  // outside it
+  engine_->submit(writes);
+  for (const auto& c : wait_all(*engine_)) ASSERT_EQ(c.result, static_cast<std::int64_t>(c.bytes));
+  std::vector<std::byte> back(65536 + 4096);
+  const io_request read{fd_, 0, region.data(), back.size(), false, 3};  // into the region
+  engine_->submit({&read, 1});
+  ASSERT_EQ(wait_all(*engine_).at(0).result, static_cast<std::int64_t>(back.size()));
+  EXPECT_EQ(std::memcmp(region.data() + 65536, plain.data(), plain.size()), 0);
+  EXPECT_FALSE(engine_->register_buffers(regions));  // only once
+}
+
 INSTANTIATE_TEST_SUITE_P(engines, io_engine_test,
                          ::testing::Values(engine_kind::uring, engine_kind::threads),
                          [](const auto& param_info) {

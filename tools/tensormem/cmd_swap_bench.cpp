@@ -76,6 +76,7 @@ void run_swap_bench(const swap_bench_options& o) {
     j["block"] = o.block;
     j["queue_depth"] = o.queue_depth;
     j["fallback"] = s.fallback;
+    j["registered_staging"] = s.registered_staging;
     std::cout << j.dump() << '\n';
     return;
   }

@@ -48,6 +48,14 @@ class io_engine {
   virtual std::size_t outstanding() const noexcept = 0;
   virtual engine_kind kind() const noexcept = 0;
   virtual unsigned queue_depth() const noexcept = 0;
+  /// Registers memory regions that later requests may use (io_uring fixed buffers: the kernel
+  /// maps them once instead of per request). Returns false, changing nothing, where the
+  /// engine or the system does not allow it (RLIMIT_MEMLOCK, or no io_uring); requests work
+  /// either way. Call it while nothing is outstanding; the regions must outlive the engine.
+  virtual bool register_buffers(std::span<const std::span<std::byte>> regions) {
+    (void)regions;
+    return false;
+  }
 };
 
 /// An io_uring engine (liburing). Throws std::system_error when io_uring cannot be set up

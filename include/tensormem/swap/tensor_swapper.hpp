@@ -51,6 +51,7 @@ struct swap_stats {
   double seconds_in = 0;
   double seconds_waiting = 0;       ///< time the caller spent blocked in wait/synchronize
   bool direct = false;              ///< O_DIRECT in use
+  bool registered_staging = false;  ///< staging buffers registered with io_uring (fixed buffers)
   bool checksums = false;
   std::string engine;               ///< "uring" or "threads"
   std::string fallback;             ///< why an engine or O_DIRECT fallback happened; empty if none
