@@ -1,5 +1,6 @@
 #include "tensormem/core/allocation.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "tensormem/core/align.hpp"
@@ -25,6 +26,13 @@ void throw_free_error(const char* allocator_name, free_status status, std::uint6
       break;
   }
   throw allocator_misuse(msg);
+}
+
+void add_untouched_tail(allocator_stats& s, std::uint64_t end, std::uint64_t peak,
+                        std::uint64_t tail_free_bytes) noexcept {
+  if (end <= peak) return;
+  if (tail_free_bytes == 0) ++s.free_blocks;  // otherwise that block is counted already
+  s.largest_free_bytes = std::max(s.largest_free_bytes, end - peak + tail_free_bytes);
 }
 
 void check_alignment_argument(const char* allocator_name, std::uint64_t alignment) {

@@ -165,17 +165,12 @@ allocator_stats best_fit_allocator::stats() const {
   s.free_bytes = end - used_;
   s.free_blocks = free_by_size_.size();
   if (!free_by_size_.empty()) s.largest_free_bytes = free_by_size_.rbegin()->first;
-  if (end > peak_) {  // fixed capacity: the untouched tail joins a free block ending at peak
-    std::uint64_t tail = end - peak_;
-    if (!free_by_offset_.empty()) {
-      const auto last = std::prev(free_by_offset_.end());
-      if (last->first + last->second == peak_) tail += last->second;
-      else ++s.free_blocks;
-    } else {
-      ++s.free_blocks;
-    }
-    s.largest_free_bytes = std::max(s.largest_free_bytes, tail);
+  std::uint64_t tail_free = 0;
+  if (!free_by_offset_.empty()) {
+    const auto last = std::prev(free_by_offset_.end());
+    if (last->first + last->second == peak_) tail_free = last->second;
   }
+  add_untouched_tail(s, end, peak_, tail_free);
   return s;
 }
 

@@ -273,12 +273,8 @@ allocator_stats tlsf_allocator::stats() const {
       s.largest_free_bytes = std::max(s.largest_free_bytes, nodes_[n].bytes);
     }
   }
-  if (end > peak_) {
-    std::uint64_t tail = end - peak_;
-    if (tail_ != none && nodes_[tail_].st == state::free) tail += nodes_[tail_].bytes;
-    else ++s.free_blocks;
-    s.largest_free_bytes = std::max(s.largest_free_bytes, tail);
-  }
+  const bool tail_free = tail_ != none && nodes_[tail_].st == state::free;
+  add_untouched_tail(s, end, peak_, tail_free ? nodes_[tail_].bytes : 0);
   return s;
 }
 

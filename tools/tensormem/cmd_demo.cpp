@@ -90,14 +90,17 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
     swap::tensor_swapper swapper(pool);
     std::vector<swap::tensor_ref> tensors;
     std::vector<std::string> paths;
-    std::vector<std::uint32_t> seeds;
+    // Activations layer 0 keeps for its backward pass.
+    std::vector<std::size_t> chosen;
     for (std::size_t k = 0; k < life.buffers.size(); ++k) {
       const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
-      // Activations layer 0 keeps for its backward pass.
-      if (t.name.rfind("l0.", 0) != 0 || t.name.find(".grad") != std::string::npos ||
-          life.buffers[k].upper - life.buffers[k].lower < 3) {
-        continue;
+      if (t.name.rfind("l0.", 0) == 0 && t.name.find(".grad") == std::string::npos &&
+          life.buffers[k].upper - life.buffers[k].lower >= 3) {
+        chosen.push_back(k);
       }
+    }
+    for (const std::size_t k : chosen) {
+      const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
       auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(t.bytes), 4096));
       for (std::size_t i = 0; i < t.bytes; i += 64) p[i] = static_cast<std::byte>(k * 31 + i / 64);
       tensors.push_back({p, static_cast<std::size_t>(t.bytes)});
@@ -109,15 +112,11 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
     for (const auto& r : swapper.wait(swapper.swap_out(tensors, paths))) ok = ok && r.error == 0;
     for (const auto& t : tensors) std::memset(t.data, 0, t.bytes);
     for (const auto& r : swapper.wait(swapper.swap_in(paths, tensors))) ok = ok && r.error == 0;
-    std::size_t k = 0;
-    for (std::size_t b = 0; b < life.buffers.size() && ok; ++b) {
-      const core::graph_tensor& t = g.tensors()[life.tensor_of[b]];
-      if (t.name.rfind("l0.", 0) != 0 || t.name.find(".grad") != std::string::npos ||
-          life.buffers[b].upper - life.buffers[b].lower < 3) {
-        continue;
+    for (std::size_t n = 0; n < chosen.size() && ok; ++n) {
+      const auto* p = static_cast<const std::byte*>(tensors[n].data);
+      for (std::size_t i = 0; i < tensors[n].bytes && ok; i += 64) {
+        ok = p[i] == static_cast<std::byte>(chosen[n] * 31 + i / 64);
       }
-      const auto* p = static_cast<const std::byte*>(tensors[k++].data);
-      for (std::size_t i = 0; i < t.bytes && ok; i += 64) ok = p[i] == static_cast<std::byte>(b * 31 + i / 64);
     }
     out.verified = ok;
     out.stats = swapper.stats();

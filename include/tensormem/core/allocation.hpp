@@ -47,6 +47,12 @@ struct allocator_stats {
   }
 };
 
+/// Fixed-capacity accounting shared by the allocators' stats(): the untouched range
+/// [peak, end) is free, and joins a free block of `tail_free_bytes` that ends at the peak
+/// (0 when there is none).
+void add_untouched_tail(allocator_stats& s, std::uint64_t end, std::uint64_t peak,
+                        std::uint64_t tail_free_bytes) noexcept;
+
 /// Thrown by the allocators' throwing `free`/`deallocate` on misuse. The allocator is unchanged.
 class allocator_misuse : public std::invalid_argument {
  public:
