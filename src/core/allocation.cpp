@@ -1,6 +1,7 @@
 #include "tensormem/core/allocation.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "tensormem/core/align.hpp"
@@ -21,11 +22,19 @@ void throw_free_error(const char* allocator_name, free_status status, std::uint6
     case free_status::stale_handle:
       msg += "the handle does not name a live allocation (double free or foreign handle)";
       break;
+    case free_status::foreign_handle:
+      msg += "the handle belongs to another allocator";
+      break;
     case free_status::ok:
       msg += "internal error";
       break;
   }
   throw allocator_misuse(msg);
+}
+
+std::uint64_t next_owner_id() noexcept {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
 }
 
 void add_untouched_tail(allocator_stats& s, std::uint64_t end, std::uint64_t peak,

@@ -1,6 +1,7 @@
 #include "tensormem/core/best_fit_allocator.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "tensormem/core/align.hpp"
@@ -13,18 +14,44 @@ constexpr const char* name = "best_fit_allocator";
 }  // namespace
 
 best_fit_allocator::best_fit_allocator(std::uint64_t capacity, std::uint64_t alignment)
-    : capacity_(capacity), alignment_(alignment) {
+    : capacity_(capacity), alignment_(alignment), owner_(next_owner_id()) {
   check_alignment_argument(name, alignment);
 }
 
-void best_fit_allocator::insert_free(std::uint64_t offset, std::uint64_t bytes) {
-  free_by_size_.emplace(bytes, offset);
-  free_by_offset_.emplace(offset, bytes);
+// Keeps free blocks + spare nodes >= live allocations + `count`, and at least one spare.
+// Free blocks never outnumber live allocations + 1 (free neighbours merge), so a free that
+// follows always finds a node when it needs one.
+void best_fit_allocator::reserve_nodes(std::size_t count) {
+  while (spare_by_size_.empty() ||
+         spare_by_size_.size() + free_by_size_.size() < live_.size() + count) {
+    const std::size_t total = spare_by_size_.size() + free_by_size_.size() + 1;
+    spare_by_size_.reserve(std::max(total, spare_by_size_.capacity()));
+    spare_by_offset_.reserve(std::max(total, spare_by_offset_.capacity()));
+    // Nodes are made by inserting a key no real block has, then extracting it.
+    constexpr auto max = std::numeric_limits<std::uint64_t>::max();
+    auto size_node = free_by_size_.extract(free_by_size_.emplace(max, max).first);
+    auto offset_node = free_by_offset_.extract(free_by_offset_.emplace(max, max).first);
+    spare_by_size_.push_back(std::move(size_node));
+    spare_by_offset_.push_back(std::move(offset_node));
+  }
 }
 
-void best_fit_allocator::erase_free(std::uint64_t offset, std::uint64_t bytes) {
-  free_by_size_.erase({bytes, offset});
-  free_by_offset_.erase(offset);
+void best_fit_allocator::insert_free(std::uint64_t offset, std::uint64_t bytes) noexcept {
+  auto size_node = std::move(spare_by_size_.back());
+  spare_by_size_.pop_back();
+  auto offset_node = std::move(spare_by_offset_.back());
+  spare_by_offset_.pop_back();
+  size_node.value() = {bytes, offset};
+  offset_node.key() = offset;
+  offset_node.mapped() = bytes;
+  free_by_size_.insert(std::move(size_node));
+  free_by_offset_.insert(std::move(offset_node));
+}
+
+void best_fit_allocator::erase_free(std::uint64_t offset, std::uint64_t bytes) noexcept {
+  // Capacity was reserved when the node was made: these push_backs do not allocate.
+  spare_by_size_.push_back(free_by_size_.extract({bytes, offset}));
+  spare_by_offset_.push_back(free_by_offset_.extract(offset));
 }
 
 std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
@@ -32,6 +59,9 @@ std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
   const auto aligned = align_up(bytes, alignment_);
   if (!aligned) return std::nullopt;
   const std::uint64_t need = *aligned;
+  // Everything that may allocate happens before any state changes (strong guarantee).
+  reserve_nodes(2);
+  live_.reserve(live_.size() + 1);
 
   std::uint64_t offset = 0;
   if (auto it = free_by_size_.lower_bound({need, 0}); it != free_by_size_.end()) {
@@ -55,9 +85,9 @@ std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
     if (tail_bytes != 0) erase_free(offset, tail_bytes);
     peak_ += extra;
   }
-  live_.emplace(offset, need);
+  live_.emplace(offset, need);  // cannot rehash: reserved above
   used_ += need;
-  return allocation{offset, need, 0, 0};
+  return allocation{offset, need, 0, 0, owner_};
 }
 
 std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
@@ -70,6 +100,9 @@ std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
   }
   const std::uint64_t need = *aligned;
   const std::uint64_t end = offset + need;
+  if (live_.contains(offset)) return std::nullopt;
+  reserve_nodes(2);
+  live_.reserve(live_.size() + 1);
   if (offset >= peak_) {
     // Past the high-water mark: the gap [peak, offset) becomes free, merged with a free
     // block that ends at the mark.
@@ -102,7 +135,7 @@ std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
   }
   live_.emplace(offset, need);
   used_ += need;
-  return allocation{offset, need, 0, 0};
+  return allocation{offset, need, 0, 0, owner_};
 }
 
 free_status best_fit_allocator::try_free(std::uint64_t offset, std::uint64_t bytes) noexcept {
@@ -143,6 +176,7 @@ void best_fit_allocator::free(std::uint64_t offset, std::uint64_t bytes) {
 
 free_status best_fit_allocator::try_deallocate(const allocation& a) noexcept {
   if (a.node == zero_node && a.bytes == 0) return free_status::ok;
+  if (a.owner != owner_) return free_status::foreign_handle;
   const auto it = live_.find(a.offset);
   if (it == live_.end()) return free_status::not_allocated;
   if (it->second != a.bytes) return free_status::size_mismatch;

@@ -1,6 +1,9 @@
 #include "tensormem/core/lifetime.hpp"
 
 #include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -9,22 +12,45 @@
 namespace tensormem::core {
 
 std::uint64_t lower_bound(std::span<const buffer> buffers, std::uint64_t alignment) {
-  // Events (time, +bytes or -bytes); at equal times frees come first (half-open lifetimes).
-  std::vector<std::pair<std::uint64_t, std::int64_t>> events;
+  // Events (time, is_start, bytes); at equal times frees come first (half-open lifetimes).
+  // Unsigned throughout: sizes up to 2^64 - 1 are valid, and a sum that passes it is an
+  // error, never a wrapped value.
+  struct event {
+    std::uint64_t time;
+    bool start;
+    std::uint64_t bytes;
+  };
+  std::vector<event> events;
   events.reserve(buffers.size() * 2);
   for (const buffer& b : buffers) {
-    const auto bytes = static_cast<std::int64_t>(align_up(b.bytes, alignment).value_or(b.bytes));
-    events.emplace_back(b.lower, bytes);
-    events.emplace_back(b.upper, -bytes);
+    if (b.lower >= b.upper) continue;  // an empty lifetime is never alive
+    const auto bytes = align_up(b.bytes, alignment);
+    if (!bytes) {
+      throw std::overflow_error("lower_bound: buffer '" + b.id + "' of " + std::to_string(b.bytes) +
+                                " bytes does not fit in 64 bits once aligned to " +
+                                std::to_string(alignment));
+    }
+    events.push_back({b.lower, true, *bytes});
+    events.push_back({b.upper, false, *bytes});
   }
-  std::sort(events.begin(), events.end());
-  std::int64_t live = 0;
-  std::int64_t best = 0;
-  for (const auto& [time, delta] : events) {
-    live += delta;
+  std::sort(events.begin(), events.end(), [](const event& a, const event& b) {
+    return a.time != b.time ? a.time < b.time : (!a.start && b.start);
+  });
+  std::uint64_t live = 0;
+  std::uint64_t best = 0;
+  for (const event& e : events) {
+    if (!e.start) {
+      live -= e.bytes;  // never below zero: its start came first
+      continue;
+    }
+    if (e.bytes > std::numeric_limits<std::uint64_t>::max() - live) {
+      throw std::overflow_error("lower_bound: more than 2^64 - 1 bytes are alive at time " +
+                                std::to_string(e.time));
+    }
+    live += e.bytes;
     best = std::max(best, live);
   }
-  return static_cast<std::uint64_t>(best);
+  return best;
 }
 
 }  // namespace tensormem::core

@@ -16,7 +16,6 @@ std::string validate(std::span<const buffer> buffers, std::span<const std::uint6
     return "plan has " + std::to_string(offsets.size()) + " offsets for " +
            std::to_string(buffers.size()) + " buffers";
   }
-  std::uint64_t highest = 0;
   std::vector<std::uint64_t> ends(buffers.size());
   for (std::size_t i = 0; i < buffers.size(); ++i) {
     if (!is_aligned(offsets[i], alignment)) {
@@ -26,38 +25,40 @@ std::string validate(std::span<const buffer> buffers, std::span<const std::uint6
     const auto bytes = align_up(buffers[i].bytes, alignment);
     if (!bytes || offsets[i] > UINT64_MAX - *bytes) return "'" + buffers[i].id + "' overflows";
     ends[i] = offsets[i] + *bytes;
-    highest = std::max(highest, ends[i]);
+    if (ends[i] > arena_bytes) {
+      return "'" + buffers[i].id + "' ends at " + std::to_string(ends[i]) +
+             ", past the arena of " + std::to_string(arena_bytes) + " bytes";
+    }
   }
-  if (highest != arena_bytes) {
-    return "arena is " + std::to_string(arena_bytes) + " bytes but buffers end at " +
-           std::to_string(highest);
-  }
+  // Only buffers that hold bytes for some time can conflict: a zero-byte buffer or an
+  // empty (or inverted) lifetime occupies nothing.
+  auto occupies = [&](std::size_t i) { return ends[i] != offsets[i] && buffers[i].lower < buffers[i].upper; };
   // Events: at equal times, ends before starts (half-open lifetimes).
   std::vector<std::tuple<std::uint64_t, bool, std::size_t>> events;
   events.reserve(buffers.size() * 2);
   for (std::size_t i = 0; i < buffers.size(); ++i) {
+    if (!occupies(i)) continue;
     events.emplace_back(buffers[i].lower, true, i);
     events.emplace_back(buffers[i].upper, false, i);
   }
   std::sort(events.begin(), events.end());
-  std::map<std::uint64_t, std::size_t> live;  // offset -> buffer, zero-byte buffers skipped
+  // Live byte ranges by offset. While no overlap has been found they are disjoint, so each
+  // offset names one buffer.
+  std::map<std::uint64_t, std::size_t> live;
+  auto overlap = [&](std::size_t a, std::size_t b, std::uint64_t time) {
+    return "'" + buffers[a].id + "' and '" + buffers[b].id + "' overlap in time and space at time " +
+           std::to_string(time);
+  };
   for (const auto& [time, starts, i] : events) {
-    if (ends[i] == offsets[i]) continue;
     if (!starts) {
       live.erase(offsets[i]);
       continue;
     }
     const auto next = live.lower_bound(offsets[i]);
-    if (next != live.end() && next->first < ends[i]) {
-      return "'" + buffers[i].id + "' and '" + buffers[next->second].id +
-             "' overlap in time and space at time " + std::to_string(time);
-    }
+    if (next != live.end() && next->first < ends[i]) return overlap(i, next->second, time);
     if (next != live.begin()) {
       const auto prev = std::prev(next);
-      if (ends[prev->second] > offsets[i]) {
-        return "'" + buffers[i].id + "' and '" + buffers[prev->second].id +
-               "' overlap in time and space at time " + std::to_string(time);
-      }
+      if (ends[prev->second] > offsets[i]) return overlap(i, prev->second, time);
     }
     live.emplace(offsets[i], i);
   }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <thread>
@@ -60,10 +61,15 @@ std::vector<double> keys_of(const plan_problem& p, const order_key& k) {
 class planner_run {
  public:
   planner_run(const plan_problem& p, const plan_options& o)
-      : p_(p), o_(o), start_(clock::now()),
-        deadline_(start_ + std::chrono::duration_cast<clock::duration>(
-                               std::chrono::duration<double>(std::max(0.0, o.time_limit_seconds)))),
+      : p_(p), o_(o), start_(clock::now()), deadline_(deadline_after(start_, o.time_limit_seconds)),
         rng_(o.seed) {}
+
+  // A limit too long for the clock (about 292 years of nanoseconds) means no limit.
+  static clock::time_point deadline_after(clock::time_point start, double seconds) {
+    const double room = std::chrono::duration<double>(clock::time_point::max() - start).count();
+    if (seconds >= room) return clock::time_point::max();
+    return start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
+  }
 
   // The six classic variants, spread over up to `threads` threads. Each variant writes its
   // own slot; the winner is chosen afterwards in a fixed order, so the result does not
@@ -119,7 +125,8 @@ class planner_run {
   bool time_left() const { return clock::now() < deadline_; }
 
   void offer(candidate_plan c, std::string strategy) {
-    if (c.arena < best_.arena) {
+    // The first plan is always kept: an arena of 2^64 - 1 bytes is a real plan too.
+    if (!c.offsets.empty() && (best_.offsets.empty() || c.arena < best_.arena)) {
       best_ = std::move(c);
       best_.strategy = std::move(strategy);
       report("search");
@@ -210,14 +217,29 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
     throw std::invalid_argument("plan: alignment " + std::to_string(options.alignment) +
                                 " is not a power of two");
   }
+  if (!(options.time_limit_seconds >= 0)) {  // also NaN
+    throw std::invalid_argument("plan: time limit " + std::to_string(options.time_limit_seconds) +
+                                " s is not a number of seconds >= 0");
+  }
+  // Every strategy places a buffer at or below the sum of the sizes of the others, so a
+  // total that fits in 64 bits keeps every offset and end representable.
+  std::uint64_t total = 0;
   for (const buffer& b : buffers) {
     if (b.lower >= b.upper) {
       throw std::invalid_argument("plan: buffer '" + b.id + "' has an empty lifetime [" +
                                   std::to_string(b.lower) + ", " + std::to_string(b.upper) + ")");
     }
-    if (!align_up(b.bytes, options.alignment)) {
-      throw std::invalid_argument("plan: buffer '" + b.id + "' is too large");
+    const auto bytes = align_up(b.bytes, options.alignment);
+    if (!bytes) {
+      throw std::invalid_argument("plan: buffer '" + b.id + "' of " + std::to_string(b.bytes) +
+                                  " bytes does not fit in 64 bits once aligned to " +
+                                  std::to_string(options.alignment));
     }
+    if (*bytes > std::numeric_limits<std::uint64_t>::max() - total) {
+      throw std::invalid_argument("plan: the buffer sizes add up to more than 2^64 - 1 bytes "
+                                  "(at buffer '" + b.id + "'); plans use 64-bit offsets");
+    }
+    total += *bytes;
   }
   const auto start = clock::now();
   plan_result r;

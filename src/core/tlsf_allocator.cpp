@@ -13,7 +13,7 @@ constexpr std::uint32_t zero_node = 0xfffffffeU;
 }  // namespace
 
 tlsf_allocator::tlsf_allocator(std::uint64_t capacity, std::uint64_t alignment)
-    : capacity_(capacity), alignment_(alignment), unit_shift_(0) {
+    : capacity_(capacity), alignment_(alignment), unit_shift_(0), owner_(next_owner_id()) {
   check_alignment_argument(name, alignment);
   unit_shift_ = static_cast<unsigned>(std::countr_zero(alignment));
   bin_heads_.fill(none);
@@ -43,8 +43,7 @@ std::uint32_t tlsf_allocator::new_node() {
     unused_nodes_.pop_back();
     return n;
   }
-  if (nodes_.size() >= zero_node) throw std::length_error("tlsf_allocator: too many blocks");
-  nodes_.emplace_back();
+  nodes_.emplace_back();  // capacity reserved by allocate(): cannot throw
   return static_cast<std::uint32_t>(nodes_.size() - 1);
 }
 
@@ -120,11 +119,15 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   const auto aligned = align_up(bytes, alignment_);
   if (!aligned) return std::nullopt;
   const std::uint64_t need = *aligned;
+  // Everything that may allocate or fail happens before any state changes (strong
+  // guarantee): room for two new nodes, for their recycling, and for the live map entry.
   if (nodes_.size() + 2 > nodes_.capacity()) {
-    // Reserve ahead so that a node can always be recycled without allocating.
-    nodes_.reserve(std::max<std::size_t>(64, nodes_.capacity() * 2));
-    unused_nodes_.reserve(nodes_.capacity());
+    if (nodes_.size() + 2 >= zero_node) throw std::length_error("tlsf_allocator: too many blocks");
+    const std::size_t want = std::max<std::size_t>(64, nodes_.capacity() * 2);
+    unused_nodes_.reserve(want);
+    nodes_.reserve(want);
   }
+  live_.reserve(live_.size() + 1);
 
   const unsigned down = floor_class(need);
   const unsigned up = ceil_class(need);
@@ -183,7 +186,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   x.st = state::used;
   used_ += need;
   live_.insert(x.offset, n);
-  return allocation{x.offset, need, n, x.generation};
+  return allocation{x.offset, need, n, x.generation, owner_};
 }
 
 // Frees node n (a used node) and merges it with free neighbours.
@@ -225,6 +228,7 @@ free_status tlsf_allocator::check_handle(std::uint32_t n, std::uint64_t offset,
 
 free_status tlsf_allocator::try_deallocate(const allocation& a) noexcept {
   if (a.node == zero_node && a.bytes == 0) return free_status::ok;
+  if (a.owner != owner_) return free_status::foreign_handle;
   const free_status status = check_handle(a.node, a.offset, a.bytes);
   if (status != free_status::ok) return status;
   if (nodes_[a.node].generation != a.generation) return free_status::stale_handle;

@@ -171,7 +171,9 @@ TEST(validate, finds_every_kind_of_fault) {
             std::string::npos);
   // c starts when a ends: half-open lifetimes do not meet.
   EXPECT_EQ(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 20), "");
-  EXPECT_NE(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 25).find("arena is 25"),
+  // A larger arena than needed is valid; a smaller one is not.
+  EXPECT_EQ(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 25), "");
+  EXPECT_NE(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 19).find("past the arena of 19"),
             std::string::npos);
   EXPECT_NE(validate(b, std::vector<std::uint64_t>{0, 10, 0}, 22, 4).find("not a multiple"),
             std::string::npos);

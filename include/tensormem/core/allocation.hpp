@@ -9,16 +9,22 @@
 namespace tensormem::core {
 
 /// One live allocation: where it is, how many bytes it holds (already rounded up to the
-/// allocator's alignment) and an allocator-private index that lets `deallocate` work in O(1).
-/// Copyable value; valid until it is deallocated.
+/// allocator's alignment), an allocator-private index that lets `deallocate` work in O(1),
+/// and the identity of the allocator that made it, so that a handle given to another
+/// allocator is recognised as foreign instead of freeing that allocator's block with the
+/// same offset. Copyable value; valid until it is deallocated.
 struct allocation {
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
   std::uint32_t node = 0;        ///< allocator-private metadata index
   std::uint32_t generation = 0;  ///< allocator-private; detects stale handles
+  std::uint64_t owner = 0;       ///< the allocator that made it (see next_owner_id)
 
   friend bool operator==(const allocation&, const allocation&) = default;
 };
+
+/// A process-wide unique identity for a new allocator (never 0). Thread-safe.
+std::uint64_t next_owner_id() noexcept;
 
 /// Capacity value that selects growing mode: the arena is the high-water mark `peak()`.
 inline constexpr std::uint64_t growing = std::numeric_limits<std::uint64_t>::max();
@@ -29,6 +35,7 @@ enum class free_status {
   not_allocated,  ///< no live allocation starts at that offset (unknown or double free)
   size_mismatch,  ///< an allocation starts there but holds another number of bytes
   stale_handle,   ///< the handle does not name a live allocation of this allocator
+  foreign_handle, ///< the handle was made by another allocator
 };
 
 /// Counters every online allocator reports. All values are bytes unless named otherwise.

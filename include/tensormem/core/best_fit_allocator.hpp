@@ -8,6 +8,7 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "tensormem/core/allocation.hpp"
 
@@ -27,9 +28,14 @@ namespace tensormem::core {
 /// It never touches the managed bytes. Not thread-safe: synchronize externally.
 ///
 /// A zero-byte request succeeds with `{offset 0, bytes 0}` and changes nothing; freeing that
-/// handle is a no-op. Misuse (unknown offset, double free, wrong size) is reported by the
-/// `try_*` functions as a `free_status` and by the others as `allocator_misuse`; either way
-/// the allocator is left unchanged.
+/// handle is a no-op. Misuse (unknown offset, double free, wrong size, a handle of another
+/// allocator) is reported by the `try_*` functions as a `free_status` and by the others as
+/// `allocator_misuse`; either way the allocator is left unchanged.
+///
+/// Exception safety: `allocate` and `allocate_at` either succeed or change nothing (they
+/// reserve every node they may need before touching the free lists; std::bad_alloc is the
+/// only exception). Freeing never allocates: the free lists keep at least one node per live
+/// allocation plus one in reserve, and merging reuses the nodes of the merged blocks.
 class best_fit_allocator {
  public:
   explicit best_fit_allocator(std::uint64_t capacity = growing, std::uint64_t alignment = 256);
@@ -60,16 +66,26 @@ class best_fit_allocator {
   std::string check_invariants() const;
 
  private:
-  void insert_free(std::uint64_t offset, std::uint64_t bytes);
-  void erase_free(std::uint64_t offset, std::uint64_t bytes);
+  using size_index = std::set<std::pair<std::uint64_t, std::uint64_t>>;  // (bytes, offset)
+  using offset_index = std::map<std::uint64_t, std::uint64_t>;           // offset -> bytes
+
+  /// Makes sure `count` free-list nodes exist beyond those in use; may throw, changes no
+  /// observable state.
+  void reserve_nodes(std::size_t count);
+  void insert_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
+  void erase_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
 
   std::uint64_t capacity_;
   std::uint64_t alignment_;
+  std::uint64_t owner_;
   std::uint64_t peak_ = 0;
   std::uint64_t used_ = 0;
-  std::set<std::pair<std::uint64_t, std::uint64_t>> free_by_size_;  // (bytes, offset)
-  std::map<std::uint64_t, std::uint64_t> free_by_offset_;           // offset -> bytes
-  std::unordered_map<std::uint64_t, std::uint64_t> live_;           // offset -> bytes
+  size_index free_by_size_;
+  offset_index free_by_offset_;
+  std::unordered_map<std::uint64_t, std::uint64_t> live_;  // offset -> bytes
+  // Nodes not in the free lists, kept so that no free-list change allocates.
+  std::vector<size_index::node_type> spare_by_size_;
+  std::vector<offset_index::node_type> spare_by_offset_;
 };
 
 }  // namespace tensormem::core

@@ -65,7 +65,9 @@ struct plan_result {
 ///     randomized restarts; for larger ones, iterated greedy over perturbed orders.
 /// Greedy phase: O(n log n + P log P) per order, P the number of conflicting pairs. The
 /// problem is NP-hard: the result is not guaranteed optimal unless it equals the lower bound.
-/// Throws std::invalid_argument for a non-power-of-two alignment or an empty lifetime.
+/// Throws std::invalid_argument for a non-power-of-two alignment, an empty lifetime, a time
+/// limit that is negative or NaN, or sizes that add up past 2^64 - 1 (a limit larger than
+/// the clock can count means no limit).
 plan_result plan(std::span<const buffer> buffers, const plan_options& options = {});
 
 /// Plans the activations, inputs and outputs of a graph (see derive_lifetimes); the
@@ -74,8 +76,10 @@ plan_result plan(const graph& g, const plan_options& options = {});
 
 /// Independent check of a plan by a sweep over time: no two buffers overlap in time and in
 /// their byte ranges (sizes rounded up to `alignment`), every offset is a multiple of
-/// `alignment`, and `arena_bytes` is the highest end. Returns an empty string when the plan
-/// is valid, else what is wrong, naming the buffers.
+/// `alignment`, and every buffer ends within `arena_bytes` (a larger arena than needed is
+/// valid). Zero-byte buffers and empty lifetimes (`lower >= upper`) occupy nothing. Returns
+/// an empty string when the plan is valid, else what is wrong, naming the buffers. Exact on
+/// any input: O(n log n).
 std::string validate(std::span<const buffer> buffers, std::span<const std::uint64_t> offsets,
                      std::uint64_t arena_bytes, std::uint64_t alignment = 1);
 

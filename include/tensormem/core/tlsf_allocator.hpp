@@ -43,6 +43,9 @@ namespace tensormem::core {
 /// `scan_limit` entries of that list is skipped, so a request of r bytes may grow the arena
 /// while a hole of fewer than r * (1 + 2^-mantissa_bits) bytes is free; and inside a class
 /// the chosen block may be up to 2^-mantissa_bits (6.25 %) larger than the best fit.
+/// Exception safety: `allocate` either succeeds or changes nothing (node and map capacity is
+/// reserved before any list changes); deallocation never allocates. A handle made by another
+/// allocator is refused (`free_status::foreign_handle`), changing nothing.
 /// Not thread-safe: synchronize externally.
 class tlsf_allocator {
  public:
@@ -63,6 +66,20 @@ class tlsf_allocator {
   std::uint64_t used() const noexcept { return used_; }
   allocator_stats stats() const;
   std::string check_invariants() const;
+
+  /// Calls `f(offset, bytes, is_free)` for every block below the high-water mark, in
+  /// address order (TLSF's walk_pool). For tests and pictures; O(n).
+  template <class F>
+  void for_each_block(F&& f) const {
+    for (std::uint32_t n = head_; n != none; n = nodes_[n].next_phys) {
+      f(nodes_[n].offset, nodes_[n].bytes, nodes_[n].st == state::free);
+    }
+  }
+
+  /// The size class of an aligned byte count, rounded down (where a free block of that size
+  /// is listed) and up (the first class whose every block holds that many bytes).
+  unsigned size_class_floor(std::uint64_t bytes) const noexcept { return floor_class(bytes); }
+  unsigned size_class_ceil(std::uint64_t bytes) const noexcept { return ceil_class(bytes); }
 
  private:
   static constexpr std::uint32_t none = 0xffffffffU;
@@ -96,6 +113,7 @@ class tlsf_allocator {
   std::uint64_t capacity_;
   std::uint64_t alignment_;
   unsigned unit_shift_;
+  std::uint64_t owner_;
   std::uint64_t peak_ = 0;
   std::uint64_t used_ = 0;
   std::uint64_t free_block_count_ = 0;

@@ -5,6 +5,7 @@
 #include <bit>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace tensormem::core::detail {
@@ -21,6 +22,13 @@ class offset_map {
       if (keys_[i] == key) return values_[i];
       if (keys_[i] == empty_key) return not_found;
     }
+  }
+
+  /// Makes room for `count` keys, so that inserting up to that many does not allocate.
+  void reserve(std::size_t count) {
+    std::size_t capacity = keys_.size();
+    while (count * 2 > capacity) capacity *= 2;
+    if (capacity != keys_.size()) rehash(capacity);
   }
 
   /// Precondition: `key` is absent and is not `empty_key`.
@@ -62,11 +70,12 @@ class offset_map {
     return static_cast<std::size_t>((key * 0x9E3779B97F4A7C15ULL) >> shift_);
   }
 
+  // Strong guarantee: both new arrays are allocated before anything changes.
   void rehash(std::size_t capacity) {
-    std::vector<std::uint64_t> old_keys = std::move(keys_);
-    std::vector<std::uint32_t> old_values = std::move(values_);
-    keys_.assign(capacity, empty_key);
-    values_.assign(capacity, 0);
+    std::vector<std::uint64_t> new_keys(capacity, empty_key);
+    std::vector<std::uint32_t> new_values(capacity, 0);
+    std::vector<std::uint64_t> old_keys = std::exchange(keys_, std::move(new_keys));
+    std::vector<std::uint32_t> old_values = std::exchange(values_, std::move(new_values));
     mask_ = capacity - 1;
     shift_ = 64U - static_cast<unsigned>(std::countr_zero(capacity));
     size_ = 0;
