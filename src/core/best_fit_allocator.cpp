@@ -36,6 +36,14 @@ void best_fit_allocator::reserve_nodes(std::size_t count) {
   }
 }
 
+// A node for one more live allocation, with room in the table for it: inserting it later
+// neither allocates nor rehashes. No live allocation starts at 2^64 - 1, so the placeholder
+// key is never a real one.
+best_fit_allocator::live_index::node_type best_fit_allocator::make_live_node() {
+  live_.reserve(live_.size() + 1);
+  return live_.extract(live_.emplace(std::numeric_limits<std::uint64_t>::max(), 0).first);
+}
+
 void best_fit_allocator::insert_free(std::uint64_t offset, std::uint64_t bytes) noexcept {
   auto size_node = std::move(spare_by_size_.back());
   spare_by_size_.pop_back();
@@ -61,7 +69,7 @@ std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
   const std::uint64_t need = *aligned;
   // Everything that may allocate happens before any state changes (strong guarantee).
   reserve_nodes(2);
-  live_.reserve(live_.size() + 1);
+  auto live_node = make_live_node();
 
   std::uint64_t offset = 0;
   if (auto it = free_by_size_.lower_bound({need, 0}); it != free_by_size_.end()) {
@@ -85,7 +93,9 @@ std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
     if (tail_bytes != 0) erase_free(offset, tail_bytes);
     peak_ += extra;
   }
-  live_.emplace(offset, need);  // cannot rehash: reserved above
+  live_node.key() = offset;
+  live_node.mapped() = need;
+  live_.insert(std::move(live_node));  // cannot rehash: room reserved
   used_ += need;
   return allocation{offset, need, 0, 0, owner_};
 }
@@ -102,7 +112,7 @@ std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
   const std::uint64_t end = offset + need;
   if (live_.contains(offset)) return std::nullopt;
   reserve_nodes(2);
-  live_.reserve(live_.size() + 1);
+  auto live_node = make_live_node();
   if (offset >= peak_) {
     // Past the high-water mark: the gap [peak, offset) becomes free, merged with a free
     // block that ends at the mark.
@@ -133,7 +143,9 @@ std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
     if (end < block_end) insert_free(end, block_end - end);
     if (end > block_end) peak_ = end;  // the free tail block is extended past the mark
   }
-  live_.emplace(offset, need);
+  live_node.key() = offset;
+  live_node.mapped() = need;
+  live_.insert(std::move(live_node));
   used_ += need;
   return allocation{offset, need, 0, 0, owner_};
 }

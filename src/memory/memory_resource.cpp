@@ -1,8 +1,11 @@
 #include "tensormem/memory/memory_resource.hpp"
 
 #include <bit>
+#include <limits>
 #include <stdexcept>
 #include <string>
+
+#include "tensormem/memory/errors.hpp"
 
 namespace tensormem::memory {
 
@@ -20,6 +23,12 @@ void* memory_resource::allocate(std::size_t bytes, std::size_t alignment) {
   if (!std::has_single_bit(alignment)) {
     throw std::invalid_argument("memory_resource: alignment " + std::to_string(alignment) +
                                 " is not a power of two");
+  }
+  // No implementation is asked for a size that cannot be padded to its alignment: aligned
+  // operator new would wrap it to a tiny block.
+  if (bytes > std::numeric_limits<std::size_t>::max() - alignment) {
+    throw out_of_memory("memory_resource: " + std::to_string(bytes) + " bytes aligned to " +
+                        std::to_string(alignment) + " cannot be represented");
   }
   // A zero-byte request gets a distinct pointer: one byte is reserved behind it.
   return do_allocate(bytes == 0 ? 1 : bytes, alignment);

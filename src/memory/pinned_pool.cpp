@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "tensormem/memory/detail/poison.hpp"
 #include "tensormem/memory/errors.hpp"
 
 namespace tensormem::memory {
@@ -22,6 +23,7 @@ pinned_pool::pinned_pool(pool_options options)
 }
 
 pinned_pool::~pinned_pool() {
+  for (auto& s : slabs_) detail::unpoison(s->base, s->bytes);
   for (auto& s : slabs_) upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
 }
 
@@ -39,11 +41,13 @@ pinned_pool::slab& pinned_pool::add_slab(std::size_t bytes, bool dedicated) {
     upstream_.deallocate(base, bytes, pinned_host_resource::page_bytes());
     throw;
   }
+  detail::poison(base, bytes);  // nothing in it is handed out yet
   slab_bytes_total_ += bytes;
   return *slabs_.back();
 }
 
 void pinned_pool::release_slab(slab* s) noexcept {
+  detail::unpoison(s->base, s->bytes);  // the pages may be mapped again for anything
   upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
   slab_bytes_total_ -= s->bytes;
   const auto it = std::find_if(slabs_.begin(), slabs_.end(),
@@ -88,6 +92,7 @@ void* pinned_pool::do_allocate(std::size_t bytes, std::size_t alignment) {
   in_use_ += where->bytes;
   peak_in_use_ = std::max(peak_in_use_, in_use_);
   ++total_allocations_;
+  detail::unpoison(p, bytes);
   return p;
 }
 
@@ -107,6 +112,7 @@ bool pinned_pool::free(void* p) noexcept {
   const live l = it->second;
   live_.erase(it);
   l.owner->offsets.deallocate(l.where);
+  detail::poison(l.owner->base + l.where.offset, static_cast<std::size_t>(l.where.bytes));
   in_use_ -= l.where.bytes;
   if (l.owner->dedicated) release_slab(l.owner);
   return true;
@@ -123,11 +129,13 @@ bool pinned_pool::owns(const void* p) const {
 
 void pinned_pool::trim() noexcept {
   const std::lock_guard lock(mutex_);
-  std::vector<slab*> empty;
-  for (auto& s : slabs_) {
-    if (s->offsets.used() == 0) empty.push_back(s.get());
+  // Releases one empty slab at a time: no list of them is built, so nothing allocates.
+  for (;;) {
+    const auto it = std::find_if(slabs_.begin(), slabs_.end(),
+                                 [](const std::unique_ptr<slab>& s) { return s->offsets.used() == 0; });
+    if (it == slabs_.end()) return;
+    release_slab(it->get());
   }
-  for (slab* s : empty) release_slab(s);
 }
 
 pool_stats pinned_pool::stats() const {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -62,8 +63,15 @@ using arena_observer = std::function<void(const tensor_block&)>;
 ///   every live tensor's contents, then tells each bound observer of a moved tensor its new
 ///   place, then allocates. A zero-byte tensor gets its own id, occupies nothing and never
 ///   moves. Ids are unique for the arena's lifetime.
-/// - `release(id)` / `release(block)`: an unknown or already released id throws
-///   std::invalid_argument and nothing changes. Releasing drops the tensor's observers.
+/// - `release(id)` / `release(block)`: an unknown or already released id, or an id of another
+///   arena, throws std::invalid_argument and nothing changes. Releasing drops the tensor's
+///   observers. Ids carry the arena that made them (24 bits of a process-wide arena serial,
+///   40 bits of counter), so another arena's id is recognised, not mistaken for one's own.
+/// - Exception safety: a throwing `allocate` or `defragment` changes nothing (the new layout
+///   is built before any byte moves); `release` either succeeds or throws before changing
+///   anything.
+/// - Under AddressSanitizer every byte of host memory that no live tensor holds is poisoned,
+///   so a stale pointer into a released or moved tensor is reported.
 /// - Placement inside the buffer is exact best fit (best_fit_allocator).
 /// Thread safety: none; synchronize externally (one arena per thread, or a lock around it).
 class contiguous_arena {
@@ -107,7 +115,12 @@ class contiguous_arena {
     std::vector<arena_observer> observers;
   };
   void move_bytes(std::byte* dst, const std::byte* src, std::size_t bytes);
-  void rebuild_allocator();
+  void check_owner(std::uint64_t id, const char* what) const;
+  /// Defragments so that a hole of `bytes` (aligned) opens; when `allocate_bytes` is not 0,
+  /// also allocates that many bytes in the new layout before anything moves. Empty when
+  /// the free bytes do not suffice (nothing changed).
+  std::optional<core::allocation> defragment_for(std::uint64_t bytes, std::uint64_t allocate_bytes);
+  void poison_free_ranges() noexcept;
 
   memory::memory_resource& resource_;
   std::uint64_t capacity_;
@@ -116,7 +129,8 @@ class contiguous_arena {
   core::best_fit_allocator offsets_;
   std::unordered_map<std::uint64_t, entry> live_;
   std::map<std::uint64_t, std::uint64_t> by_offset_;  // offset -> id (non-empty tensors)
-  std::uint64_t next_id_ = 1;
+  std::uint64_t serial_;   // this arena's part of every id it hands out
+  std::uint64_t next_id_;
   std::uint64_t max_allocated_ = 0;
   std::uint64_t defragmentations_ = 0;
   std::uint64_t bytes_moved_ = 0;

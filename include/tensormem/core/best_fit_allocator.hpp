@@ -68,10 +68,12 @@ class best_fit_allocator {
  private:
   using size_index = std::set<std::pair<std::uint64_t, std::uint64_t>>;  // (bytes, offset)
   using offset_index = std::map<std::uint64_t, std::uint64_t>;           // offset -> bytes
+  using live_index = std::unordered_map<std::uint64_t, std::uint64_t>;   // offset -> bytes
 
   /// Makes sure `count` free-list nodes exist beyond those in use; may throw, changes no
   /// observable state.
   void reserve_nodes(std::size_t count);
+  live_index::node_type make_live_node();
   void insert_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
   void erase_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
 
@@ -82,7 +84,7 @@ class best_fit_allocator {
   std::uint64_t used_ = 0;
   size_index free_by_size_;
   offset_index free_by_offset_;
-  std::unordered_map<std::uint64_t, std::uint64_t> live_;  // offset -> bytes
+  live_index live_;
   // Nodes not in the free lists, kept so that no free-list change allocates.
   std::vector<size_index::node_type> spare_by_size_;
   std::vector<offset_index::node_type> spare_by_offset_;

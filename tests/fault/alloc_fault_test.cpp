@@ -1,0 +1,144 @@
+// Strong exception safety under injected std::bad_alloc: the global operator new of this
+// executable fails on the n-th call after arming, for every n until the operation succeeds,
+// and after each failure the object must be exactly as it was.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <new>
+#include <random>
+#include <vector>
+
+#include "tensormem/arena/contiguous_arena.hpp"
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/tlsf_allocator.hpp"
+#include "tensormem/memory/host_resource.hpp"
+
+namespace {
+thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fails
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  if (countdown == 0) {
+    countdown = -1;
+    throw std::bad_alloc();
+  }
+  if (countdown > 0) --countdown;
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+namespace tensormem {
+namespace {
+
+/// Runs `op` with the n-th allocation failing, n = 0, 1, ...; `check` verifies after each
+/// failure that nothing changed. Returns how many failures were injected.
+template <class Op, class Check>
+int inject_until_success(Op op, Check check) {
+  for (long n = 0;; ++n) {
+    countdown = n;
+    try {
+      op();
+      countdown = -1;
+      return static_cast<int>(n);
+    } catch (const std::bad_alloc&) {
+      countdown = -1;
+      check();
+      if (::testing::Test::HasFatalFailure()) return static_cast<int>(n);
+    }
+  }
+}
+
+template <class A>
+void allocator_strong_guarantee() {
+  std::mt19937_64 rng(3);
+  A a(std::uint64_t{1} << 30, 256);
+  A reference(std::uint64_t{1} << 30, 256);  // same history, no faults
+  std::vector<std::pair<core::allocation, core::allocation>> live;
+  int injected = 0;
+  for (int step = 0; step < 400; ++step) {
+    if (live.empty() || rng() % 100 < 60) {
+      const std::uint64_t bytes = 1 + rng() % 100'000;
+      std::optional<core::allocation> got;
+      injected += inject_until_success([&] { got = a.allocate(bytes); }, [&] {
+        ASSERT_EQ(a.check_invariants(), "");
+        ASSERT_EQ(a.used(), reference.used());
+        ASSERT_EQ(a.peak(), reference.peak());
+        ASSERT_EQ(a.stats().free_blocks, reference.stats().free_blocks);
+        ASSERT_EQ(a.stats().largest_free_bytes, reference.stats().largest_free_bytes);
+      });
+      const auto want = reference.allocate(bytes);
+      ASSERT_TRUE(got && want);
+      ASSERT_EQ(got->offset, want->offset) << "step " << step;
+      live.emplace_back(*got, *want);
+    } else {
+      const std::size_t i = rng() % live.size();
+      // Frees must not allocate at all: any allocation here would throw.
+      countdown = 0;
+      a.deallocate(live[i].first);
+      countdown = -1;
+      reference.deallocate(live[i].second);
+      live[i] = live.back();
+      live.pop_back();
+    }
+    ASSERT_EQ(a.check_invariants(), "") << "step " << step;
+  }
+  EXPECT_GT(injected, 0);
+}
+
+TEST(strong_guarantee, best_fit_allocate_and_free) { allocator_strong_guarantee<core::best_fit_allocator>(); }
+TEST(strong_guarantee, tlsf_allocate_and_free) { allocator_strong_guarantee<core::tlsf_allocator>(); }
+
+std::byte pattern(std::uint64_t id, std::uint64_t i) {
+  return static_cast<std::byte>((id * 131 + i * 7) & 0xff);
+}
+
+TEST(strong_guarantee, arena_allocate_with_defragmentation) {
+  memory::host_resource host;
+  for (const auto policy : {arena::defrag_policy::minimal_move, arena::defrag_policy::full_compaction}) {
+    arena::contiguous_arena a(host, 1 << 16, {.alignment = 256, .policy = policy});
+    std::map<std::uint64_t, std::uint64_t> live;  // id -> bytes
+    auto fill = [&](const arena::tensor_block& b) {
+      for (std::uint64_t i = 0; i < b.bytes; ++i) b.data()[i] = pattern(b.id, i);
+    };
+    // Checkerboard: every other tensor released leaves holes too small for a large request.
+    std::vector<arena::tensor_block> blocks;
+    for (int i = 0; i < 64; ++i) blocks.push_back(a.allocate(1000));
+    for (auto& b : blocks) fill(b);
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (i % 2 == 0) a.release(blocks[i]);
+      else live[blocks[i].id] = blocks[i].bytes;
+    }
+    std::map<std::uint64_t, std::uint64_t> offsets_before;
+    for (const auto& [id, bytes] : live) offsets_before[id] = a.block(id).offset;
+    const arena::arena_stats before = a.stats();
+    int notified = 0;
+    for (const auto& [id, bytes] : live) a.bind(id, [&notified](const arena::tensor_block&) { ++notified; });
+    arena::tensor_block big;
+    const int injected = inject_until_success([&] { big = a.allocate(8000); }, [&] {
+      ASSERT_EQ(notified, 0);
+      ASSERT_EQ(a.stats().defragmentations, before.defragmentations);
+      ASSERT_EQ(a.stats().used_bytes, before.used_bytes);
+      ASSERT_EQ(a.stats().largest_free_bytes, before.largest_free_bytes);
+      for (const auto& [id, bytes] : live) {
+        const arena::tensor_block b = a.block(id);
+        ASSERT_EQ(b.offset, offsets_before[id]) << "moved although allocate threw";
+        for (std::uint64_t i = 0; i < bytes; ++i) ASSERT_EQ(b.data()[i], pattern(id, i));
+      }
+    });
+    EXPECT_GT(injected, 0);
+    EXPECT_EQ(a.stats().defragmentations, before.defragmentations + 1);
+    EXPECT_GT(notified, 0);
+    for (const auto& [id, bytes] : live) {
+      const arena::tensor_block b = a.block(id);
+      for (std::uint64_t i = 0; i < bytes; ++i) ASSERT_EQ(b.data()[i], pattern(id, i));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tensormem
