@@ -10,14 +10,19 @@
 #include <system_error>
 
 #include "tensormem/io/io_engine.hpp"
+#include "uring_faults.hpp"
 
 namespace tensormem::io {
 
 namespace {
 
+// Results of io_uring_submit / io_uring_wait_cqe that mean "reap, then try again".
+bool transient(int rc) noexcept { return rc == -EAGAIN || rc == -EBUSY || rc == -EINTR || rc == -ETIME; }
+
 class uring_engine final : public io_engine {
  public:
-  explicit uring_engine(unsigned queue_depth) : depth_(queue_depth == 0 ? 1 : queue_depth) {
+  uring_engine(unsigned queue_depth, detail::uring_faults faults)
+      : depth_(queue_depth == 0 ? 1 : queue_depth), faults_(std::move(faults)) {
     const int rc = io_uring_queue_init(depth_, &ring_, 0);
     if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_queue_init");
     slots_.resize(depth_);
@@ -25,7 +30,9 @@ class uring_engine final : public io_engine {
   }
 
   ~uring_engine() override {
-    while (in_flight_ != 0) reap(1);  // the kernel may still write into our buffers
+    // The kernel may still write into our buffers: wait for what it holds. reap() ends
+    // every wait, by a completion or by failing the ring (in_flight_ drops to 0).
+    while (in_flight_ != 0) reap(1);
     io_uring_queue_exit(&ring_);
   }
 
@@ -39,6 +46,10 @@ class uring_engine final : public io_engine {
     min_completions = std::min(min_completions, outstanding_);
     while (ready_.size() < min_completions) {
       pump();
+      if (ready_.size() >= min_completions) break;
+      // Every outstanding request is pending, queued, in flight or ready; with nothing in
+      // flight and nothing to submit the loop could not progress, so that is a failure.
+      if (in_flight_ == 0 && unsubmitted_.empty() && pending_.empty()) break;
       reap(1);
     }
     reap(0);  // whatever else is ready, without blocking
@@ -72,7 +83,10 @@ class uring_engine final : public io_engine {
 
   // Moves pending requests into free slots and submits them with one system call.
   void pump() {
-    bool queued = false;
+    if (broken_ != 0) {
+      fail_unsubmitted();
+      return;
+    }
     while (!pending_.empty() && !free_slots_.empty()) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe == nullptr) break;
@@ -81,11 +95,39 @@ class uring_engine final : public io_engine {
       slots_[slot] = pending_.front();
       pending_.pop_front();
       prepare(sqe, slot);
-      queued = true;
+      unsubmitted_.push_back(slot);
     }
-    if (queued) {
-      const int rc = io_uring_submit(&ring_);
-      if (rc >= 0) in_flight_ += static_cast<unsigned>(rc);
+    submit_queued();
+  }
+
+  // Hands the queued entries to the kernel. A transient refusal leaves them queued for the
+  // next call (after a reap has freed room); any other error means the ring cannot take
+  // requests: they, and every later one, complete with that error.
+  void submit_queued() {
+    if (broken_ != 0) {
+      fail_unsubmitted();
+      return;
+    }
+    if (unsubmitted_.empty()) return;
+    const int rc = faults_.submit ? faults_.submit(&ring_) : io_uring_submit(&ring_);
+    if (rc > 0) {
+      const auto taken = std::min<std::size_t>(static_cast<std::size_t>(rc), unsubmitted_.size());
+      in_flight_ += static_cast<unsigned>(taken);
+      unsubmitted_.erase(unsubmitted_.begin(), unsubmitted_.begin() + static_cast<std::ptrdiff_t>(taken));
+      return;
+    }
+    if (rc == 0 || transient(rc)) return;
+    broken_ = rc;
+    fail_unsubmitted();
+  }
+
+  // Completes every request the kernel does not hold with the ring's error.
+  void fail_unsubmitted() {
+    for (const unsigned slot : unsubmitted_) complete(slot, broken_);
+    unsubmitted_.clear();
+    while (!pending_.empty()) {
+      ready_.push_back({pending_.front().request.user_data, broken_, pending_.front().request.bytes});
+      pending_.pop_front();
     }
   }
 
@@ -116,12 +158,28 @@ class uring_engine final : public io_engine {
     return -1;
   }
 
-  // Reaps completions; blocks for at least `min` of them.
+  // Reaps completions; blocks for at least `min` of them. A wait error that is not
+  // transient means the ring is unusable: every request it holds is reported failed with
+  // that error (their buffers may still be written by the kernel until the ring is torn
+  // down, which is why the error is reported instead of waited out forever).
   void reap(unsigned min) {
+    if (broken_ != 0) {  // every request was reported already; the ring is not read again
+      fail_unsubmitted();
+      return;
+    }
     io_uring_cqe* cqe = nullptr;
     if (min > 0 && in_flight_ > 0) {
-      const int rc = io_uring_wait_cqe(&ring_, &cqe);
-      if (rc < 0 && rc != -EINTR && rc != -EAGAIN) return;
+      const int rc = faults_.wait ? faults_.wait(&ring_, &cqe) : io_uring_wait_cqe(&ring_, &cqe);
+      if (rc < 0 && !transient(rc)) {
+        broken_ = rc;
+        for (unsigned slot = 0; slot < depth_; ++slot) {
+          if (held_by_kernel(slot)) complete(slot, rc);
+        }
+        in_flight_ = 0;
+        retry_.clear();
+        fail_unsubmitted();
+        return;
+      }
     }
     unsigned head = 0;
     unsigned seen = 0;
@@ -140,13 +198,11 @@ class uring_engine final : public io_engine {
         continue;
       }
       prepare(sqe, slot);
+      unsubmitted_.push_back(slot);
       resubmit = true;
     }
     retry_.clear();
-    if (resubmit) {
-      const int rc = io_uring_submit(&ring_);
-      if (rc >= 0) in_flight_ += static_cast<unsigned>(rc);
-    }
+    if (resubmit) submit_queued();
   }
 
   void finish(unsigned slot, int res) {
@@ -162,9 +218,19 @@ class uring_engine final : public io_engine {
         return;
       }
     }
-    const std::int64_t result = res < 0 ? res : static_cast<std::int64_t>(o.done);
+    complete(slot, res < 0 ? res : static_cast<std::int64_t>(o.done));
+  }
+
+  void complete(unsigned slot, std::int64_t result) {
+    const op& o = slots_[slot];
     ready_.push_back({o.request.user_data, result, o.request.bytes});
     free_slots_.push_back(slot);
+  }
+
+  // A slot the kernel holds: neither free, nor queued, nor waiting for a retry.
+  bool held_by_kernel(unsigned slot) const {
+    return std::find(free_slots_.begin(), free_slots_.end(), slot) == free_slots_.end() &&
+           std::find(unsubmitted_.begin(), unsubmitted_.end(), slot) == unsubmitted_.end();
   }
 
   unsigned depth_;
@@ -172,17 +238,26 @@ class uring_engine final : public io_engine {
   std::vector<op> slots_;
   std::vector<unsigned> free_slots_;
   std::vector<unsigned> retry_;
+  std::vector<unsigned> unsubmitted_;  // prepared in the submission queue, not yet taken
   std::deque<op> pending_;
   std::vector<io_completion> ready_;
   unsigned in_flight_ = 0;
   std::size_t outstanding_ = 0;
   std::vector<std::span<std::byte>> registered_;
+  detail::uring_faults faults_;
+  int broken_ = 0;  // the error that made the ring unusable, or 0
 };
 
 }  // namespace
 
 std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth) {
-  return std::make_unique<uring_engine>(queue_depth);
+  return std::make_unique<uring_engine>(queue_depth, detail::uring_faults{});
 }
+
+namespace detail {
+std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth, uring_faults faults) {
+  return std::make_unique<uring_engine>(queue_depth, std::move(faults));
+}
+}  // namespace detail
 
 }  // namespace tensormem::io

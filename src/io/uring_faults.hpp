@@ -1,0 +1,21 @@
+#pragma once
+// Test seam of the io_uring engine: replaces io_uring_submit / io_uring_wait_cqe so that
+// tests can make them fail as a kernel may (-EBUSY, -EAGAIN, -EINTR, or a hard error).
+
+#include <liburing.h>
+
+#include <functional>
+#include <memory>
+
+#include "tensormem/io/io_engine.hpp"
+
+namespace tensormem::io::detail {
+
+struct uring_faults {
+  std::function<int(io_uring*)> submit;                 ///< empty: io_uring_submit
+  std::function<int(io_uring*, io_uring_cqe**)> wait;   ///< empty: io_uring_wait_cqe
+};
+
+std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth, uring_faults faults);
+
+}  // namespace tensormem::io::detail

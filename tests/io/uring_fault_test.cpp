@@ -1,0 +1,110 @@
+// The io_uring engine when the kernel refuses: transient submit refusals are retried,
+// hard submit and wait errors fail the requests (never a hang), and content stays right.
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <vector>
+
+#include "uring_faults.hpp"
+
+namespace tensormem::io {
+namespace {
+
+class uring_fault_test : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    io_uring probe{};
+    if (io_uring_queue_init(2, &probe, 0) < 0) GTEST_SKIP() << "io_uring unavailable here";
+    io_uring_queue_exit(&probe);
+    char name[] = "/tmp/tensormem-uring-fault-XXXXXX";
+    fd_ = mkstemp(name);
+    ASSERT_GE(fd_, 0);
+    path_ = name;
+  }
+  void TearDown() override {
+    if (fd_ >= 0) close(fd_);
+    if (!path_.empty()) std::filesystem::remove(path_);
+  }
+  std::vector<io_completion> run(io_engine& e, std::vector<std::vector<char>>& buffers, bool write) {
+    std::vector<io_request> requests;
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      requests.push_back({fd_, i * 4096, buffers[i].data(), buffers[i].size(), write, i});
+    }
+    e.submit(requests);
+    std::vector<io_completion> all;
+    while (e.outstanding() != 0) {
+      auto some = e.wait(1);
+      if (some.empty()) break;  // a hang would be a failure of its own; never loop forever
+      all.insert(all.end(), some.begin(), some.end());
+    }
+    return all;
+  }
+  int fd_ = -1;
+  std::string path_;
+};
+
+TEST_F(uring_fault_test, transient_submit_refusals_are_retried) {
+  int refusals = 0;
+  detail::uring_faults faults;
+  faults.submit = [&refusals](io_uring* ring) {
+    // Every other call is refused as a busy kernel would, cycling through the codes.
+    static const int codes[] = {-EBUSY, -EAGAIN, -EINTR};
+    if (refusals < 30 && (refusals++ % 2) == 0) return codes[refusals % 3];
+    return io_uring_submit(ring);
+  };
+  auto engine = detail::make_uring_engine(4, faults);
+  std::vector<std::vector<char>> out(16, std::vector<char>(4096));
+  for (std::size_t i = 0; i < out.size(); ++i) std::fill(out[i].begin(), out[i].end(), static_cast<char>('a' + i));
+  const auto written = run(*engine, out, true);
+  ASSERT_EQ(written.size(), out.size());
+  for (const auto& c : written) EXPECT_EQ(c.result, 4096) << c.user_data;
+  std::vector<std::vector<char>> in(16, std::vector<char>(4096));
+  const auto read = run(*engine, in, false);
+  ASSERT_EQ(read.size(), in.size());
+  for (std::size_t i = 0; i < in.size(); ++i) EXPECT_EQ(in[i], out[i]) << i;
+  EXPECT_GT(refusals, 0);
+}
+
+TEST_F(uring_fault_test, a_hard_submit_error_fails_the_requests_instead_of_hanging) {
+  detail::uring_faults faults;
+  faults.submit = [](io_uring*) { return -EINVAL; };
+  auto engine = detail::make_uring_engine(4, faults);
+  std::vector<std::vector<char>> out(10, std::vector<char>(4096, 'x'));
+  const auto done = run(*engine, out, true);
+  ASSERT_EQ(done.size(), out.size());
+  for (const auto& c : done) EXPECT_EQ(c.result, -EINVAL);
+  EXPECT_EQ(engine->outstanding(), 0U);
+  // Later requests fail the same way, at once.
+  const auto again = run(*engine, out, true);
+  ASSERT_EQ(again.size(), out.size());
+  for (const auto& c : again) EXPECT_EQ(c.result, -EINVAL);
+}
+
+TEST_F(uring_fault_test, a_hard_wait_error_fails_what_is_in_flight_and_teardown_ends) {
+  detail::uring_faults faults;
+  faults.wait = [](io_uring* ring, io_uring_cqe** cqe) {
+    // Let the kernel finish for real (so no buffer is written after the test), then
+    // report a hard error as a broken ring would.
+    (void)io_uring_wait_cqe(ring, cqe);
+    return -EBADF;
+  };
+  std::vector<std::vector<char>> out(8, std::vector<char>(4096, 'y'));
+  {
+    auto engine = detail::make_uring_engine(4, faults);
+    const auto done = run(*engine, out, true);
+    ASSERT_EQ(done.size(), out.size());
+    int failed = 0;
+    for (const auto& c : done) failed += c.result == -EBADF ? 1 : 0;
+    EXPECT_GT(failed, 0);
+    EXPECT_EQ(engine->outstanding(), 0U);
+  }  // the destructor returns
+}
+
+}  // namespace
+}  // namespace tensormem::io
