@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <set>
 #include <stdexcept>
+#include <string_view>
 
 #include "tensormem/swap/crc32c.hpp"
 
@@ -16,15 +18,61 @@ namespace {
 
 constexpr std::size_t header_bytes = 4096;
 constexpr std::size_t io_alignment = 4096;
-constexpr char magic[8] = {'T', 'M', 'S', 'W', 'A', 'P', '0', '1'};
+constexpr char magic[8] = {'T', 'M', 'S', 'W', 'A', 'P', '0', '2'};
 constexpr std::size_t no_staging = static_cast<std::size_t>(-1);
+constexpr std::size_t key_room = 4000;  // bytes of the key kept in the header (its tail)
 
+// The first 4096 bytes of a swap file. header_crc covers all 4096 bytes (with header_crc
+// itself zero), so a flipped bit anywhere in the header is detected whatever the setting.
 struct file_header {
   char magic[8];
   std::uint64_t bytes;
-  std::uint32_t crc;
-  std::uint32_t flags;  // bit 0: crc present
+  std::uint32_t crc;         // CRC-32C of the tensor bytes (when flags & 1)
+  std::uint32_t flags;       // bit 0: crc present
+  std::uint64_t key_bytes;   // length of the identity key
+  std::uint32_t key_crc;     // CRC-32C of the whole key
+  std::uint32_t header_crc;
+  char key_tail[key_room];   // the last key_room bytes of the key
 };
+static_assert(sizeof(file_header) <= header_bytes);
+
+std::uint32_t crc_of(const std::string& s) { return crc32c(s.data(), s.size()); }
+
+void write_header(std::byte* page, std::uint64_t bytes, std::uint32_t crc, bool crc_present,
+                  const std::string& key) {
+  std::memset(page, 0, header_bytes);
+  file_header h{};
+  std::memcpy(h.magic, magic, sizeof magic);
+  h.bytes = bytes;
+  h.crc = crc;
+  h.flags = crc_present ? 1U : 0U;
+  h.key_bytes = key.size();
+  h.key_crc = crc_of(key);
+  const std::size_t tail = std::min(key.size(), key_room);
+  std::memcpy(h.key_tail, key.data() + key.size() - tail, tail);
+  std::memcpy(page, &h, sizeof h);
+  h.header_crc = crc32c(page, header_bytes);
+  std::memcpy(page, &h, sizeof h);
+}
+
+// Empty when the page is a sound header of `key`, else why not.
+std::string check_header(const std::byte* page, const std::string& key, file_header& h) {
+  std::memcpy(&h, page, sizeof h);
+  if (std::memcmp(h.magic, magic, sizeof magic) != 0) return "is not a tensormem swap file";
+  const std::uint32_t stored = h.header_crc;
+  std::byte copy[header_bytes];
+  std::memcpy(copy, page, header_bytes);
+  file_header zeroed = h;
+  zeroed.header_crc = 0;
+  std::memcpy(copy, &zeroed, sizeof zeroed);
+  if (crc32c(copy, header_bytes) != stored) return "has a corrupt header";
+  const std::size_t tail = std::min(key.size(), key_room);
+  if (h.key_bytes != key.size() || h.key_crc != crc_of(key) ||
+      std::memcmp(h.key_tail, key.data() + key.size() - tail, tail) != 0) {
+    return "holds another tensor (its identity key differs)";
+  }
+  return {};
+}
 
 std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
 
@@ -37,6 +85,8 @@ bool aligned(const void* p, std::size_t n) {
 struct tensor_swapper::job {
   std::uint64_t ticket = 0;
   std::string path;
+  std::string key;        // identity recorded in (swap-out) or expected of (swap-in) the file
+  std::string temp_path;  // swap-out writes here, then renames onto `path`
   tensor_ref tensor;
   bool out = true;
   int fd = -1;
@@ -99,7 +149,7 @@ tensor_swapper::~tensor_swapper() {
 }
 
 int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
-  const int base = out ? O_WRONLY | O_CREAT : O_RDONLY;
+  const int base = out ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY;
   direct = options_.direct;
   if (direct) {
     const int fd = open(path.c_str(), base | O_DIRECT | O_CLOEXEC, 0644);
@@ -149,13 +199,7 @@ void tensor_swapper::start_out(job& j) {
     timers_["checksum"] += std::chrono::duration<double>(clock::now() - t0).count();
   }
   const std::size_t h = take_staging();
-  std::memset(staging_[h], 0, header_bytes);
-  file_header header{};
-  std::memcpy(header.magic, magic, sizeof magic);
-  header.bytes = j.tensor.bytes;
-  header.crc = j.crc;
-  header.flags = j.crc_present ? 1U : 0U;
-  std::memcpy(staging_[h], &header, sizeof header);
+  write_header(staging_[h], j.tensor.bytes, j.crc, j.crc_present, j.key);
   issue(index, 0, staging_[h], header_bytes, true, h, nullptr, 0);
   for (std::size_t off = 0; off < j.tensor.bytes; off += options_.block_bytes) {
     const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
@@ -181,12 +225,22 @@ void tensor_swapper::start_in(job& j) {
   // The header is read synchronously: it decides whether anything else is read.
   const std::size_t h = take_staging();
   const ssize_t got = pread(j.fd, staging_[h], header_bytes, 0);
+  const int read_errno = errno;
   file_header header{};
-  if (got == static_cast<ssize_t>(header_bytes)) std::memcpy(&header, staging_[h], sizeof header);
+  std::string problem = got == static_cast<ssize_t>(header_bytes)
+                            ? check_header(staging_[h], j.key, header)
+                            : "is not a tensormem swap file (or was never written completely)";
   free_staging_.push_back(h);
-  if (got != static_cast<ssize_t>(header_bytes) || std::memcmp(header.magic, magic, sizeof magic) != 0) {
-    j.error = got < 0 ? errno : EINVAL;
-    j.message = j.path + " is not a tensormem swap file (or was never written completely)";
+  if (!problem.empty()) {
+    j.error = got < 0 ? read_errno : (problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL);
+    j.message = j.path + " " + problem;
+    return;
+  }
+  if (options_.checksums && (header.flags & 1U) == 0) {
+    // The swapper's setting decides, not the file: with checksums on, data that carries
+    // none cannot be verified and is refused.
+    j.error = EBADMSG;
+    j.message = j.path + " carries no checksum (written with checksums off) and checksums are on";
     return;
   }
   if (header.bytes != j.tensor.bytes) {
@@ -213,10 +267,26 @@ void tensor_swapper::start_in(job& j) {
 }
 
 std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
-                                    std::span<const std::string> paths, bool out) {
+                                    std::span<const std::string> paths,
+                                    std::span<const std::string> keys, bool out) {
   if (tensors.size() != paths.size()) {
     throw std::invalid_argument("tensor_swapper: " + std::to_string(tensors.size()) +
                                 " tensors for " + std::to_string(paths.size()) + " paths");
+  }
+  if (!keys.empty() && keys.size() != paths.size()) {
+    throw std::invalid_argument("tensor_swapper: " + std::to_string(keys.size()) + " keys for " +
+                                std::to_string(paths.size()) + " paths");
+  }
+  // A path may be in one unfinished transfer at a time: two writes to one file in flight
+  // would leave one tensor lost while both report success.
+  std::set<std::string_view> batch;
+  for (const std::string& p : paths) {
+    if (!batch.insert(p).second) {
+      throw std::invalid_argument("tensor_swapper: " + p + " appears twice in one batch");
+    }
+    if (busy_paths_.contains(p)) {
+      throw std::invalid_argument("tensor_swapper: " + p + " is in a transfer not yet waited for");
+    }
   }
   const std::uint64_t ticket = next_ticket_++;
   auto& members = tickets_[ticket];
@@ -226,7 +296,9 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     job& j = jobs_.back();
     j.ticket = ticket;
     j.path = paths[i];
+    j.key = keys.empty() ? paths[i] : keys[i];
     j.tensor = tensors[i];
+    busy_paths_.insert(j.path);
     j.out = out;
     j.started = clock::now();
     members.push_back(jobs_.size() - 1);
@@ -234,11 +306,14 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
       j.error = EINVAL;
       j.message = "null tensor";
     } else {
-      j.fd = open_file(j.path, out, j.direct);
+      // Swap-out writes a new file beside the old one and renames it into place once every
+      // byte is written, so the path holds the old contents or the new, never a mix.
+      if (out) j.temp_path = j.path + ".tensormem-tmp." + std::to_string(getpid());
+      j.fd = open_file(out ? j.temp_path : j.path, out, j.direct);
       if (j.fd < 0) {
         j.error = errno;
-        j.message = (out ? "cannot create " : "cannot open ") + j.path + ": " + std::strerror(errno) +
-                    (!out && errno == ENOENT ? " (it was never swapped out)" : "");
+        j.message = (out ? "cannot create " : "cannot open ") + (out ? j.temp_path : j.path) + ": " +
+                    std::strerror(errno) + (!out && errno == ENOENT ? " (it was never swapped out)" : "");
       } else if (out) {
         start_out(j);
       } else {
@@ -252,13 +327,17 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
 }
 
 std::uint64_t tensor_swapper::swap_out(std::span<const tensor_ref> tensors,
-                                       std::span<const std::string> paths) {
-  return start(tensors, paths, true);
+                                       std::span<const std::string> paths,
+                                       std::span<const std::string> keys) {
+  const std::lock_guard lock(mutex_);
+  return start(tensors, paths, keys, true);
 }
 
 std::uint64_t tensor_swapper::swap_in(std::span<const std::string> paths,
-                                      std::span<const tensor_ref> tensors) {
-  return start(tensors, paths, false);
+                                      std::span<const tensor_ref> tensors,
+                                      std::span<const std::string> keys) {
+  const std::lock_guard lock(mutex_);
+  return start(tensors, paths, keys, false);
 }
 
 void tensor_swapper::drive(std::size_t min_completions) {
@@ -290,16 +369,20 @@ void tensor_swapper::on_completion(const io::io_completion& c) {
 
 void tensor_swapper::finish(job& j) {
   if (j.fd >= 0) {
-    if (j.out && j.error == 0) {
-      // Cut the file to this tensor's length: a smaller tensor leaves no old tail behind.
-      const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
-      if (ftruncate(j.fd, length) != 0) {
-        j.error = errno;
-        j.message = "cannot set the length of " + j.path + ": " + std::strerror(errno);
-      }
+    if (close(j.fd) != 0 && j.out && j.error == 0) {
+      j.error = errno;
+      j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
     }
-    close(j.fd);
     j.fd = -1;
+    if (j.out) {
+      // Commit: the complete new file replaces the old one in one step; a failed swap-out
+      // leaves the old file (or no file) and removes its partial copy.
+      if (j.error == 0 && rename(j.temp_path.c_str(), j.path.c_str()) != 0) {
+        j.error = errno;
+        j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
+      }
+      if (j.error != 0) unlink(j.temp_path.c_str());
+    }
   }
   if (!j.out && j.error == 0 && j.crc_present && options_.checksums) {
     const auto t0 = clock::now();
@@ -315,6 +398,11 @@ void tensor_swapper::finish(job& j) {
 }
 
 std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {
+  const std::lock_guard lock(mutex_);
+  return wait_locked(ticket);
+}
+
+std::vector<swap_result> tensor_swapper::wait_locked(std::uint64_t ticket) {
   const auto it = tickets_.find(ticket);
   if (it == tickets_.end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " +
@@ -341,6 +429,7 @@ std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {
   }
   for (const std::size_t index : it->second) {
     const job& j = jobs_[index];
+    busy_paths_.erase(j.path);
     results.push_back({j.path, j.tensor.bytes, j.error, j.message});
     if (j.error != 0) {
       ++stats_.failed;
@@ -358,7 +447,18 @@ std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {
 }
 
 void tensor_swapper::synchronize() {
-  while (!tickets_.empty()) wait(tickets_.begin()->first);
+  const std::lock_guard lock(mutex_);
+  while (!tickets_.empty()) wait_locked(tickets_.begin()->first);
+}
+
+swap_stats tensor_swapper::stats() const {
+  const std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+std::map<std::string, double> tensor_swapper::timers() const {
+  const std::lock_guard lock(mutex_);
+  return timers_;
 }
 
 }  // namespace tensormem::swap

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -61,9 +63,11 @@ struct swap_stats {
 
 /// DeepSpeed's AsyncTensorSwapper, both ways, on io_uring.
 ///
-/// File format: a 4096-byte header (magic, tensor bytes, CRC-32C, flags) then the bytes,
-/// padded to 4096. A file is rewritten in place (no O_TRUNC, so its blocks are reused) and
-/// cut to its new length once the data is written, so a smaller tensor leaves no old tail.
+/// File format: a 4096-byte header (magic, tensor bytes, CRC-32C of the bytes, flags, the
+/// tensor's identity key, and a CRC-32C of the header itself) then the bytes, padded to 4096.
+/// Swap-out writes `path.tensormem-tmp.<pid>` and renames it onto `path` once every byte is
+/// on disk: the path holds its old contents or the new ones, never a mix, and a failed
+/// swap-out removes its partial file and never reads back as success.
 ///
 /// Contract:
 /// - `swap_out(tensors, paths)` / `swap_in(paths, tensors)` queue the transfers and return a
@@ -73,9 +77,16 @@ struct swap_stats {
 ///   the file; others go through pinned staging buffers. A staging buffer is reused only after
 ///   its request completed.
 /// - `wait(ticket)` returns one result per tensor. A failed or short write is reported for that
-///   tensor (its bytes are still in its memory). Swap-in of a path never written, or of a file
-///   that holds another size, is an error for that tensor.
-/// Not thread-safe: one thread drives a swapper.
+///   tensor (its bytes are still in its memory). Swap-in of a path never written, of a file
+///   that holds another size, another tensor (its key differs; the key defaults to the path),
+///   a corrupt header (EBADMSG), or, with checksums on, data whose checksum differs or that
+///   carries none (EBADMSG), is an error for that tensor. The swapper's setting decides
+///   whether data is verified, never the file.
+/// - A path may be in one unwaited transfer at a time: a batch naming a path twice, or a
+///   path whose earlier transfer was not waited for, throws std::invalid_argument and
+///   queues nothing.
+/// Thread-safe: one internal mutex serialises the calls (a thread blocked in `wait` holds
+/// it; Python bindings release the GIL before taking it).
 class tensor_swapper {
  public:
   tensor_swapper(memory::pinned_pool& pool, swap_options options = {});
@@ -86,14 +97,18 @@ class tensor_swapper {
   tensor_swapper(const tensor_swapper&) = delete;
   tensor_swapper& operator=(const tensor_swapper&) = delete;
 
-  std::uint64_t swap_out(std::span<const tensor_ref> tensors, std::span<const std::string> paths);
-  std::uint64_t swap_in(std::span<const std::string> paths, std::span<const tensor_ref> tensors);
+  /// `keys`: one identity per tensor recorded in its file (empty: each path is its key).
+  std::uint64_t swap_out(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
+                         std::span<const std::string> keys = {});
+  /// `keys`: the identity each file must carry (empty: each path).
+  std::uint64_t swap_in(std::span<const std::string> paths, std::span<const tensor_ref> tensors,
+                        std::span<const std::string> keys = {});
   std::vector<swap_result> wait(std::uint64_t ticket);
   /// Waits for every ticket; their results are dropped.
   void synchronize();
-  swap_stats stats() const { return stats_; }
+  swap_stats stats() const;
   /// Named timers (seconds): "checksum", "staging_copy", "wait".
-  const std::map<std::string, double>& timers() const noexcept { return timers_; }
+  std::map<std::string, double> timers() const;
   const swap_options& options() const noexcept { return options_; }
 
  private:
@@ -102,7 +117,8 @@ class tensor_swapper {
   using clock = std::chrono::steady_clock;
 
   std::uint64_t start(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
-                      bool out);
+                      std::span<const std::string> keys, bool out);
+  std::vector<swap_result> wait_locked(std::uint64_t ticket);
   void start_out(job& j);
   void start_in(job& j);
   int open_file(const std::string& path, bool out, bool& direct);
@@ -125,6 +141,8 @@ class tensor_swapper {
   std::uint64_t next_ticket_ = 1;
   swap_stats stats_;
   std::map<std::string, double> timers_;
+  std::set<std::string, std::less<>> busy_paths_;  // paths of unwaited transfers
+  mutable std::mutex mutex_;
 };
 
 }  // namespace tensormem::swap
