@@ -8,7 +8,10 @@
 #include <dlpack/dlpack.h>
 
 #include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -40,19 +43,21 @@ struct memory_view {
 struct dlpack_context {
   std::int64_t shape[1];
   py::object owner;
+  std::function<void()> on_release;  // called (GIL held) when the consumer lets go
 };
 
 void delete_managed(DLManagedTensor* self) {
   auto* ctx = static_cast<dlpack_context*>(self->manager_ctx);
   {
     py::gil_scoped_acquire gil;
+    if (ctx->on_release) ctx->on_release();
     delete ctx;
   }
   delete self;
 }
 
-py::capsule to_dlpack(const memory_view& v, py::object self) {
-  auto* ctx = new dlpack_context{{static_cast<std::int64_t>(v.bytes)}, std::move(self)};
+py::capsule to_dlpack(const memory_view& v, py::object self, std::function<void()> on_release = {}) {
+  auto* ctx = new dlpack_context{{static_cast<std::int64_t>(v.bytes)}, std::move(self), std::move(on_release)};
   auto* managed = new DLManagedTensor{};
   managed->dl_tensor.data = v.data;
   managed->dl_tensor.device = {kDLCPU, 0};
@@ -108,30 +113,143 @@ class py_arena {
 
 // ---------------------------------------------------------------- pinned buffers
 
+/// A pool buffer seen from Python. Every export (buffer-protocol view, DLPack capsule) is
+/// counted; `free()` with exports alive raises BufferError, so no view ever aliases memory
+/// the pool hands out again. The memory also goes back when the object dies, which cannot
+/// happen while a view exists (each view holds a reference to the object).
 struct pinned_buffer {
   std::shared_ptr<memory::pinned_pool> pool;
   std::byte* data = nullptr;
   std::size_t bytes = 0;
   bool live = true;
+  std::size_t exports = 0;
   pinned_buffer() = default;
   pinned_buffer(const pinned_buffer&) = delete;
   pinned_buffer& operator=(const pinned_buffer&) = delete;
   void free() {
+    if (exports != 0) {
+      throw py::buffer_error("PinnedBuffer.free(): " + std::to_string(exports) +
+                             " view(s) of it are alive (memoryview, numpy array, DLPack tensor); "
+                             "release them first");
+    }
+    release();
+  }
+  void release() noexcept {
     if (live && pool) pool->free(data);
     live = false;
   }
-  ~pinned_buffer() { free(); }
+  ~pinned_buffer() { release(); }
 };
 
-std::span<const std::byte> bytes_of(const py::buffer& b, bool writable) {
-  const py::buffer_info info = b.request(writable);
-  if (!PyBuffer_IsContiguous(info.view(), 'C')) throw std::invalid_argument("buffer is not contiguous");
-  return {static_cast<const std::byte*>(info.ptr), static_cast<std::size_t>(info.size * info.itemsize)};
+// Buffer protocol of PinnedBuffer, counting exports. Never lets a C++ exception out: a
+// freed buffer sets BufferError and returns -1.
+int pinned_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  try {
+    auto& b = py::handle(self).cast<pinned_buffer&>();
+    if (!b.live) {
+      PyErr_SetString(PyExc_BufferError, "PinnedBuffer was freed");
+      view->obj = nullptr;
+      return -1;
+    }
+    if (PyBuffer_FillInfo(view, self, b.data, static_cast<Py_ssize_t>(b.bytes), 0, flags) != 0) return -1;
+    ++b.exports;
+    return 0;
+  } catch (...) {
+    PyErr_SetString(PyExc_BufferError, "PinnedBuffer: cannot export a buffer");
+    view->obj = nullptr;
+    return -1;
+  }
 }
 
-swap::tensor_ref ref_of(const py::buffer& b, bool writable) {
-  const auto s = bytes_of(b, writable);
-  return {const_cast<std::byte*>(s.data()), s.size()};
+void pinned_releasebuffer(PyObject* self, Py_buffer*) {
+  try {
+    auto& b = py::handle(self).cast<pinned_buffer&>();
+    if (b.exports != 0) --b.exports;
+  } catch (...) {
+  }
+}
+
+/// A contiguous view of a Python buffer, held (which also keeps the exporter from resizing
+/// or freeing it) for as long as this object lives.
+struct held_view {
+  py::buffer_info info;
+  swap::tensor_ref ref;
+};
+
+held_view hold(const py::buffer& b, bool writable) {
+  held_view h{b.request(writable), {}};
+  if (!PyBuffer_IsContiguous(h.info.view(), 'C')) throw std::invalid_argument("buffer is not contiguous");
+  h.ref = {h.info.ptr, static_cast<std::size_t>(h.info.size * h.info.itemsize)};
+  return h;
+}
+
+/// TensorSwapper for Python: the buffers of each ticket are held until its `wait`, and no
+/// call blocks with the GIL held (the swapper's own lock is taken with the GIL released).
+class py_swapper {
+ public:
+  py_swapper(std::shared_ptr<memory::pinned_pool> pool, swap::swap_options options)
+      : pool_(std::move(pool)), swapper_(std::make_unique<swap::tensor_swapper>(*pool_, options)) {}
+  ~py_swapper() {
+    {
+      py::gil_scoped_release release;
+      swapper_.reset();  // waits for every transfer
+    }
+    held_.clear();  // GIL held again: the views can be released
+  }
+  std::uint64_t start(const std::vector<py::buffer>& tensors, const std::vector<std::string>& paths,
+                      const std::vector<std::string>& keys, bool out) {
+    std::vector<held_view> views;
+    views.reserve(tensors.size());
+    for (const auto& t : tensors) views.push_back(hold(t, !out));
+    std::vector<swap::tensor_ref> refs;
+    for (const auto& v : views) refs.push_back(v.ref);
+    std::uint64_t ticket = 0;
+    {
+      py::gil_scoped_release release;
+      ticket = out ? swapper_->swap_out(refs, paths, keys) : swapper_->swap_in(paths, refs, keys);
+    }
+    std::lock_guard lock(held_mutex_);
+    held_[ticket] = std::move(views);
+    return ticket;
+  }
+  std::vector<swap::swap_result> wait(std::uint64_t ticket) {
+    std::vector<swap::swap_result> r;
+    {
+      py::gil_scoped_release release;
+      r = swapper_->wait(ticket);
+    }
+    std::vector<held_view> done;
+    {
+      std::lock_guard lock(held_mutex_);
+      if (auto it = held_.find(ticket); it != held_.end()) {
+        done = std::move(it->second);
+        held_.erase(it);
+      }
+    }
+    return r;
+  }
+  void synchronize() {
+    {
+      py::gil_scoped_release release;
+      swapper_->synchronize();
+    }
+    std::map<std::uint64_t, std::vector<held_view>> done;
+    std::lock_guard lock(held_mutex_);
+    done.swap(held_);
+  }
+  swap::tensor_swapper& get() { return *swapper_; }
+
+ private:
+  std::shared_ptr<memory::pinned_pool> pool_;
+  std::unique_ptr<swap::tensor_swapper> swapper_;
+  std::mutex held_mutex_;
+  std::map<std::uint64_t, std::vector<held_view>> held_;
+};
+
+io::engine_kind engine_of(const std::string& name) {
+  if (name == "uring") return io::engine_kind::uring;
+  if (name == "threads") return io::engine_kind::threads;
+  throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + name + "'");
 }
 
 py::list results_to_python(const std::vector<swap::swap_result>& results) {
@@ -178,19 +296,49 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
       });
 }
 
-std::vector<core::buffer> buffers_from(const py::array_t<std::uint64_t>& lower,
-                                       const py::array_t<std::uint64_t>& upper,
-                                       const py::array_t<std::uint64_t>& size) {
-  if (lower.size() != upper.size() || lower.size() != size.size()) {
+/// A one-dimensional array of non-negative integers, as uint64. Floats, booleans, objects
+/// and negative values are refused with a ValueError naming the argument and the element:
+/// a silent cast would turn -1 into 2^64 - 1 and 1.5 into 1.
+std::vector<std::uint64_t> unsigned_array(const py::handle& object, const char* name) {
+  const py::array a = py::module_::import("numpy").attr("asarray")(object);
+  if (a.ndim() != 1) {
+    throw std::invalid_argument(std::string(name) + " must be one-dimensional, not " +
+                                std::to_string(a.ndim()) + "-dimensional");
+  }
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u') {
+    throw std::invalid_argument(std::string(name) + " must hold integers, not " +
+                                py::str(a.dtype()).cast<std::string>());
+  }
+  std::vector<std::uint64_t> out(static_cast<std::size_t>(a.size()));
+  if (kind == 'i') {
+    const auto signed_values = py::array_t<std::int64_t, py::array::forcecast>::ensure(a);
+    const auto v = signed_values.unchecked<1>();
+    for (py::ssize_t i = 0; i < v.shape(0); ++i) {
+      if (v(i) < 0) {
+        throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is " +
+                                    std::to_string(v(i)) + "; values must be >= 0");
+      }
+      out[static_cast<std::size_t>(i)] = static_cast<std::uint64_t>(v(i));
+    }
+  } else {
+    const auto unsigned_values = py::array_t<std::uint64_t, py::array::forcecast>::ensure(a);
+    const auto v = unsigned_values.unchecked<1>();
+    for (py::ssize_t i = 0; i < v.shape(0); ++i) out[static_cast<std::size_t>(i)] = v(i);
+  }
+  return out;
+}
+
+std::vector<core::buffer> buffers_from(const py::handle& lower, const py::handle& upper,
+                                       const py::handle& size) {
+  const auto l = unsigned_array(lower, "lower");
+  const auto u = unsigned_array(upper, "upper");
+  const auto s = unsigned_array(size, "size");
+  if (l.size() != u.size() || l.size() != s.size()) {
     throw std::invalid_argument("lower, upper and size must have the same length");
   }
-  auto l = lower.unchecked<1>();
-  auto u = upper.unchecked<1>();
-  auto s = size.unchecked<1>();
-  std::vector<core::buffer> b(static_cast<std::size_t>(lower.size()));
-  for (py::ssize_t i = 0; i < lower.size(); ++i) {
-    b[static_cast<std::size_t>(i)] = {std::to_string(i), l(i), u(i), s(i), {}};
-  }
+  std::vector<core::buffer> b(l.size());
+  for (std::size_t i = 0; i < l.size(); ++i) b[i] = {std::to_string(i), l[i], u[i], s[i], {}};
   return b;
 }
 
@@ -258,14 +406,13 @@ PYBIND11_MODULE(_tensormem, m) {
     return d;
   }, py::arg("path"), "Reads an id,lower,upper,size trace into numpy arrays.");
 
-  m.def("lower_bound", [](const py::array_t<std::uint64_t>& lower, const py::array_t<std::uint64_t>& upper,
-                          const py::array_t<std::uint64_t>& size, std::uint64_t alignment) {
+  m.def("lower_bound", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
+                          std::uint64_t alignment) {
     return core::lower_bound(buffers_from(lower, upper, size), alignment);
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("alignment") = 1);
 
-  m.def("plan", [](const py::array_t<std::uint64_t>& lower, const py::array_t<std::uint64_t>& upper,
-                   const py::array_t<std::uint64_t>& size, double time_limit, std::uint64_t alignment,
-                   std::uint64_t seed) {
+  m.def("plan", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
+                   double time_limit, std::uint64_t alignment, std::uint64_t seed) {
     const auto buffers = buffers_from(lower, upper, size);
     core::plan_options o;
     o.time_limit_seconds = time_limit;
@@ -288,10 +435,9 @@ PYBIND11_MODULE(_tensormem, m) {
      py::arg("alignment") = 1, py::arg("seed") = 1,
      "Plans buffers with half-open lifetimes [lower, upper) in one arena.");
 
-  m.def("validate", [](const py::array_t<std::uint64_t>& lower, const py::array_t<std::uint64_t>& upper,
-                       const py::array_t<std::uint64_t>& size, const py::array_t<std::uint64_t>& offsets,
-                       std::uint64_t arena_bytes, std::uint64_t alignment) {
-    std::vector<std::uint64_t> off(offsets.data(), offsets.data() + offsets.size());
+  m.def("validate", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
+                       const py::handle& offsets, std::uint64_t arena_bytes, std::uint64_t alignment) {
+    const std::vector<std::uint64_t> off = unsigned_array(offsets, "offsets");
     return core::validate(buffers_from(lower, upper, size), off, arena_bytes, alignment);
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("offsets"), py::arg("arena_bytes"),
      py::arg("alignment") = 1, "Empty string when the plan is valid, else what is wrong.");
@@ -350,61 +496,55 @@ PYBIND11_MODULE(_tensormem, m) {
         return d;
       });
 
-  py::class_<pinned_buffer, std::shared_ptr<pinned_buffer>>(m, "PinnedBuffer", py::buffer_protocol())
-      .def_buffer([](pinned_buffer& b) {
-        if (!b.live) throw std::invalid_argument("PinnedBuffer was freed");
-        return py::buffer_info(b.data, 1, py::format_descriptor<std::uint8_t>::format(), 1,
-                               {static_cast<py::ssize_t>(b.bytes)}, {1});
-      })
+  auto pinned_class = py::class_<pinned_buffer, std::shared_ptr<pinned_buffer>>(m, "PinnedBuffer", py::buffer_protocol());
+  {
+    // pybind11's buffer procedures cannot count exports: ours replace them.
+    auto* type = reinterpret_cast<PyTypeObject*>(pinned_class.ptr());
+    type->tp_as_buffer->bf_getbuffer = pinned_getbuffer;
+    type->tp_as_buffer->bf_releasebuffer = pinned_releasebuffer;
+  }
+  pinned_class
       .def("__dlpack__", [](py::object self, py::object) {
-             auto& b = self.cast<pinned_buffer&>();
-             if (!b.live) throw std::invalid_argument("PinnedBuffer was freed");
-             return to_dlpack(memory_view{b.data, b.bytes, py::none()}, self);
+             auto buffer = self.cast<std::shared_ptr<pinned_buffer>>();
+             if (!buffer->live) throw py::buffer_error("PinnedBuffer was freed");
+             ++buffer->exports;
+             return to_dlpack(memory_view{buffer->data, buffer->bytes, py::none()}, self,
+                              [buffer] { --buffer->exports; });
            }, py::arg("stream") = py::none())
       .def("__dlpack_device__", [](const pinned_buffer&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
-      .def("free", &pinned_buffer::free, "Returns the memory to the pool now (views must be gone).")
+      .def("free", &pinned_buffer::free,
+           "Returns the memory to the pool now; BufferError while views of it are alive.")
+      .def_property_readonly("exports", [](const pinned_buffer& b) { return b.exports; })
       .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.bytes; })
       .def_property_readonly("address", [](const pinned_buffer& b) { return reinterpret_cast<std::uintptr_t>(b.data); });
 
-  py::class_<swap::tensor_swapper>(m, "TensorSwapper", "Tensors out to files and back on io_uring.")
+  py::class_<py_swapper>(m, "TensorSwapper", "Tensors out to files and back on io_uring.")
       .def(py::init([](std::shared_ptr<memory::pinned_pool> pool, unsigned queue_depth,
                        std::size_t block_bytes, std::size_t staging_buffers, bool direct,
                        bool checksums, const std::string& engine) {
-             return std::make_unique<swap::tensor_swapper>(
-                 *pool, swap::swap_options{engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring,
-                                           queue_depth, block_bytes, staging_buffers, direct, checksums});
+             return std::make_unique<py_swapper>(
+                 pool, swap::swap_options{engine_of(engine), queue_depth, block_bytes, staging_buffers,
+                                          direct, checksums});
            }),
            py::arg("pool"), py::arg("queue_depth") = 32, py::arg("block_bytes") = std::size_t{1} << 20,
            py::arg("staging_buffers") = 8, py::arg("direct") = true, py::arg("checksums") = true,
-           py::arg("engine") = "uring", py::keep_alive<1, 2>())
-      .def("swap_out", [](swap::tensor_swapper& s, const std::vector<py::buffer>& tensors,
-                          const std::vector<std::string>& paths) {
-             std::vector<swap::tensor_ref> refs;
-             for (const auto& t : tensors) refs.push_back(ref_of(t, false));
-             return s.swap_out(refs, paths);
-           }, py::arg("tensors"), py::arg("paths"),
-           "Queues the writes; returns a ticket. The buffers must stay alive and unchanged until wait().")
-      .def("swap_in", [](swap::tensor_swapper& s, const std::vector<std::string>& paths,
-                         const std::vector<py::buffer>& tensors) {
-             std::vector<swap::tensor_ref> refs;
-             for (const auto& t : tensors) refs.push_back(ref_of(t, true));
-             return s.swap_in(paths, refs);
-           }, py::arg("paths"), py::arg("tensors"))
-      .def("wait", [](swap::tensor_swapper& s, std::uint64_t ticket) {
-             std::vector<swap::swap_result> r;
-             {
-               py::gil_scoped_release release;
-               r = s.wait(ticket);
-             }
-             return results_to_python(r);
-           }, py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message.")
-      .def("synchronize", [](swap::tensor_swapper& s) {
-        py::gil_scoped_release release;
-        s.synchronize();
-      })
-      .def("timers", &swap::tensor_swapper::timers)
-      .def("stats", [](const swap::tensor_swapper& s) {
-        const swap::swap_stats st = s.stats();
+           py::arg("engine") = "uring")
+      .def("swap_out", [](py_swapper& s, const std::vector<py::buffer>& tensors,
+                          const std::vector<std::string>& paths, const std::vector<std::string>& keys) {
+             return s.start(tensors, paths, keys, true);
+           }, py::arg("tensors"), py::arg("paths"), py::arg("keys") = std::vector<std::string>{},
+           "Queues the writes; returns a ticket. The buffers are held (not resizable) until wait(); "
+           "they must not change before it. keys: the identity recorded per file (default: the path).")
+      .def("swap_in", [](py_swapper& s, const std::vector<std::string>& paths,
+                         const std::vector<py::buffer>& tensors, const std::vector<std::string>& keys) {
+             return s.start(tensors, paths, keys, false);
+           }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<std::string>{})
+      .def("wait", [](py_swapper& s, std::uint64_t ticket) { return results_to_python(s.wait(ticket)); },
+           py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message.")
+      .def("synchronize", &py_swapper::synchronize)
+      .def("timers", [](py_swapper& s) { return s.get().timers(); })
+      .def("stats", [](py_swapper& s) {
+        const swap::swap_stats st = s.get().stats();
         py::dict d;
         d["tensors_out"] = st.tensors_out;
         d["tensors_in"] = st.tensors_in;

@@ -1,0 +1,187 @@
+"""Misuse from Python: buffer lifetimes, freed pinned buffers, foreign handles, hostile
+arrays and one swapper shared by threads."""
+
+import errno
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.dlpack
+
+import tensormem
+from tensormem.torch import ContiguousMemoryAllocator
+
+
+# ----------------------------------------------------------------------------- swapper buffers
+
+def test_swap_in_keeps_a_temporary_buffer_alive_until_wait(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=8 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2)
+    data = np.arange(1 << 18, dtype=np.float64)
+    path = str(tmp_path / "t")
+    assert s.wait(s.swap_out([data], [path]))[0]["error"] == 0
+    # The only reference to the target is the swapper's: it must hold it until wait().
+    ticket = s.swap_in([path], [np.empty(data.size)])
+    gc.collect()
+    junk = [np.full(data.size, 7.0) for _ in range(8)]  # would reuse freed memory
+    assert s.wait(ticket)[0]["error"] == 0
+    assert all(np.all(j == 7.0) for j in junk)
+
+
+def test_a_held_buffer_cannot_be_resized_until_wait(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=8 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2)
+    target = bytearray(1 << 20)
+    path = str(tmp_path / "t")
+    assert s.wait(s.swap_out([bytes(range(256)) * 4096], [path]))[0]["error"] == 0
+    ticket = s.swap_in([path], [target])
+    with pytest.raises(BufferError):
+        target.extend(b"x")  # the view held by the ticket forbids it
+    assert s.wait(ticket)[0]["error"] == 0
+    target.extend(b"x")  # released by wait()
+    assert target[:256] == bytes(range(256))
+
+
+def test_unknown_engine_is_refused():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    with pytest.raises(ValueError, match="engine must be 'uring' or 'threads'"):
+        tensormem.TensorSwapper(pool, engine="bogus")
+
+
+def test_one_swapper_shared_by_four_threads(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=16 << 20)
+    s = tensormem.TensorSwapper(pool, queue_depth=4, staging_buffers=2)
+    errors = []
+
+    def work(k):
+        try:
+            for r in range(15):
+                a = np.random.default_rng(k * 100 + r).integers(0, 255, 300_000 + k, dtype=np.uint8)
+                p = str(tmp_path / f"t{k}-{r % 2}")
+                assert s.wait(s.swap_out([a], [p]))[0]["error"] == 0
+                b = np.zeros_like(a)
+                assert s.wait(s.swap_in([p], [b]))[0]["error"] == 0
+                assert np.array_equal(a, b)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert errors == []
+    assert s.stats()["tensors_out"] == 60
+
+
+def test_same_path_twice_in_one_batch_is_refused(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=4 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2)
+    a = np.ones(1000)
+    with pytest.raises(ValueError, match="appears twice"):
+        s.swap_out([a, a], [str(tmp_path / "p"), str(tmp_path / "p")])
+
+
+# ----------------------------------------------------------------------------- pinned buffers
+
+def test_freed_pinned_buffer_raises_instead_of_aborting():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    buf = pool.allocate(4096)
+    buf.free()
+    with pytest.raises(BufferError):
+        np.frombuffer(buf, dtype=np.uint8)
+    with pytest.raises(BufferError):
+        memoryview(buf)
+    with pytest.raises(BufferError):
+        bytes(buf)
+    with pytest.raises(BufferError):
+        torch.utils.dlpack.from_dlpack(buf)
+
+
+def test_free_with_live_views_raises_and_never_aliases():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    buf = pool.allocate(4096)
+    view = np.frombuffer(buf, dtype=np.uint8)
+    view[:] = 1
+    assert buf.exports == 1
+    with pytest.raises(BufferError, match="view"):
+        buf.free()
+    other = pool.allocate(4096)  # must not be the memory the view still sees
+    np.frombuffer(other, dtype=np.uint8)[:] = 2
+    assert np.all(view == 1)
+    del view
+    gc.collect()
+    assert buf.exports == 0
+    buf.free()
+    t = torch.utils.dlpack.from_dlpack(other)
+    with pytest.raises(BufferError):
+        other.free()
+    del t
+    gc.collect()
+    other.free()
+
+
+# ----------------------------------------------------------------------------- foreign handles
+
+def test_tlsf_allocator_refuses_another_allocators_handle():
+    a = tensormem.TlsfAllocator(1 << 20)
+    b = tensormem.TlsfAllocator(1 << 20)
+    mine = a.allocate(1000)
+    theirs = b.allocate(1000)
+    with pytest.raises(ValueError, match="another allocator"):
+        a.deallocate(theirs)
+    assert a.used == 1024
+    a.deallocate(mine)
+    b.deallocate(theirs)
+
+
+def test_arena_refuses_another_arenas_id():
+    a = tensormem.ContiguousArena(1 << 16)
+    b = tensormem.ContiguousArena(1 << 16)
+    mine, _ = a.allocate(1000)
+    theirs, _ = b.allocate(1000)
+    with pytest.raises(ValueError, match="another arena"):
+        a.release(theirs)
+    assert a.stats()["used_bytes"] == 1024
+    a.release(mine)
+    b.release(theirs)
+
+
+def test_contiguous_memory_allocator_refuses_another_allocators_tensor():
+    a = ContiguousMemoryAllocator(64, torch.float32)
+    b = ContiguousMemoryAllocator(64, torch.float32)
+    ta = a.allocate_tensor(16)
+    tb = b.allocate_tensor(16)
+    with pytest.raises(ValueError):
+        a.release_tensor(tb)
+    assert a.stats()["used_bytes"] == 64
+    a.release_tensor(ta)
+    b.release_tensor(tb)
+
+
+# ----------------------------------------------------------------------------- hostile arrays
+
+def test_plan_refuses_negative_float_and_multidimensional_arrays():
+    lower, upper, size = np.array([0, 1]), np.array([2, 3]), np.array([10, 10])
+    assert tensormem.plan(lower, upper, size)["arena_bytes"] == 20  # int64 is fine
+    with pytest.raises(ValueError, match=r"size\[1\] is -1"):
+        tensormem.plan(lower, upper, np.array([10, -1]))
+    with pytest.raises(ValueError, match="must hold integers"):
+        tensormem.plan(lower, upper, np.array([10.0, 1.5]))
+    with pytest.raises(ValueError, match="one-dimensional"):
+        tensormem.plan(lower, upper, np.array([[10, 10]]))
+    with pytest.raises(ValueError, match="time limit"):
+        tensormem.plan(lower, upper, size, time_limit=float("nan"))
+
+
+def test_plan_of_the_largest_buffer_and_of_sizes_past_two_to_the_64():
+    biggest = np.array([2**64 - 1], dtype=np.uint64)
+    p = tensormem.plan(np.array([0]), np.array([1]), biggest)
+    assert list(p["offsets"]) == [0] and p["arena_bytes"] == 2**64 - 1
+    with pytest.raises(ValueError, match="2\\^64"):
+        tensormem.plan(np.array([0, 1]), np.array([2, 3]), np.array([2**63, 2**63], dtype=np.uint64))
+    with pytest.raises(OverflowError):
+        tensormem.lower_bound(np.array([0, 1]), np.array([2, 3]), np.array([2**63, 2**63], dtype=np.uint64))
