@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -218,8 +219,9 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
                                 " is not a power of two");
   }
   if (!(options.time_limit_seconds >= 0)) {  // also NaN
-    throw std::invalid_argument("plan: time limit " + std::to_string(options.time_limit_seconds) +
-                                " s is not a number of seconds >= 0");
+    char value[32];
+    std::snprintf(value, sizeof value, "%g", options.time_limit_seconds);
+    throw std::invalid_argument(std::string("plan: time limit ") + value + " s is not a number of seconds >= 0");
   }
   // Every strategy places a buffer at or below the sum of the sizes of the others, so a
   // total that fits in 64 bits keeps every offset and end representable.

@@ -1,5 +1,7 @@
 #include "tensormem/trace/trace_io.hpp"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
@@ -35,6 +37,50 @@ std::string_view trim(std::string_view s) {
 
 }  // namespace
 
+std::ifstream open_input(const std::string& path) {
+  struct stat st {};
+  if (stat(path.c_str(), &st) != 0) {
+    const std::error_code ec(errno, std::generic_category());
+    throw trace_error(path + ":0: cannot open: " + ec.message());
+  }
+  if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode)) {
+    throw trace_error(path + ":0: not a regular file or a pipe");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const std::error_code ec(errno, std::generic_category());
+    throw trace_error(path + ":0: cannot open: " + ec.message());
+  }
+  return in;
+}
+
+bool read_line(std::istream& in, std::string& line, std::size_t max_bytes, const std::string& name,
+               std::size_t line_number) {
+  line.clear();
+  std::streambuf* buf = in.rdbuf();
+  bool any = false;
+  for (;;) {
+    const int c = buf->sbumpc();
+    if (c == std::char_traits<char>::eof()) {
+      in.setstate(std::ios::eofbit);
+      return any;
+    }
+    any = true;
+    if (c == '\n') return true;
+    if (line.size() >= max_bytes) {
+      throw trace_error(name + ":" + std::to_string(line_number) + ": line longer than " +
+                        std::to_string(max_bytes) + " bytes");
+    }
+    line.push_back(static_cast<char>(c));
+  }
+}
+
+std::string brief(std::string_view field) {
+  constexpr std::size_t shown = 40;
+  if (field.size() <= shown) return "'" + std::string(field) + "'";
+  return "'" + std::string(field.substr(0, shown)) + "...' (" + std::to_string(field.size()) + " bytes)";
+}
+
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) {
   std::string line;
   std::size_t line_number = 0;
@@ -47,7 +93,7 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
   std::vector<core::buffer> buffers;
   std::unordered_map<std::string, std::size_t> line_of_id;
 
-  while (std::getline(in, line)) {
+  while (read_line(in, line, max_line_bytes, name, line_number + 1)) {
     ++line_number;
     const std::string_view text = trim(line);
     if (text.empty()) continue;
@@ -74,14 +120,12 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
       const std::string_view f = fields[c];
       if (f.empty()) throw fail(std::string("empty ") + column_names[c] + " column");
       if (f.front() == '-')
-        throw fail(std::string(column_names[c]) + " is negative: '" + std::string(f) + "'");
+        throw fail(std::string(column_names[c]) + " is negative: " + brief(f));
       const auto [end, ec] = std::from_chars(f.data(), f.data() + f.size(), values[c]);
       if (ec == std::errc::result_out_of_range)
-        throw fail(std::string(column_names[c]) + " does not fit in 64 bits: '" +
-                   std::string(f) + "'");
+        throw fail(std::string(column_names[c]) + " does not fit in 64 bits: " + brief(f));
       if (ec != std::errc() || end != f.data() + f.size())
-        throw fail(std::string(column_names[c]) + " is not an unsigned integer: '" +
-                   std::string(f) + "'");
+        throw fail(std::string(column_names[c]) + " is not an unsigned integer: " + brief(f));
     }
     if (fields[0].empty()) throw fail("empty id column");
     core::buffer b;
@@ -95,7 +139,7 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
                  std::to_string(b.upper) + " (lifetimes are half-open)");
     }
     if (const auto [it, inserted] = line_of_id.emplace(b.id, line_number); !inserted) {
-      throw fail("duplicate id '" + b.id + "' (first on line " + std::to_string(it->second) +
+      throw fail("duplicate id " + brief(b.id) + " (first on line " + std::to_string(it->second) +
                  ")");
     }
     buffers.push_back(std::move(b));
@@ -107,11 +151,7 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
 }
 
 std::vector<core::buffer> read_trace(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    const std::error_code ec(errno, std::generic_category());
-    throw trace_error(path + ":0: cannot open: " + ec.message());
-  }
+  std::ifstream in = open_input(path);
   return read_trace(in, path);
 }
 

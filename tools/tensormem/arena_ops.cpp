@@ -7,13 +7,15 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "tensormem/trace/trace_io.hpp"
+
 namespace tensormem::cli {
 
 std::vector<arena_op> parse_arena_ops(std::istream& in, const std::string& source) {
   std::vector<arena_op> ops;
   std::string line;
   std::size_t number = 0;
-  while (std::getline(in, line)) {
+  while (trace::read_line(in, line, trace::max_line_bytes, source, number + 1)) {
     ++number;
     if (const auto hash = line.find('#'); hash != std::string::npos) line.erase(hash);
     std::istringstream words(line);
@@ -28,21 +30,21 @@ std::vector<arena_op> parse_arena_ops(std::istream& in, const std::string& sourc
       std::string bytes;
       if (!(words >> op.name >> bytes)) throw fail("expected 'alloc ID BYTES'");
       if (bytes.empty() || bytes.find_first_not_of("0123456789") != std::string::npos) {
-        throw fail("BYTES is not an unsigned integer: '" + bytes + "'");
+        throw fail("BYTES is not an unsigned integer: " + trace::brief(bytes));
       }
       try {
         op.bytes = std::stoull(bytes);
       } catch (const std::out_of_range&) {
-        throw fail("BYTES does not fit in 64 bits: '" + bytes + "'");
+        throw fail("BYTES does not fit in 64 bits: " + trace::brief(bytes));
       }
       op.allocate = true;
     } else if (verb == "free") {
       if (!(words >> op.name)) throw fail("expected 'free ID'");
     } else {
-      throw fail("unknown step '" + verb + "' (expected alloc or free)");
+      throw fail("unknown step " + trace::brief(verb) + " (expected alloc or free)");
     }
     std::string extra;
-    if (words >> extra) throw fail("unexpected '" + extra + "' at the end of the step");
+    if (words >> extra) throw fail("unexpected " + trace::brief(extra) + " at the end of the step");
     ops.push_back(std::move(op));
   }
   return ops;

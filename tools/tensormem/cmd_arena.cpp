@@ -11,6 +11,7 @@
 #include "commands.hpp"
 #include "report.hpp"
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/trace/trace_io.hpp"
 
 namespace tensormem::cli {
 
@@ -26,6 +27,15 @@ struct arena_cli_options {
   bool verify = false;
   bool json = false;
 };
+
+// Exit status 2 when the script ran but some steps failed or contents changed.
+void fail_if_needed(const arena_run_result& r) {
+  if (r.verified && !*r.verified) throw command_failed(2, "verification failed: tensor contents changed");
+  if (!r.failed_lines.empty()) {
+    throw command_failed(2, std::to_string(r.failed_lines.size()) + " of " + std::to_string(r.steps) +
+                                " steps failed");
+  }
+}
 
 void run_arena(const arena_cli_options& o, bool alignment_given, bool capacity_given) {
   std::vector<arena_op> ops;
@@ -43,8 +53,7 @@ void run_arena(const arena_cli_options& o, bool alignment_given, bool capacity_g
     if (!capacity_given) capacity = sc->capacity;
     if (!alignment_given) alignment = sc->alignment;
   } else {
-    std::ifstream in(o.ops);
-    if (!in) throw std::runtime_error(o.ops + ": cannot open");
+    std::ifstream in = trace::open_input(o.ops);
     ops = parse_arena_ops(in, o.ops);
   }
   if (capacity == 0) throw std::invalid_argument("--capacity is required with --ops");
@@ -66,6 +75,7 @@ void run_arena(const arena_cli_options& o, bool alignment_given, bool capacity_g
     j["verified"] = r.verified ? nlohmann::json(*r.verified) : nlohmann::json(nullptr);
     j["map"] = map;
     std::cout << j.dump() << '\n';
+    fail_if_needed(r);
     return;
   }
   std::cout << fmt::format("arena: {} bytes, alignment {}, policy {}\n", capacity, alignment,
@@ -81,6 +91,7 @@ void run_arena(const arena_cli_options& o, bool alignment_given, bool capacity_g
                            human_bytes(a.max_allocated()), s.defragmentations, s.bytes_moved,
                            s.moves, s.largest_free_bytes);
   if (r.verified) std::cout << "verified: " << (*r.verified ? "yes" : "NO") << '\n';
+  fail_if_needed(r);
 }
 
 }  // namespace
@@ -96,7 +107,8 @@ void add_arena_command(CLI::App& app) {
       ->check(CLI::IsMember({"minimal", "full"}));
   auto* alignment = cmd->add_option("--alignment", o->alignment, "bytes (default 256; scenarios set their own)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--resolution", o->resolution, "cells in the map")->check(CLI::PositiveNumber);
+  cmd->add_option("--resolution", o->resolution, "cells in the map (1 to 1000000)")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1000000}));
   cmd->add_flag("--verify", o->verify, "fill tensors with patterns and check them after every step");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o, alignment, capacity, ops, scenario] {

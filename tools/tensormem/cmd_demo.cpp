@@ -257,7 +257,7 @@ void add_demo_command(CLI::App& app) {
   cmd->add_option("--alignment", opts->alignment, "allocation alignment in bytes")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--plan-seconds", opts->plan_seconds, "search budget of the offline plan")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_seconds());
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] { run_demo(*opts); });
 }

@@ -80,7 +80,7 @@ void add_plan_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("plan", "Plan a trace offline in one arena");
   cmd->add_option("trace", opts->trace, "trace CSV file (id,lower,upper,size)")->required();
   cmd->add_option("--time-limit", opts->time_limit, "search budget in seconds (default 10)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative_seconds());
   cmd->add_option("--alignment", opts->alignment, "size and offset alignment (default 1)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--seed", opts->seed, "seed of the randomized search");

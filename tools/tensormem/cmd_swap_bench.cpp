@@ -31,7 +31,11 @@ struct swap_bench_options {
 
 void run_swap_bench(const swap_bench_options& o) {
   if (!std::filesystem::is_directory(o.dir)) throw std::invalid_argument(o.dir + " is not a directory");
-  const std::uint64_t count = std::max<std::uint64_t>(1, o.bytes / o.tensor_bytes);
+  if (o.bytes < o.tensor_bytes) {
+    throw std::invalid_argument("--bytes " + std::to_string(o.bytes) + " is less than --tensor-bytes " +
+                                std::to_string(o.tensor_bytes) + "; lower --tensor-bytes");
+  }
+  const std::uint64_t count = o.bytes / o.tensor_bytes;
   memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(o.tensor_bytes)});
   swap::tensor_swapper swapper(
       pool, {.engine = o.engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring,
@@ -42,6 +46,14 @@ void run_swap_bench(const swap_bench_options& o) {
              .checksums = !o.no_checksum});
   std::vector<swap::tensor_ref> tensors;
   std::vector<std::string> paths;
+  // The files go away however the run ends (success, a failed transfer, an exception).
+  struct remove_on_exit {
+    std::vector<std::string>& paths;
+    ~remove_on_exit() {
+      std::error_code ec;
+      for (const std::string& p : paths) std::filesystem::remove(p, ec);
+    }
+  } cleanup{paths};
   for (std::uint64_t i = 0; i < count; ++i) {
     auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(o.tensor_bytes), 4096));
     for (std::uint64_t k = 0; k < o.tensor_bytes; k += 4096) p[k] = static_cast<std::byte>(i + k);
@@ -63,7 +75,6 @@ void run_swap_bench(const swap_bench_options& o) {
   const double write_seconds = s.seconds_out - laid.seconds_out;
   const double write_gbps = static_cast<double>(s.bytes_out - laid.bytes_out) / write_seconds / 1e9;
   const double read_gbps = s.read_gbps();
-  for (const std::string& p : paths) std::filesystem::remove(p);
   for (const auto& t : tensors) pool.free(t.data);
   if (o.json) {
     nlohmann::json j;

@@ -1,9 +1,43 @@
 #pragma once
 // Sub-commands of the `tensormem` command-line tool.
 
+#include <stdexcept>
+#include <string>
+
 #include <CLI/CLI.hpp>
 
 namespace tensormem::cli {
+
+/// The command ran but did not succeed (failed steps, a verification that found damage):
+/// its report is printed, the message goes to stderr and the process exits with `code`.
+class command_failed : public std::runtime_error {
+ public:
+  command_failed(int code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  int code() const noexcept { return code_; }
+
+ private:
+  int code_;
+};
+
+/// Validator of a time limit: a number of seconds >= 0 (not NaN); the error names the value
+/// briefly (CLI11's own range check prints the 309 digits of DBL_MAX).
+inline CLI::Validator non_negative_seconds() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double value = 0;
+        std::size_t used = 0;
+        try {
+          value = std::stod(text, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used != text.size() || !(value >= 0)) {
+          return "must be a number of seconds >= 0, not '" + text.substr(0, 40) + "'";
+        }
+        return {};
+      },
+      "SECONDS>=0");
+}
 
 void add_replay_command(CLI::App& app);
 void add_demo_command(CLI::App& app);

@@ -2,24 +2,46 @@
 
 #include <exception>
 #include <iostream>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
 #include "commands.hpp"
+#include "tensormem/trace/trace_io.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"tensormem: tensor memory planning, arenas, pinned memory and swapping"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("tensormem ") + TENSORMEM_VERSION);
   tensormem::cli::add_demo_command(app);
   tensormem::cli::add_plan_command(app);
   tensormem::cli::add_arena_command(app);
   tensormem::cli::add_swap_bench_command(app);
   tensormem::cli::add_pinned_bench_command(app);
   tensormem::cli::add_replay_command(app);
+  // A first word that is neither an option nor a command is named as such (CLI11 would
+  // only say that a subcommand is required).
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string word = argv[1];
+    std::string known;
+    bool found = false;
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+      known += (known.empty() ? "" : ", ") + sub->get_name();
+      found = found || sub->get_name() == word;
+    }
+    if (!found) {
+      std::cerr << "tensormem: unknown command " << tensormem::trace::brief(word) << " (commands: " << known
+                << "; see --help)\n";
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const tensormem::cli::command_failed& e) {
+    std::cerr << "tensormem: " << e.what() << '\n';
+    return e.code();
   } catch (const std::exception& e) {
     std::cerr << "tensormem: " << e.what() << '\n';
     return 1;

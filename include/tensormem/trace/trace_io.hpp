@@ -1,7 +1,10 @@
 #pragma once
 // Reading and writing lifetime traces: CSV with the header `id,lower,upper,size[,offset]`.
 
+#include <cstddef>
+#include <fstream>
 #include <iosfwd>
+#include <string_view>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,6 +18,22 @@ class trace_error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
+
+/// Longest line a trace or script may have; a longer one is an error, never buffered whole.
+inline constexpr std::size_t max_line_bytes = 64 * 1024;
+
+/// Opens `path` for reading text input, accepting only a regular file or a pipe (a
+/// directory, /dev/zero or a terminal would never end or is not data). Throws trace_error
+/// `path:0: why` otherwise.
+std::ifstream open_input(const std::string& path);
+
+/// Reads one line (without its '\n') of at most `max_bytes` bytes. Returns false at the end
+/// of input; throws trace_error `name:line: ...` for a longer line (it is not kept).
+bool read_line(std::istream& in, std::string& line, std::size_t max_bytes, const std::string& name,
+               std::size_t line_number);
+
+/// A field quoted briefly for an error message: at most 40 characters, then how long it was.
+std::string brief(std::string_view field);
 
 /// Reads a whole trace. `id` is any text without a comma; the other columns are unsigned
 /// 64-bit integers; lifetimes are half-open, so `lower < upper` is required. An `offset`
