@@ -2,7 +2,7 @@
 # Each target installs missing Debian packages first (scripts/install-deps.sh).
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps build demo test test-release test-asan bench clean
+.PHONY: all deps build demo test test-release test-asan test-tsan fuzz bench clean
 
 all: build
 
@@ -26,11 +26,25 @@ test-asan: deps
 	cmake --build --preset asan -j $(JOBS)
 	ctest --preset asan -j $(JOBS)
 
-test: test-release test-asan
+test-tsan: deps
+	cmake --preset tsan
+	cmake --build --preset tsan -j $(JOBS)
+	ctest --preset tsan -j $(JOBS)
+
+# libFuzzer targets (clang): the trace reader and the arena script parser, 60 s each.
+fuzz: deps
+	cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DTENSORMEM_FUZZ=ON -DTENSORMEM_PYTHON=OFF -DTENSORMEM_CUDA=OFF -DTENSORMEM_BUILD_TESTS=OFF
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_trace fuzz_arena_ops
+	mkdir -p build-fuzz/corpus-trace build-fuzz/corpus-arena
+	build-fuzz/bin/fuzz_trace -max_total_time=60 -max_len=4096 build-fuzz/corpus-trace tests/fuzz/corpus/trace
+	build-fuzz/bin/fuzz_arena_ops -max_total_time=60 -max_len=4096 build-fuzz/corpus-arena tests/fuzz/corpus/arena
+
+test: test-release test-asan test-tsan
 
 bench: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS) --target benchmarks
 
 clean:
-	rm -rf build build-debug build-asan
+	rm -rf build build-debug build-asan build-tsan build-fuzz
