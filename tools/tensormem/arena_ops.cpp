@@ -85,7 +85,7 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
           std::vector<std::byte>& want = expected[op.name];
           want.resize(b.bytes);
           for (std::uint64_t i = 0; i < b.bytes; ++i) want[i] = pattern(seed_of(op.name), i);
-          std::memcpy(b.data(), want.data(), want.size());
+          if (!want.empty()) std::memcpy(b.data(), want.data(), want.size());
         }
       } catch (const arena::arena_out_of_memory& e) {
         failed(e.what());
