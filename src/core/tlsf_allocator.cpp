@@ -162,7 +162,8 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
     }
   } else {
     // Grow at the end, extending a free block that ends at the high-water mark.
-    const bool extend = tail_ != none && nodes_[tail_].st == state::free;
+    // (A free tail of need bytes or more was taken above: extending it never goes negative.)
+    const bool extend = tail_ != none && nodes_[tail_].st == state::free && nodes_[tail_].bytes < need;
     const std::uint64_t extra = extend ? need - nodes_[tail_].bytes : need;
     if (extra > capacity_ || peak_ > capacity_ - extra) return std::nullopt;
     if (extend) {

@@ -182,6 +182,30 @@ TEST(tlsf_waste_bound, holds_for_small_exact_classes) {
   run_waste_bound(1 << 14, 16, 1, 15 * 16, 9, scaled_ops(100'000));
 }
 
+// A free tail in the request's own class, listed behind more than scan_limit smaller blocks
+// of that class, is the only fit: it must be taken (not skipped, and not "extended" by a
+// negative amount).
+TEST(tlsf_waste_bound, a_free_tail_behind_the_scan_limit_is_taken) {
+  for (const std::uint64_t capacity : {growing, std::uint64_t{1} << 20}) {
+    tlsf_allocator a(capacity, 1);
+    std::vector<allocation> holes;
+    for (int i = 0; i < 12; ++i) {
+      holes.push_back(*a.allocate(100));
+      (void)a.allocate(1);  // keeps the holes apart
+    }
+    const allocation tail = *a.allocate(103);
+    ASSERT_EQ(a.size_class_floor(100), a.size_class_floor(103));
+    a.deallocate(tail);  // listed first ...
+    for (const allocation& h : holes) a.deallocate(h);  // ... then pushed behind 12 others
+    const std::uint64_t peak = a.peak();
+    const auto got = a.allocate(102);
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->offset, tail.offset);
+    EXPECT_EQ(a.peak(), peak);
+    EXPECT_EQ(a.check_invariants(), "");
+  }
+}
+
 // ---------------------------------------------------------------- lower bound near 2^64
 
 TEST(lower_bound_arithmetic, sizes_at_and_near_two_to_the_64) {

@@ -178,6 +178,21 @@ TEST_P(integrity, a_failed_swap_out_keeps_the_old_file_and_never_reads_back_as_s
                                        "5: failed swap-out read back as success, 6: partial file left";
 }
 
+TEST_P(integrity, a_truncated_file_is_a_short_read_not_success) {
+  // Checksums off: only the transfer length can tell that bytes are missing.
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2, .checksums = false});
+  for (const std::size_t bytes : {std::size_t{10000}, std::size_t{1} << 20}) {
+    auto t = pattern(bytes, 9);
+    const std::string path = dir_.file("short");
+    ASSERT_EQ(swap_out_one(s, t, path), 0);
+    fs::resize_file(path, 4096 + 4096);  // the header and the first data page only
+    std::vector<std::byte> back(t.size());
+    const swap_result r = swap_in_one(s, back, path);
+    EXPECT_EQ(r.error, EIO) << r.message;
+    EXPECT_NE(r.message.find("short read"), std::string::npos) << r.message;
+  }
+}
+
 TEST_P(integrity, one_swapper_shared_by_four_threads) {
   tensor_swapper s(pool_, {.engine = GetParam(), .queue_depth = 8, .staging_buffers = 3});
   std::vector<std::thread> threads;
