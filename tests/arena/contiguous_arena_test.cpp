@@ -387,3 +387,32 @@ TEST(compaction, minimal_move_picks_the_cheapest_window) {
 
 }  // namespace
 }  // namespace tensormem::arena
+
+#include "tensormem/memory/detail/poison.hpp"
+
+namespace tensormem::arena {
+namespace {
+
+#ifdef TENSORMEM_ASAN
+TEST(contiguous_arena, free_and_moved_ranges_are_poisoned_for_address_sanitizer) {
+  memory::host_resource host;
+  contiguous_arena arena(host, 4096, {.alignment = 256});
+  const tensor_block a = arena.allocate(1000);
+  const tensor_block b = arena.allocate(1000);
+  EXPECT_EQ(__asan_address_is_poisoned(a.data()), 0);
+  EXPECT_EQ(__asan_address_is_poisoned(a.data() + 999), 0);
+  EXPECT_NE(__asan_address_is_poisoned(a.data() + 1000), 0);  // alignment padding
+  EXPECT_NE(__asan_address_is_poisoned(arena.base() + 3000), 0);  // never handed out
+  arena.release(a);
+  EXPECT_NE(__asan_address_is_poisoned(a.data()), 0);
+  std::byte* stale = b.data();
+  ASSERT_TRUE(arena.defragment(3072));  // b moves down to offset 0
+  EXPECT_EQ(arena.block(b.id).offset, 0U);
+  EXPECT_EQ(__asan_address_is_poisoned(arena.base()), 0);
+  EXPECT_NE(__asan_address_is_poisoned(stale), 0);
+  EXPECT_DEATH({ stale[10] = std::byte{1}; }, "use-after-poison");
+}
+#endif
+
+}  // namespace
+}  // namespace tensormem::arena
