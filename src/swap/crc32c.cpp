@@ -47,7 +47,47 @@ __attribute__((target("sse4.2"))) std::uint32_t crc_hw(const unsigned char* p, s
 const bool have_sse42 = __builtin_cpu_supports("sse4.2");
 #endif
 
+// Polynomial arithmetic modulo the (reflected) Castagnoli polynomial: a * b mod P.
+std::uint32_t multiply_mod(std::uint32_t a, std::uint32_t b) noexcept {
+  std::uint32_t product = 0;
+  for (std::uint32_t bit = 1U << 31; bit != 0; bit >>= 1) {
+    if ((a & bit) != 0) product ^= b;
+    b = (b & 1U) != 0 ? (b >> 1) ^ polynomial : b >> 1;
+  }
+  return product;
+}
+
+// x^(2^k) mod P for k = 0..63.
+constexpr std::array<std::uint32_t, 64> make_powers() {
+  std::array<std::uint32_t, 64> t{};
+  std::uint32_t p = 1U << 30;  // x^1
+  for (auto& v : t) {
+    v = p;
+    // p = p * p mod P (constexpr copy of multiply_mod)
+    std::uint32_t a = p;
+    std::uint32_t b = p;
+    std::uint32_t product = 0;
+    for (std::uint32_t bit = 1U << 31; bit != 0; bit >>= 1) {
+      if ((a & bit) != 0) product ^= b;
+      b = (b & 1U) != 0 ? (b >> 1) ^ polynomial : b >> 1;
+    }
+    p = product;
+  }
+  return t;
+}
+constexpr std::array<std::uint32_t, 64> powers = make_powers();
+
 }  // namespace
+
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::uint64_t bytes_b) noexcept {
+  // crc(A || B) = crc_a * x^(8 * |B|) + crc_b (mod P); the pre/post inversions cancel.
+  std::uint32_t shift = 1U << 31;  // x^0
+  std::uint64_t n = bytes_b;
+  for (unsigned k = 3; n != 0; n >>= 1, ++k) {
+    if ((n & 1U) != 0) shift = multiply_mod(powers[k & 63U], shift);
+  }
+  return multiply_mod(shift, crc_a) ^ crc_b;
+}
 
 std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc) noexcept {
   const auto* p = static_cast<const unsigned char*>(data);

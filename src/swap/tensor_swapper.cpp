@@ -1,6 +1,7 @@
 #include "tensormem/swap/tensor_swapper.hpp"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -80,6 +81,16 @@ bool aligned(const void* p, std::size_t n) {
   return reinterpret_cast<std::uintptr_t>(p) % io_alignment == 0 && n % io_alignment == 0;
 }
 
+double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Files the swapper keeps open at once: a quarter of the soft RLIMIT_NOFILE (the rest is the
+// program's), between 4 and 256.
+std::size_t open_file_budget() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 256;
+  return std::clamp<std::size_t>(static_cast<std::size_t>(limit.rlim_cur) / 4, 4, 256);
+}
+
 }  // namespace
 
 struct tensor_swapper::job {
@@ -91,25 +102,37 @@ struct tensor_swapper::job {
   bool out = true;
   int fd = -1;
   bool direct = false;
+  bool opened = false;           // the worker has started it
+  std::size_t next_offset = 0;   // next data byte to queue
+  bool header_queued = false;
   std::size_t requests_left = 0;
-  bool issuing = true;  // requests are still being queued
   bool done = false;
   int error = 0;
   std::string message;
-  std::uint32_t crc = 0;
-  bool crc_present = false;
+  std::uint32_t crc = 0;                 // swap-out: running CRC of the bytes queued so far
+  std::vector<std::uint32_t> block_crc;  // swap-in: CRC of each block, as it arrived
+  bool header_read = false;              // swap-in: the header arrived and was checked
+  std::uint64_t file_bytes = 0;          // swap-in: what the header says
+  std::uint32_t file_crc = 0;
+  bool file_has_crc = false;
   std::chrono::steady_clock::time_point started;
   std::chrono::steady_clock::time_point finished;
+  bool fully_queued() const noexcept { return header_queued && next_offset >= tensor.bytes; }
 };
 
 struct tensor_swapper::pending_request {
-  std::size_t job = 0;
+  std::uint64_t job = 0;
   std::size_t staging = no_staging;
   void* copy_to = nullptr;  // staged read: where the bytes go once read
   std::size_t copy_bytes = 0;
   std::size_t expected = 0;
+  std::size_t block = 0;    // data block index; header_block for the header
   bool write = false;
 };
+
+namespace {
+constexpr std::size_t header_block = static_cast<std::size_t>(-1);
+}  // namespace
 
 tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options)
     : tensor_swapper(pool, options, nullptr) {}
@@ -126,7 +149,9 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   stats_.fallback = reason;
   stats_.checksums = options_.checksums;
   stats_.direct = options_.direct;
-  const std::size_t count = std::max<std::size_t>(options_.staging_buffers, 1);
+  max_open_files_ = open_file_budget();
+  max_queued_ = std::max<std::size_t>(2U * std::max(engine_->queue_depth(), 1U), 8);
+  const std::size_t count = std::max<std::size_t>(options_.staging_buffers, 2);
   try {
     for (std::size_t i = 0; i < count; ++i) {
       staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));
@@ -140,10 +165,17 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   std::vector<std::span<std::byte>> regions;
   for (std::byte* b : staging_) regions.emplace_back(b, options_.block_bytes);
   stats_.registered_staging = engine_->register_buffers(regions);
+  worker_ = std::thread([this] { run(); });
 }
 
 tensor_swapper::~tensor_swapper() {
   synchronize();
+  {
+    const std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  worker_.join();
   engine_.reset();  // unregisters the staging buffers before they go back to the pool
   for (std::byte* b : staging_) pool_.free(b);
 }
@@ -164,16 +196,140 @@ int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
   return open(path.c_str(), base | O_CLOEXEC, 0644);
 }
 
+// ---------------------------------------------------------------- the worker
+
+// The worker thread is the only one that touches the engine, the files and the staging
+// buffers. It queues what resources allow (staging buffers, open files, a bounded number of
+// requests so that checksums interleave with I/O), then blocks in the engine for
+// completions with the lock released.
+void tensor_swapper::run() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    queue_ready();
+    if (engine_->outstanding() == 0) {
+      if (stop_ && ready_jobs_.empty()) return;
+      work_cv_.wait(lock, [this] { return stop_ || !ready_jobs_.empty(); });
+      continue;
+    }
+    lock.unlock();
+    std::vector<io::io_completion> completions = engine_->wait(1);
+    lock.lock();
+    for (const io::io_completion& c : completions) on_completion(c);
+  }
+}
+
+void tensor_swapper::queue_ready() {
+  while (!ready_jobs_.empty()) {
+    job& j = jobs_.at(ready_jobs_.front());
+    if (!j.opened) {
+      if (open_files_ >= max_open_files_) return;
+      start_job(ready_jobs_.front(), j);
+      if (j.done || j.fully_queued()) {
+        ready_jobs_.pop_front();
+        continue;
+      }
+    }
+    if (!queue_more(ready_jobs_.front(), j)) return;  // out of staging buffers or budget
+    ready_jobs_.pop_front();
+  }
+}
+
+void tensor_swapper::start_job(std::uint64_t id, job& j) {
+  j.opened = true;
+  if (j.tensor.data == nullptr && j.tensor.bytes != 0) {
+    j.error = EINVAL;
+    j.message = "null tensor";
+    finish(id, j);
+    return;
+  }
+  if (j.out) j.temp_path = j.path + ".tensormem-tmp." + std::to_string(getpid());
+  const std::string& file = j.out ? j.temp_path : j.path;
+  j.fd = open_file(file, j.out, j.direct);
+  if (j.fd < 0) {
+    const int e = errno;
+    j.error = e;
+    j.message = (j.out ? "cannot create " : "cannot open ") + file + ": " + std::strerror(e) +
+                (!j.out && e == ENOENT ? " (it was never swapped out)" : "");
+    finish(id, j);
+    return;
+  }
+  ++open_files_;
+  if (!j.out) j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
+}
+
+// Queues the job's next requests. Swap-out: data blocks in order, each checksummed as it is
+// queued, then the header (it carries the checksum). Swap-in: the header and the data in
+// one go; every block is checksummed when it arrives. Returns true when the job is fully
+// queued, false when a staging buffer or the request budget ran out.
+bool tensor_swapper::queue_more(std::uint64_t id, job& j) {
+  if (j.error != 0) {  // a request failed already: queue nothing more (no header either)
+    j.next_offset = j.tensor.bytes;
+    j.header_queued = true;
+    if (j.requests_left == 0) finish(id, j);
+    return true;
+  }
+  if (!j.out && !j.header_queued) {
+    if (free_staging_.empty() || queued_ >= max_queued_) return false;
+    const std::size_t h = take_staging();
+    issue(id, j, 0, staging_[h], header_bytes, false, h, nullptr, 0, header_block);
+    j.header_queued = true;
+  }
+  auto* data = static_cast<std::byte*>(j.tensor.data);
+  while (j.next_offset < j.tensor.bytes) {
+    if (queued_ >= max_queued_) return false;
+    const std::size_t off = j.next_offset;
+    const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
+    const std::size_t block = off / options_.block_bytes;
+    const bool straight = !j.direct || aligned(data + off, n);
+    if (!straight && free_staging_.empty()) return false;
+    if (j.out) {
+      if (options_.checksums) {
+        const auto t0 = clock::now();
+        j.crc = crc32c(data + off, n, j.crc);
+        timers_["checksum"] += seconds(clock::now() - t0);
+      }
+      if (straight) {
+        issue(id, j, header_bytes + off, data + off, n, true, no_staging, nullptr, 0, block);
+        stats_.direct_bytes += n;
+      } else {
+        const auto t0 = clock::now();
+        const std::size_t s = take_staging();
+        const std::size_t padded = round_up(n, io_alignment);
+        std::memcpy(staging_[s], data + off, n);
+        std::memset(staging_[s] + n, 0, padded - n);
+        timers_["staging_copy"] += seconds(clock::now() - t0);
+        issue(id, j, header_bytes + off, staging_[s], padded, true, s, nullptr, 0, block);
+        stats_.staged_bytes += n;
+      }
+    } else if (straight) {
+      issue(id, j, header_bytes + off, data + off, n, false, no_staging, nullptr, 0, block);
+      stats_.direct_bytes += n;
+    } else {
+      const std::size_t s = take_staging();
+      issue(id, j, header_bytes + off, staging_[s], round_up(n, io_alignment), false, s, data + off, n, block);
+      stats_.staged_bytes += n;
+    }
+    j.next_offset = off + n;
+  }
+  if (j.out && !j.header_queued) {
+    if (free_staging_.empty() || queued_ >= max_queued_) return false;
+    const std::size_t h = take_staging();
+    write_header(staging_[h], j.tensor.bytes, j.crc, options_.checksums, j.key);
+    issue(id, j, 0, staging_[h], header_bytes, true, h, nullptr, 0, header_block);
+    j.header_queued = true;
+  }
+  return true;
+}
+
 std::size_t tensor_swapper::take_staging() {
-  while (free_staging_.empty()) drive(1);
   const std::size_t s = free_staging_.back();
   free_staging_.pop_back();
   return s;
 }
 
-void tensor_swapper::issue(std::size_t job_index, std::uint64_t file_offset, void* buffer,
+void tensor_swapper::issue(std::uint64_t id, job& j, std::uint64_t file_offset, void* buffer,
                            std::size_t bytes, bool write, std::size_t staging, void* copy_to,
-                           std::size_t copy_bytes) {
+                           std::size_t copy_bytes, std::size_t block) {
   std::size_t slot = 0;
   if (!free_requests_.empty()) {
     slot = free_requests_.back();
@@ -182,89 +338,117 @@ void tensor_swapper::issue(std::size_t job_index, std::uint64_t file_offset, voi
     slot = requests_.size();
     requests_.emplace_back();
   }
-  requests_[slot] = {job_index, staging, copy_to, copy_bytes, bytes, write};
-  job& j = jobs_[job_index];
+  requests_[slot] = {id, staging, copy_to, copy_bytes, bytes, block, write};
   ++j.requests_left;
+  ++queued_;
   const io::io_request r{j.fd, file_offset, buffer, bytes, write, slot};
   engine_->submit({&r, 1});
 }
 
-void tensor_swapper::start_out(job& j) {
-  const std::size_t index = static_cast<std::size_t>(&j - jobs_.data());
-  const auto* data = static_cast<const std::byte*>(j.tensor.data);
-  if (options_.checksums) {
-    const auto t0 = clock::now();
-    j.crc = crc32c(data, j.tensor.bytes);
-    j.crc_present = true;
-    timers_["checksum"] += std::chrono::duration<double>(clock::now() - t0).count();
-  }
-  const std::size_t h = take_staging();
-  write_header(staging_[h], j.tensor.bytes, j.crc, j.crc_present, j.key);
-  issue(index, 0, staging_[h], header_bytes, true, h, nullptr, 0);
-  for (std::size_t off = 0; off < j.tensor.bytes; off += options_.block_bytes) {
-    const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
-    void* src = const_cast<std::byte*>(data + off);
-    if (!jobs_[index].direct || aligned(src, n)) {
-      issue(index, header_bytes + off, src, n, true, no_staging, nullptr, 0);
-      stats_.direct_bytes += n;
+void tensor_swapper::on_completion(const io::io_completion& c) {
+  const pending_request r = requests_[c.user_data];
+  free_requests_.push_back(static_cast<std::size_t>(c.user_data));
+  --queued_;
+  job& j = jobs_.at(r.job);
+  if (c.result < 0) {
+    if (j.error == 0) {
+      j.error = static_cast<int>(-c.result);
+      j.message = std::string(r.write ? "write to " : "read from ") + j.path + " failed: " +
+                  std::strerror(j.error);
+    }
+  } else if (static_cast<std::size_t>(c.result) < r.expected) {
+    if (j.error == 0) {
+      j.error = EIO;
+      j.message = std::string("short ") + (r.write ? "write to " : "read from ") + j.path + ": " +
+                  std::to_string(c.result) + " of " + std::to_string(r.expected) + " bytes";
+    }
+  } else if (!r.write && r.block == header_block) {
+    file_header h{};
+    const std::string problem = check_header(staging_[r.staging], j.key, h);
+    if (!problem.empty()) {
+      if (j.error == 0) {
+        j.error = problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL;
+        j.message = j.path + " " + problem;
+      }
     } else {
+      j.header_read = true;
+      j.file_bytes = h.bytes;
+      j.file_crc = h.crc;
+      j.file_has_crc = (h.flags & 1U) != 0;
+    }
+  } else if (!r.write) {
+    // A data block arrived: into the tensor (copied from staging if it was staged), then
+    // checksummed while the other blocks are still in flight.
+    if (r.copy_to != nullptr) std::memcpy(r.copy_to, staging_[r.staging], r.copy_bytes);
+    if (options_.checksums && j.error == 0) {
       const auto t0 = clock::now();
-      const std::size_t s = take_staging();
-      const std::size_t padded = round_up(n, io_alignment);
-      std::memcpy(staging_[s], src, n);
-      std::memset(staging_[s] + n, 0, padded - n);
-      timers_["staging_copy"] += std::chrono::duration<double>(clock::now() - t0).count();
-      issue(index, header_bytes + off, staging_[s], padded, true, s, nullptr, 0);
-      stats_.staged_bytes += n;
+      const std::size_t off = r.block * options_.block_bytes;
+      const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
+      j.block_crc[r.block] = crc32c(static_cast<const std::byte*>(j.tensor.data) + off, n);
+      timers_["checksum"] += seconds(clock::now() - t0);
     }
   }
+  if (r.staging != no_staging) free_staging_.push_back(r.staging);  // its I/O is over
+  if (--j.requests_left == 0 && j.fully_queued()) finish(r.job, j);
 }
 
-void tensor_swapper::start_in(job& j) {
-  const std::size_t index = static_cast<std::size_t>(&j - jobs_.data());
-  // The header is read synchronously: it decides whether anything else is read.
-  const std::size_t h = take_staging();
-  const ssize_t got = pread(j.fd, staging_[h], header_bytes, 0);
-  const int read_errno = errno;
-  file_header header{};
-  std::string problem = got == static_cast<ssize_t>(header_bytes)
-                            ? check_header(staging_[h], j.key, header)
-                            : "is not a tensormem swap file (or was never written completely)";
-  free_staging_.push_back(h);
-  if (!problem.empty()) {
-    j.error = got < 0 ? read_errno : (problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL);
-    j.message = j.path + " " + problem;
+void tensor_swapper::finish(std::uint64_t /*id*/, job& j) {
+  if (j.fd >= 0) {
+    if (close(j.fd) != 0 && j.out && j.error == 0) {
+      j.error = errno;
+      j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
+    }
+    j.fd = -1;
+    --open_files_;
+    if (j.out) {
+      // Commit: the complete new file replaces the old one in one step; a failed swap-out
+      // leaves the old file (or no file) and removes its partial copy.
+      if (j.error == 0 && rename(j.temp_path.c_str(), j.path.c_str()) != 0) {
+        j.error = errno;
+        j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
+      }
+      if (j.error != 0) unlink(j.temp_path.c_str());
+    }
+  }
+  if (!j.out && j.error == 0) verify_in(j);
+  j.done = true;
+  j.finished = clock::now();
+  done_cv_.notify_all();
+}
+
+// Swap-in checks, once every block arrived: the header's size, whether it carries a
+// checksum (the swapper's setting decides), and the checksum of the blocks combined in
+// file order.
+void tensor_swapper::verify_in(job& j) {
+  if (!j.header_read) {
+    j.error = EINVAL;
+    j.message = j.path + " is not a tensormem swap file (or was never written completely)";
     return;
   }
-  if (options_.checksums && (header.flags & 1U) == 0) {
-    // The swapper's setting decides, not the file: with checksums on, data that carries
-    // none cannot be verified and is refused.
+  if (j.file_bytes != j.tensor.bytes) {
+    j.error = EINVAL;
+    j.message = j.path + " holds " + std::to_string(j.file_bytes) + " bytes; the tensor has " +
+                std::to_string(j.tensor.bytes);
+    return;
+  }
+  if (!options_.checksums) return;
+  if (!j.file_has_crc) {
     j.error = EBADMSG;
     j.message = j.path + " carries no checksum (written with checksums off) and checksums are on";
     return;
   }
-  if (header.bytes != j.tensor.bytes) {
-    j.error = EINVAL;
-    j.message = j.path + " holds " + std::to_string(header.bytes) + " bytes; the tensor has " +
-                std::to_string(j.tensor.bytes);
-    return;
+  std::uint32_t crc = 0;
+  for (std::size_t b = 0; b < j.block_crc.size(); ++b) {
+    const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - b * options_.block_bytes);
+    crc = b == 0 ? j.block_crc[0] : crc32c_combine(crc, j.block_crc[b], n);
   }
-  j.crc = header.crc;
-  j.crc_present = (header.flags & 1U) != 0;
-  auto* data = static_cast<std::byte*>(j.tensor.data);
-  for (std::size_t off = 0; off < j.tensor.bytes; off += options_.block_bytes) {
-    const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
-    if (!jobs_[index].direct || aligned(data + off, n)) {
-      issue(index, header_bytes + off, data + off, n, false, no_staging, nullptr, 0);
-      stats_.direct_bytes += n;
-    } else {
-      const std::size_t s = take_staging();
-      const std::size_t padded = round_up(n, io_alignment);
-      issue(index, header_bytes + off, staging_[s], padded, false, s, data + off, n);
-      stats_.staged_bytes += n;
-    }
+  if (crc != j.file_crc) {
+    j.error = EBADMSG;
+    j.message = "checksum mismatch in " + j.path + ": the file is corrupt";
   }
 }
+
+// ---------------------------------------------------------------- the callers
 
 std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
                                     std::span<const std::string> paths,
@@ -290,39 +474,21 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
   }
   const std::uint64_t ticket = next_ticket_++;
   auto& members = tickets_[ticket];
-  jobs_.reserve(jobs_.size() + tensors.size());  // job references stay valid below
+  const auto now = clock::now();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    jobs_.push_back({});
-    job& j = jobs_.back();
+    const std::uint64_t id = next_job_++;
+    job& j = jobs_[id];
     j.ticket = ticket;
     j.path = paths[i];
     j.key = keys.empty() ? paths[i] : keys[i];
     j.tensor = tensors[i];
-    busy_paths_.insert(j.path);
     j.out = out;
-    j.started = clock::now();
-    members.push_back(jobs_.size() - 1);
-    if (tensors[i].data == nullptr && tensors[i].bytes != 0) {
-      j.error = EINVAL;
-      j.message = "null tensor";
-    } else {
-      // Swap-out writes a new file beside the old one and renames it into place once every
-      // byte is written, so the path holds the old contents or the new, never a mix.
-      if (out) j.temp_path = j.path + ".tensormem-tmp." + std::to_string(getpid());
-      j.fd = open_file(out ? j.temp_path : j.path, out, j.direct);
-      if (j.fd < 0) {
-        j.error = errno;
-        j.message = (out ? "cannot create " : "cannot open ") + (out ? j.temp_path : j.path) + ": " +
-                    std::strerror(errno) + (!out && errno == ENOENT ? " (it was never swapped out)" : "");
-      } else if (out) {
-        start_out(j);
-      } else {
-        start_in(j);
-      }
-    }
-    jobs_[members.back()].issuing = false;
-    if (jobs_[members.back()].requests_left == 0) finish(jobs_[members.back()]);
+    j.started = now;
+    busy_paths_.insert(j.path);
+    members.push_back(id);
+    ready_jobs_.push_back(id);
   }
+  work_cv_.notify_one();
   return ticket;
 }
 
@@ -340,95 +506,48 @@ std::uint64_t tensor_swapper::swap_in(std::span<const std::string> paths,
   return start(tensors, paths, keys, false);
 }
 
-void tensor_swapper::drive(std::size_t min_completions) {
-  for (const io::io_completion& c : engine_->wait(min_completions)) on_completion(c);
-}
-
-void tensor_swapper::on_completion(const io::io_completion& c) {
-  const pending_request r = requests_[c.user_data];
-  free_requests_.push_back(static_cast<std::size_t>(c.user_data));
-  job& j = jobs_[r.job];
-  if (c.result < 0) {
-    if (j.error == 0) {
-      j.error = static_cast<int>(-c.result);
-      j.message = std::string(r.write ? "write to " : "read from ") + j.path + " failed: " +
-                  std::strerror(j.error);
-    }
-  } else if (static_cast<std::size_t>(c.result) < r.expected) {
-    if (j.error == 0) {
-      j.error = EIO;
-      j.message = std::string("short ") + (r.write ? "write to " : "read from ") + j.path + ": " +
-                  std::to_string(c.result) + " of " + std::to_string(r.expected) + " bytes";
-    }
-  } else if (r.copy_to != nullptr) {
-    std::memcpy(r.copy_to, staging_[r.staging], r.copy_bytes);
+bool tensor_swapper::done(std::uint64_t ticket) {
+  const std::lock_guard lock(mutex_);
+  const auto it = tickets_.find(ticket);
+  if (it == tickets_.end()) {
+    throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " + std::to_string(ticket));
   }
-  if (r.staging != no_staging) free_staging_.push_back(r.staging);  // its I/O is over
-  if (--j.requests_left == 0 && !j.issuing) finish(j);
-}
-
-void tensor_swapper::finish(job& j) {
-  if (j.fd >= 0) {
-    if (close(j.fd) != 0 && j.out && j.error == 0) {
-      j.error = errno;
-      j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
-    }
-    j.fd = -1;
-    if (j.out) {
-      // Commit: the complete new file replaces the old one in one step; a failed swap-out
-      // leaves the old file (or no file) and removes its partial copy.
-      if (j.error == 0 && rename(j.temp_path.c_str(), j.path.c_str()) != 0) {
-        j.error = errno;
-        j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
-      }
-      if (j.error != 0) unlink(j.temp_path.c_str());
-    }
-  }
-  if (!j.out && j.error == 0 && j.crc_present && options_.checksums) {
-    const auto t0 = clock::now();
-    const std::uint32_t crc = crc32c(j.tensor.data, j.tensor.bytes);
-    timers_["checksum"] += std::chrono::duration<double>(clock::now() - t0).count();
-    if (crc != j.crc) {
-      j.error = EBADMSG;
-      j.message = "checksum mismatch in " + j.path + ": the file is corrupt";
-    }
-  }
-  j.done = true;
-  j.finished = clock::now();
+  return std::all_of(it->second.begin(), it->second.end(), [this](std::uint64_t id) { return jobs_.at(id).done; });
 }
 
 std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {
-  const std::lock_guard lock(mutex_);
-  return wait_locked(ticket);
+  std::unique_lock lock(mutex_);
+  return wait_locked(lock, ticket);
 }
 
-std::vector<swap_result> tensor_swapper::wait_locked(std::uint64_t ticket) {
+std::vector<swap_result> tensor_swapper::wait_locked(std::unique_lock<std::mutex>& lock,
+                                                     std::uint64_t ticket) {
   const auto it = tickets_.find(ticket);
   if (it == tickets_.end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " +
                                 std::to_string(ticket));
   }
   const auto t0 = clock::now();
-  for (const std::size_t index : it->second) {
-    while (!jobs_[index].done) drive(1);
-  }
-  const double waited = std::chrono::duration<double>(clock::now() - t0).count();
+  const std::vector<std::uint64_t> members = it->second;
+  done_cv_.wait(lock, [&] {
+    return std::all_of(members.begin(), members.end(), [this](std::uint64_t id) { return jobs_.at(id).done; });
+  });
+  const double waited = seconds(clock::now() - t0);
   stats_.seconds_waiting += waited;
   timers_["wait"] += waited;
   std::vector<swap_result> results;
   clock::time_point first = clock::time_point::max();
   clock::time_point last = clock::time_point::min();
   bool out = true;
-  for (const std::size_t index : it->second) {
-    first = std::min(first, jobs_[index].started);
-    last = std::max(last, jobs_[index].finished);
-    out = jobs_[index].out;
+  for (const std::uint64_t id : members) {
+    const job& j = jobs_.at(id);
+    first = std::min(first, j.started);
+    last = std::max(last, j.finished);
+    out = j.out;
   }
-  if (!it->second.empty()) {
-    (out ? stats_.seconds_out : stats_.seconds_in) += std::chrono::duration<double>(last - first).count();
-  }
-  for (const std::size_t index : it->second) {
-    const job& j = jobs_[index];
+  if (!members.empty()) (out ? stats_.seconds_out : stats_.seconds_in) += seconds(last - first);
+  for (const std::uint64_t id : members) {
+    const job& j = jobs_.at(id);
     busy_paths_.erase(j.path);
     results.push_back({j.path, j.tensor.bytes, j.error, j.message});
     if (j.error != 0) {
@@ -440,15 +559,15 @@ std::vector<swap_result> tensor_swapper::wait_locked(std::uint64_t ticket) {
       ++stats_.tensors_in;
       stats_.bytes_in += j.tensor.bytes;
     }
+    jobs_.erase(id);
   }
-  tickets_.erase(it);
-  if (tickets_.empty()) jobs_.clear();  // no job is referenced any more
+  tickets_.erase(ticket);
   return results;
 }
 
 void tensor_swapper::synchronize() {
-  const std::lock_guard lock(mutex_);
-  while (!tickets_.empty()) wait_locked(tickets_.begin()->first);
+  std::unique_lock lock(mutex_);
+  while (!tickets_.empty()) wait_locked(lock, tickets_.begin()->first);
 }
 
 swap_stats tensor_swapper::stats() const {

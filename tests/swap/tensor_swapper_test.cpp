@@ -56,6 +56,19 @@ TEST(crc32c, known_vector) {
   EXPECT_EQ(crc32c(text + 4, 5, crc32c(text, 4)), 0xE3069283U);
 }
 
+TEST(crc32c, combine_matches_the_crc_of_the_concatenation) {
+  std::mt19937_64 rng(4);
+  std::vector<unsigned char> data(100'000);
+  for (auto& b : data) b = static_cast<unsigned char>(rng());
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t split = rng() % (data.size() + 1);
+    const std::uint32_t a = crc32c(data.data(), split);
+    const std::uint32_t b = crc32c(data.data() + split, data.size() - split);
+    ASSERT_EQ(crc32c_combine(a, b, data.size() - split), crc32c(data.data(), data.size())) << split;
+  }
+  EXPECT_EQ(crc32c_combine(crc32c("1234", 4), crc32c("56789", 5), 5), 0xE3069283U);
+}
+
 class swapper_test : public ::testing::TestWithParam<io::engine_kind> {};
 
 TEST_P(swapper_test, round_trips_odd_sizes_by_content) {

@@ -10,4 +10,8 @@ namespace tensormem::swap {
 /// when the processor has it, a table otherwise.
 std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc = 0) noexcept;
 
+/// CRC-32C of A followed by B from crc32c(A), crc32c(B) and the length of B: lets blocks be
+/// checksummed as they arrive, in any order, and combined in file order. O(log bytes_b).
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b, std::uint64_t bytes_b) noexcept;
+
 }  // namespace tensormem::swap

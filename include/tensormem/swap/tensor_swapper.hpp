@@ -6,7 +6,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <condition_variable>
+#include <deque>
 #include <mutex>
+#include <thread>
 #include <set>
 #include <span>
 #include <string>
@@ -69,10 +72,19 @@ struct swap_stats {
 /// on disk: the path holds its old contents or the new ones, never a mix, and a failed
 /// swap-out removes its partial file and never reads back as success.
 ///
+/// Asynchronous for real: a worker thread of the swapper's own queues the requests, drives
+/// the engine and finishes each tensor, so transfers progress while the caller computes;
+/// `wait` is where the caller blocks. Checksums are computed on the worker, block by block:
+/// on swap-out as each block is queued (the header, written last, carries the total); on
+/// swap-in as each block arrives, in any order, combined in file order at the end. A swap-in
+/// reads the header in the same batch as the data (no blocking read first). At most a
+/// quarter of RLIMIT_NOFILE (4 to 256) files are open at once: files are opened when their
+/// tensor's turn comes and closed when it completes.
+///
 /// Contract:
 /// - `swap_out(tensors, paths)` / `swap_in(paths, tensors)` queue the transfers and return a
-///   ticket; they block only while every staging buffer is busy. Tensor memory must stay
-///   valid and, for swap-out, unchanged until `wait(ticket)` reports it.
+///   ticket at once. Tensor memory must stay valid and, for swap-out, unchanged until
+///   `wait(ticket)` reports it. After a failed swap-in the tensor's contents are unspecified.
 /// - Tensors whose memory and size are 4096-aligned move straight between their memory and
 ///   the file; others go through pinned staging buffers. A staging buffer is reused only after
 ///   its request completed.
@@ -85,8 +97,8 @@ struct swap_stats {
 /// - A path may be in one unwaited transfer at a time: a batch naming a path twice, or a
 ///   path whose earlier transfer was not waited for, throws std::invalid_argument and
 ///   queues nothing.
-/// Thread-safe: one internal mutex serialises the calls (a thread blocked in `wait` holds
-/// it; Python bindings release the GIL before taking it).
+/// Thread-safe: any thread may queue and wait (one internal mutex, never held while blocked;
+/// Python bindings release the GIL before taking it). The destructor waits for everything.
 class tensor_swapper {
  public:
   tensor_swapper(memory::pinned_pool& pool, swap_options options = {});
@@ -104,6 +116,8 @@ class tensor_swapper {
   std::uint64_t swap_in(std::span<const std::string> paths, std::span<const tensor_ref> tensors,
                         std::span<const std::string> keys = {});
   std::vector<swap_result> wait(std::uint64_t ticket);
+  /// True when every transfer of the ticket has finished (`wait` would not block).
+  bool done(std::uint64_t ticket);
   /// Waits for every ticket; their results are dropped.
   void synchronize();
   swap_stats stats() const;
@@ -118,31 +132,43 @@ class tensor_swapper {
 
   std::uint64_t start(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
                       std::span<const std::string> keys, bool out);
-  std::vector<swap_result> wait_locked(std::uint64_t ticket);
-  void start_out(job& j);
-  void start_in(job& j);
+  std::vector<swap_result> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket);
+  void run();
+  void queue_ready();
+  void start_job(std::uint64_t id, job& j);
+  bool queue_more(std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool& direct);
   std::size_t take_staging();
-  void issue(std::size_t job_index, std::uint64_t file_offset, void* buffer, std::size_t bytes,
-             bool write, std::size_t staging, void* copy_to, std::size_t copy_bytes);
-  void drive(std::size_t min_completions);
+  void issue(std::uint64_t id, job& j, std::uint64_t file_offset, void* buffer, std::size_t bytes,
+             bool write, std::size_t staging, void* copy_to, std::size_t copy_bytes, std::size_t block);
   void on_completion(const io::io_completion& c);
-  void finish(job& j);
+  void finish(std::uint64_t id, job& j);
+  void verify_in(job& j);
 
   memory::pinned_pool& pool_;
   swap_options options_;
   std::unique_ptr<io::io_engine> engine_;
   std::vector<std::byte*> staging_;
   std::vector<std::size_t> free_staging_;
-  std::vector<job> jobs_;
+  std::map<std::uint64_t, job> jobs_;            // by job id
+  std::deque<std::uint64_t> ready_jobs_;         // jobs not yet fully queued, in order
   std::vector<pending_request> requests_;
   std::vector<std::size_t> free_requests_;
-  std::map<std::uint64_t, std::vector<std::size_t>> tickets_;  // ticket -> job indices
+  std::map<std::uint64_t, std::vector<std::uint64_t>> tickets_;  // ticket -> job ids
   std::uint64_t next_ticket_ = 1;
+  std::uint64_t next_job_ = 1;
+  std::size_t open_files_ = 0;
+  std::size_t max_open_files_ = 0;
+  std::size_t queued_ = 0;      // requests handed to the engine, not yet complete
+  std::size_t max_queued_ = 0;
   swap_stats stats_;
   std::map<std::string, double> timers_;
   std::set<std::string, std::less<>> busy_paths_;  // paths of unwaited transfers
+  bool stop_ = false;
   mutable std::mutex mutex_;
+  std::condition_variable work_cv_;  // the worker: new jobs, or stop
+  std::condition_variable done_cv_;  // waiters: a job finished
+  std::thread worker_;
 };
 
 }  // namespace tensormem::swap
