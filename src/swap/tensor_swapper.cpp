@@ -1,6 +1,7 @@
 #include "tensormem/swap/tensor_swapper.hpp"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -165,6 +166,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   std::vector<std::span<std::byte>> regions;
   for (std::byte* b : staging_) regions.emplace_back(b, options_.block_bytes);
   stats_.registered_staging = engine_->register_buffers(regions);
+  reaper_ = std::thread([this] { run_reaper(); });
   worker_ = std::thread([this] { run(); });
 }
 
@@ -176,12 +178,18 @@ tensor_swapper::~tensor_swapper() {
   }
   work_cv_.notify_all();
   worker_.join();
+  {
+    const std::lock_guard lock(reap_mutex_);
+    reap_stop_ = true;
+  }
+  reap_cv_.notify_all();
+  reaper_.join();  // every displaced file is gone before the destructor returns
   engine_.reset();  // unregisters the staging buffers before they go back to the pool
   for (std::byte* b : staging_) pool_.free(b);
 }
 
 int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
-  const int base = out ? O_WRONLY | O_CREAT | O_TRUNC : O_RDONLY;
+  const int base = out ? O_WRONLY | O_CREAT | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY;
   direct = options_.direct;
   if (direct) {
     const int fd = open(path.c_str(), base | O_DIRECT | O_CLOEXEC, 0644);
@@ -242,7 +250,13 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
     finish(id, j);
     return;
   }
-  if (j.out) j.temp_path = j.path + ".tensormem-tmp." + std::to_string(getpid());
+  // With reuse, the spare file (the version before the last) is overwritten in place: its
+  // blocks are allocated already. Without, a name unique per job: a displaced version still
+  // waiting for the reaper never shares a name with a file being written.
+  if (j.out) {
+    j.temp_path = options_.reuse_files ? spare_path(j.path)
+                                       : j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." + std::to_string(id);
+  }
   const std::string& file = j.out ? j.temp_path : j.path;
   j.fd = open_file(file, j.out, j.direct);
   if (j.fd < 0) {
@@ -393,6 +407,14 @@ void tensor_swapper::on_completion(const io::io_completion& c) {
 }
 
 void tensor_swapper::finish(std::uint64_t /*id*/, job& j) {
+  if (j.fd >= 0 && j.out && j.error == 0 && options_.reuse_files) {
+    // A reused spare may be longer than this version: cut it to this length.
+    const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
+    if (ftruncate(j.fd, length) != 0) {
+      j.error = errno;
+      j.message = "cannot set the length of " + j.temp_path + ": " + std::strerror(errno);
+    }
+  }
   if (j.fd >= 0) {
     if (close(j.fd) != 0 && j.out && j.error == 0) {
       j.error = errno;
@@ -403,11 +425,20 @@ void tensor_swapper::finish(std::uint64_t /*id*/, job& j) {
     if (j.out) {
       // Commit: the complete new file replaces the old one in one step; a failed swap-out
       // leaves the old file (or no file) and removes its partial copy.
-      if (j.error == 0 && rename(j.temp_path.c_str(), j.path.c_str()) != 0) {
-        j.error = errno;
-        j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
+      // The exchange is atomic for readers, and the old version's blocks are freed later
+      // by the reaper thread: freeing gigabytes (and discarding them) takes the file
+      // system about as long as writing them, and must not stall the I/O.
+      bool displaced = false;
+      if (j.error == 0) {
+        if (renameat2(AT_FDCWD, j.temp_path.c_str(), AT_FDCWD, j.path.c_str(), RENAME_EXCHANGE) == 0) {
+          displaced = true;
+        } else if (rename(j.temp_path.c_str(), j.path.c_str()) != 0) {  // no old file (or no exchange)
+          j.error = errno;
+          j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
+        }
       }
-      if (j.error != 0) unlink(j.temp_path.c_str());
+      if (j.error != 0) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
+      if (displaced && !options_.reuse_files) reap(j.temp_path);  // else: the next spare
     }
   }
   if (!j.out && j.error == 0) verify_in(j);
@@ -445,6 +476,35 @@ void tensor_swapper::verify_in(job& j) {
   if (crc != j.file_crc) {
     j.error = EBADMSG;
     j.message = "checksum mismatch in " + j.path + ": the file is corrupt";
+  }
+}
+
+std::string tensor_swapper::spare_path(const std::string& path) { return path + ".tensormem-spare"; }
+
+void tensor_swapper::remove_files(const std::string& path) {
+  unlink(path.c_str());
+  unlink(spare_path(path).c_str());
+}
+
+// Hands a file to the reaper thread, which unlinks it off the I/O path.
+void tensor_swapper::reap(const std::string& path) {
+  {
+    const std::lock_guard lock(reap_mutex_);
+    reap_queue_.push_back(path);
+  }
+  reap_cv_.notify_one();
+}
+
+void tensor_swapper::run_reaper() {
+  std::unique_lock lock(reap_mutex_);
+  for (;;) {
+    reap_cv_.wait(lock, [this] { return reap_stop_ || !reap_queue_.empty(); });
+    if (reap_queue_.empty()) return;  // stopping, and nothing left
+    const std::string path = std::move(reap_queue_.front());
+    reap_queue_.pop_front();
+    lock.unlock();
+    unlink(path.c_str());
+    lock.lock();
   }
 }
 

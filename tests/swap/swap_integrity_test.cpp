@@ -193,6 +193,29 @@ TEST_P(integrity, a_truncated_file_is_a_short_read_not_success) {
   }
 }
 
+TEST_P(integrity, rewrites_reuse_the_spare_file_and_keep_every_version_exact) {
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  const std::string path = dir_.file("v");
+  const std::string spare = tensor_swapper::spare_path(path);
+  std::vector<std::vector<std::byte>> versions = {pattern(std::size_t{2} << 20, 20), pattern(std::size_t{1} << 20, 21),
+                                                  pattern(10000, 22), pattern(std::size_t{3} << 20, 23)};
+  for (std::size_t v = 0; v < versions.size(); ++v) {
+    ASSERT_EQ(swap_out_one(s, versions[v], path), 0) << "version " << v;
+    std::vector<std::byte> back(versions[v].size());
+    const swap_result r = swap_in_one(s, back, path);
+    ASSERT_EQ(r.error, 0) << r.message;
+    EXPECT_EQ(back, versions[v]) << "version " << v;
+    // The file holds exactly this version (a longer spare was cut), the spare the one before.
+    EXPECT_EQ(fs::file_size(path), 4096 + (versions[v].size() + 4095) / 4096 * 4096);
+    if (v > 0) {
+      EXPECT_EQ(fs::file_size(spare), 4096 + (versions[v - 1].size() + 4095) / 4096 * 4096);
+    }
+  }
+  tensor_swapper::remove_files(path);
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_FALSE(fs::exists(spare));
+}
+
 TEST_P(integrity, one_swapper_shared_by_four_threads) {
   tensor_swapper s(pool_, {.engine = GetParam(), .queue_depth = 8, .staging_buffers = 3});
   std::vector<std::thread> threads;

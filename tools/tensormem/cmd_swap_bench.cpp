@@ -1,5 +1,6 @@
 // `tensormem swap-bench`: tensors out to a directory and back through the swapper.
 
+#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -27,7 +28,21 @@ struct swap_bench_options {
   bool direct_flag = false;
   bool no_checksum = false;
   bool json = false;
+  double overlap_seconds = 0;
+  bool no_reuse = false;
 };
+
+// A compute loop: `iterations` rounds of dependent floating-point work on the caller's
+// thread (what a training step does between queuing a swap-out and waiting for it).
+double compute(std::uint64_t iterations) {
+  double x = 1.0;
+  for (std::uint64_t i = 0; i < iterations; ++i) x = x * 1.0000001 + 1e-9;
+  return x;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 void run_swap_bench(const swap_bench_options& o) {
   if (!std::filesystem::is_directory(o.dir)) throw std::invalid_argument(o.dir + " is not a directory");
@@ -36,22 +51,22 @@ void run_swap_bench(const swap_bench_options& o) {
                                 std::to_string(o.tensor_bytes) + "; lower --tensor-bytes");
   }
   const std::uint64_t count = o.bytes / o.tensor_bytes;
-  memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(o.tensor_bytes)});
+  memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(std::max<std::uint64_t>(o.tensor_bytes, 1 << 20))});
   swap::tensor_swapper swapper(
       pool, {.engine = o.engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring,
              .queue_depth = o.queue_depth,
              .block_bytes = static_cast<std::size_t>(o.block),
              .staging_buffers = 4,
              .direct = !o.buffered,
-             .checksums = !o.no_checksum});
+             .checksums = !o.no_checksum,
+             .reuse_files = !o.no_reuse});
   std::vector<swap::tensor_ref> tensors;
   std::vector<std::string> paths;
   // The files go away however the run ends (success, a failed transfer, an exception).
   struct remove_on_exit {
     std::vector<std::string>& paths;
     ~remove_on_exit() {
-      std::error_code ec;
-      for (const std::string& p : paths) std::filesystem::remove(p, ec);
+      for (const std::string& p : paths) swap::tensor_swapper::remove_files(p);
     }
   } cleanup{paths};
   for (std::uint64_t i = 0; i < count; ++i) {
@@ -60,34 +75,83 @@ void run_swap_bench(const swap_bench_options& o) {
     tensors.push_back({p, static_cast<std::size_t>(o.tensor_bytes)});
     paths.push_back((std::filesystem::path(o.dir) / fmt::format("tensormem-swap-{}.bin", i)).string());
   }
+  struct free_on_exit {
+    memory::pinned_pool& pool;
+    std::vector<swap::tensor_ref>& tensors;
+    ~free_on_exit() {
+      for (const auto& t : tensors) pool.free(t.data);
+    }
+  } release{pool, tensors};
+  for (const std::string& p : paths) swap::tensor_swapper::remove_files(p);
   auto check = [](const std::vector<swap::swap_result>& results) {
     for (const auto& r : results) {
       if (r.error != 0) throw std::runtime_error(r.message);
     }
   };
-  // A first pass lays the files out (as fio does before it measures); the timed pass
-  // overwrites them, then reads them back.
-  check(swapper.wait(swapper.swap_out(tensors, paths)));
-  const swap::swap_stats laid = swapper.stats();
-  check(swapper.wait(swapper.swap_out(tensors, paths)));
-  check(swapper.wait(swapper.swap_in(paths, tensors)));
+  const double total = static_cast<double>(count * o.tensor_bytes);
+  auto timed = [&](bool out) {
+    const auto t0 = std::chrono::steady_clock::now();
+    check(swapper.wait(out ? swapper.swap_out(tensors, paths) : swapper.swap_in(paths, tensors)));
+    return seconds_since(t0);
+  };
+  // Fresh files (as a driver that writes new files sees it), then rewrites in the steady
+  // state (with reuse: into the spare files, as fio measures after laying its file out),
+  // then reads.
+  const double fresh_seconds = timed(true);
+  if (!o.no_reuse) (void)timed(true);  // the first rewrite leaves a spare beside every file
+  const double rewrite_seconds = timed(true);
+  const double read_seconds = timed(false);
   const swap::swap_stats s = swapper.stats();
-  const double write_seconds = s.seconds_out - laid.seconds_out;
-  const double write_gbps = static_cast<double>(s.bytes_out - laid.bytes_out) / write_seconds / 1e9;
-  const double read_gbps = s.read_gbps();
-  for (const auto& t : tensors) pool.free(t.data);
+
+  nlohmann::json overlap = nullptr;
+  if (o.overlap_seconds > 0) {
+    // Calibrate the compute loop to the asked duration alone, then run the same work while a
+    // swap-out of every tensor is in flight. Ratio: total / (swap alone + compute alone);
+    // 0.5 is perfect overlap of equal parts, 1.0 none.
+    std::uint64_t iterations = 1 << 20;
+    double alone = 0;
+    for (;;) {
+      const auto t0 = std::chrono::steady_clock::now();
+      volatile double sink = compute(iterations);
+      (void)sink;
+      alone = seconds_since(t0);
+      if (alone >= o.overlap_seconds * 0.5) break;
+      iterations *= 2;
+    }
+    iterations = static_cast<std::uint64_t>(static_cast<double>(iterations) * o.overlap_seconds / alone);
+    const auto c0 = std::chrono::steady_clock::now();
+    volatile double sink = compute(iterations);
+    (void)sink;
+    const double compute_alone = seconds_since(c0);
+    const double swap_alone = rewrite_seconds;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::uint64_t ticket = swapper.swap_out(tensors, paths);
+    const double queue_seconds = seconds_since(t0);
+    volatile double sink2 = compute(iterations);
+    (void)sink2;
+    const double compute_done = seconds_since(t0);
+    check(swapper.wait(ticket));
+    const double together = seconds_since(t0);
+    overlap = {{"swap_alone_s", swap_alone}, {"compute_alone_s", compute_alone},
+               {"together_s", together}, {"compute_with_io_s", compute_done},
+               {"swap_out_call_s", queue_seconds}, {"ratio", together / (swap_alone + compute_alone)}};
+  }
   if (o.json) {
     nlohmann::json j;
-    j["write_gbps"] = write_gbps;
-    j["read_gbps"] = read_gbps;
+    j["write_gbps"] = total / rewrite_seconds / 1e9;
+    j["write_fresh_gbps"] = total / fresh_seconds / 1e9;
+    j["read_gbps"] = total / read_seconds / 1e9;
     j["engine"] = s.engine;
     j["direct"] = s.direct;
     j["checksums"] = s.checksums;
     j["bytes"] = count * o.tensor_bytes;
+    j["tensors"] = count;
     j["block"] = o.block;
     j["queue_depth"] = o.queue_depth;
     j["fallback"] = s.fallback;
     j["registered_staging"] = s.registered_staging;
+    j["overlap"] = overlap;
+    j["reuse_files"] = !o.no_reuse;
     std::cout << j.dump() << '\n';
     return;
   }
@@ -96,7 +160,16 @@ void run_swap_bench(const swap_bench_options& o) {
             << fmt::format("engine {}, {} I/O, checksums {}\n", s.engine,
                            s.direct ? "O_DIRECT" : "buffered", s.checksums ? "on" : "off");
   if (!s.fallback.empty()) std::cout << "fallback: " << s.fallback << '\n';
-  std::cout << fmt::format("write {:.2f} GB/s, read {:.2f} GB/s\n", write_gbps, read_gbps);
+  std::cout << fmt::format("write {:.2f} GB/s (fresh files {:.2f} GB/s), read {:.2f} GB/s\n",
+                           total / rewrite_seconds / 1e9, total / fresh_seconds / 1e9,
+                           total / read_seconds / 1e9);
+  if (!overlap.is_null()) {
+    std::cout << fmt::format("overlap: swap-out alone {:.3f} s, compute alone {:.3f} s, together {:.3f} s "
+                             "(swap_out() returned in {:.4f} s): ratio {:.2f}\n",
+                             overlap["swap_alone_s"].get<double>(), overlap["compute_alone_s"].get<double>(),
+                             overlap["together_s"].get<double>(), overlap["swap_out_call_s"].get<double>(),
+                             overlap["ratio"].get<double>());
+  }
 }
 
 }  // namespace
@@ -116,6 +189,10 @@ void add_swap_bench_command(CLI::App& app) {
   auto* buffered = cmd->add_flag("--buffered", o->buffered, "page-cache I/O");
   direct->excludes(buffered);
   cmd->add_flag("--no-checksum", o->no_checksum, "skip CRC-32C");
+  cmd->add_flag("--no-reuse", o->no_reuse, "write every version to a new file (no spare files)");
+  cmd->add_option("--overlap", o->overlap_seconds,
+                  "also time a swap-out beside a compute loop of this many seconds; print the overlap ratio")
+      ->check(non_negative_seconds());
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] { run_swap_bench(*o); });
 }

@@ -27,6 +27,11 @@ struct swap_options {
   std::size_t staging_buffers = 8;                 ///< pinned buffers of block_bytes each
   bool direct = true;      ///< O_DIRECT where the filesystem allows it (reported otherwise)
   bool checksums = true;   ///< CRC-32C written with each tensor and verified on swap-in
+  /// Keep the version before the last of each path as `path.tensormem-spare` and write the
+  /// next version into it (its blocks are allocated already): rewrites run at the disk's
+  /// speed instead of allocating and freeing (and discarding) every block, at the price of
+  /// up to twice the disk space. `remove_files(path)` deletes both.
+  bool reuse_files = true;
 };
 
 /// A tensor's bytes in host memory.
@@ -68,9 +73,12 @@ struct swap_stats {
 ///
 /// File format: a 4096-byte header (magic, tensor bytes, CRC-32C of the bytes, flags, the
 /// tensor's identity key, and a CRC-32C of the header itself) then the bytes, padded to 4096.
-/// Swap-out writes `path.tensormem-tmp.<pid>` and renames it onto `path` once every byte is
-/// on disk: the path holds its old contents or the new ones, never a mix, and a failed
-/// swap-out removes its partial file and never reads back as success.
+/// Swap-out writes a file beside `path` (its spare `path.tensormem-spare` with `reuse_files`,
+/// else `path.tensormem-tmp.<pid>.<n>`) and exchanges it with `path` (renameat2
+/// RENAME_EXCHANGE; a plain rename for a new path) once every byte is on disk: the path
+/// holds its old contents or the new ones, never a mix, and a failed swap-out removes its
+/// partial file and never reads back as success. The displaced old version becomes the
+/// spare, or, without reuse, is unlinked by a reaper thread, off the I/O path.
 ///
 /// Asynchronous for real: a worker thread of the swapper's own queues the requests, drives
 /// the engine and finishes each tensor, so transfers progress while the caller computes;
@@ -118,6 +126,10 @@ class tensor_swapper {
   std::vector<swap_result> wait(std::uint64_t ticket);
   /// True when every transfer of the ticket has finished (`wait` would not block).
   bool done(std::uint64_t ticket);
+  /// The spare file kept beside `path` when `reuse_files` is on.
+  static std::string spare_path(const std::string& path);
+  /// Deletes a swap file and its spare (missing ones are ignored).
+  static void remove_files(const std::string& path);
   /// Waits for every ticket; their results are dropped.
   void synchronize();
   swap_stats stats() const;
@@ -144,6 +156,8 @@ class tensor_swapper {
   void on_completion(const io::io_completion& c);
   void finish(std::uint64_t id, job& j);
   void verify_in(job& j);
+  void reap(const std::string& path);
+  void run_reaper();
 
   memory::pinned_pool& pool_;
   swap_options options_;
@@ -169,6 +183,11 @@ class tensor_swapper {
   std::condition_variable work_cv_;  // the worker: new jobs, or stop
   std::condition_variable done_cv_;  // waiters: a job finished
   std::thread worker_;
+  std::mutex reap_mutex_;
+  std::condition_variable reap_cv_;
+  std::deque<std::string> reap_queue_;  // displaced or failed files to unlink
+  bool reap_stop_ = false;
+  std::thread reaper_;
 };
 
 }  // namespace tensormem::swap
