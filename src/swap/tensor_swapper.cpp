@@ -226,7 +226,16 @@ void tensor_swapper::run() {
   }
 }
 
+// Queues what can be queued, then hands it to the engine in one submission.
 void tensor_swapper::queue_ready() {
+  queue_jobs();
+  if (!batch_.empty()) {
+    engine_->submit(batch_);
+    batch_.clear();
+  }
+}
+
+void tensor_swapper::queue_jobs() {
   while (!ready_jobs_.empty()) {
     job& j = jobs_.at(ready_jobs_.front());
     if (!j.opened) {
@@ -355,8 +364,7 @@ void tensor_swapper::issue(std::uint64_t id, job& j, std::uint64_t file_offset, 
   requests_[slot] = {id, staging, copy_to, copy_bytes, bytes, block, write};
   ++j.requests_left;
   ++queued_;
-  const io::io_request r{j.fd, file_offset, buffer, bytes, write, slot};
-  engine_->submit({&r, 1});
+  batch_.push_back({j.fd, file_offset, buffer, bytes, write, slot});
 }
 
 void tensor_swapper::on_completion(const io::io_completion& c) {

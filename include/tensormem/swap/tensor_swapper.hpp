@@ -147,6 +147,7 @@ class tensor_swapper {
   std::vector<swap_result> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket);
   void run();
   void queue_ready();
+  void queue_jobs();
   void start_job(std::uint64_t id, job& j);
   bool queue_more(std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool& direct);
@@ -167,6 +168,7 @@ class tensor_swapper {
   std::map<std::uint64_t, job> jobs_;            // by job id
   std::deque<std::uint64_t> ready_jobs_;         // jobs not yet fully queued, in order
   std::vector<pending_request> requests_;
+  std::vector<io::io_request> batch_;  // queued by the worker, submitted at once
   std::vector<std::size_t> free_requests_;
   std::map<std::uint64_t, std::vector<std::uint64_t>> tickets_;  // ticket -> job ids
   std::uint64_t next_ticket_ = 1;
