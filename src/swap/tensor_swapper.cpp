@@ -452,7 +452,7 @@ void tensor_swapper::finish(std::uint64_t /*id*/, job& j) {
   if (!j.out && j.error == 0) verify_in(j);
   j.done = true;
   j.finished = clock::now();
-  done_cv_.notify_all();
+  if (--tickets_.at(j.ticket).unfinished == 0) done_cv_.notify_all();
 }
 
 // Swap-in checks, once every block arrived: the header's size, whether it carries a
@@ -541,7 +541,8 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     }
   }
   const std::uint64_t ticket = next_ticket_++;
-  auto& members = tickets_[ticket];
+  auto& members = tickets_[ticket].jobs;
+  tickets_[ticket].unfinished = tensors.size();
   const auto now = clock::now();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const std::uint64_t id = next_job_++;
@@ -580,7 +581,7 @@ bool tensor_swapper::done(std::uint64_t ticket) {
   if (it == tickets_.end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " + std::to_string(ticket));
   }
-  return std::all_of(it->second.begin(), it->second.end(), [this](std::uint64_t id) { return jobs_.at(id).done; });
+  return it->second.unfinished == 0;
 }
 
 std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {
@@ -596,10 +597,14 @@ std::vector<swap_result> tensor_swapper::wait_locked(std::unique_lock<std::mutex
                                 std::to_string(ticket));
   }
   const auto t0 = clock::now();
-  const std::vector<std::uint64_t> members = it->second;
-  done_cv_.wait(lock, [&] {
-    return std::all_of(members.begin(), members.end(), [this](std::uint64_t id) { return jobs_.at(id).done; });
-  });
+  ticket_state& state = it->second;
+  if (state.waiting) {
+    throw std::invalid_argument("tensor_swapper: ticket " + std::to_string(ticket) +
+                                " is already being waited for by another thread");
+  }
+  state.waiting = true;
+  done_cv_.wait(lock, [&] { return state.unfinished == 0; });
+  const std::vector<std::uint64_t> members = state.jobs;
   const double waited = seconds(clock::now() - t0);
   stats_.seconds_waiting += waited;
   timers_["wait"] += waited;
@@ -630,12 +635,22 @@ std::vector<swap_result> tensor_swapper::wait_locked(std::unique_lock<std::mutex
     jobs_.erase(id);
   }
   tickets_.erase(ticket);
+  done_cv_.notify_all();  // synchronize() may be waiting for this ticket to be collected
   return results;
 }
 
 void tensor_swapper::synchronize() {
   std::unique_lock lock(mutex_);
-  while (!tickets_.empty()) wait_locked(lock, tickets_.begin()->first);
+  for (;;) {
+    const auto it = std::find_if(tickets_.begin(), tickets_.end(), [](const auto& t) { return !t.second.waiting; });
+    if (it != tickets_.end()) {
+      wait_locked(lock, it->first);
+    } else if (tickets_.empty()) {
+      return;
+    } else {
+      done_cv_.wait(lock);  // tickets other threads wait for: until they are collected
+    }
+  }
 }
 
 swap_stats tensor_swapper::stats() const {

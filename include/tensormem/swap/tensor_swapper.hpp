@@ -170,7 +170,12 @@ class tensor_swapper {
   std::vector<pending_request> requests_;
   std::vector<io::io_request> batch_;  // queued by the worker, submitted at once
   std::vector<std::size_t> free_requests_;
-  std::map<std::uint64_t, std::vector<std::uint64_t>> tickets_;  // ticket -> job ids
+  struct ticket_state {
+    std::vector<std::uint64_t> jobs;
+    std::size_t unfinished = 0;  // waiters wake when it reaches 0: O(1) per finished job
+    bool waiting = false;        // one thread waits for a ticket
+  };
+  std::map<std::uint64_t, ticket_state> tickets_;
   std::uint64_t next_ticket_ = 1;
   std::uint64_t next_job_ = 1;
   std::size_t open_files_ = 0;
