@@ -541,6 +541,10 @@ PYBIND11_MODULE(_tensormem, m) {
            }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<std::string>{})
       .def("wait", [](py_swapper& s, std::uint64_t ticket) { return results_to_python(s.wait(ticket)); },
            py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message.")
+      .def("done", [](py_swapper& s, std::uint64_t ticket) {
+             py::gil_scoped_release release;
+             return s.get().done(ticket);
+           }, py::arg("ticket"), "True when every transfer of the ticket finished (wait() would not block).")
       .def("synchronize", &py_swapper::synchronize)
       .def("timers", [](py_swapper& s) { return s.get().timers(); })
       .def("stats", [](py_swapper& s) {

@@ -185,3 +185,23 @@ def test_plan_of_the_largest_buffer_and_of_sizes_past_two_to_the_64():
         tensormem.plan(np.array([0, 1]), np.array([2, 3]), np.array([2**63, 2**63], dtype=np.uint64))
     with pytest.raises(OverflowError):
         tensormem.lower_bound(np.array([0, 1]), np.array([2, 3]), np.array([2**63, 2**63], dtype=np.uint64))
+
+
+# ----------------------------------------------------------------------------- asynchronous
+
+def test_swap_out_progresses_while_python_sleeps(tmp_path):
+    import os
+    import time
+    pool = tensormem.PinnedPool(slab_bytes=32 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=4)
+    arrays = [np.full(1 << 20, i, dtype=np.uint8) for i in range(16)]
+    paths = [str(tmp_path / f"t{i}") for i in range(16)]
+    ticket = s.swap_out(arrays, paths)
+    # No call into the swapper until every file is in place (files appear once complete).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(
+            os.path.exists(p) and os.path.getsize(p) == 4096 + (1 << 20) for p in paths):
+        time.sleep(0.02)
+    assert all(os.path.exists(p) for p in paths)
+    assert s.done(ticket)
+    assert [r["error"] for r in s.wait(ticket)] == [0] * 16
