@@ -1,5 +1,7 @@
 // `tensormem swap-bench`: tensors out to a directory and back through the swapper.
 
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -73,7 +75,7 @@ void run_swap_bench(const swap_bench_options& o) {
     auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(o.tensor_bytes), 4096));
     for (std::uint64_t k = 0; k < o.tensor_bytes; k += 4096) p[k] = static_cast<std::byte>(i + k);
     tensors.push_back({p, static_cast<std::size_t>(o.tensor_bytes)});
-    paths.push_back((std::filesystem::path(o.dir) / fmt::format("tensormem-swap-{}.bin", i)).string());
+    paths.push_back((std::filesystem::path(o.dir) / fmt::format("tensormem-swap-{}-{}.bin", getpid(), i)).string());
   }
   struct free_on_exit {
     memory::pinned_pool& pool;
