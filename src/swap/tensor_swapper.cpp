@@ -153,18 +153,28 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   max_open_files_ = open_file_budget();
   max_queued_ = std::max<std::size_t>(2U * std::max(engine_->queue_depth(), 1U), 8);
   const std::size_t count = std::max<std::size_t>(options_.staging_buffers, 2);
+  // Headers have pages of their own (one per request the swapper may have queued), so small
+  // tensors do not hold a whole staging buffer each for their 4 KiB header.
+  const std::size_t headers = max_queued_;
   try {
     for (std::size_t i = 0; i < count; ++i) {
       staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));
       free_staging_.push_back(i);
     }
+    header_slab_ = static_cast<std::byte*>(pool_.allocate(headers * header_bytes, io_alignment));
   } catch (...) {
     for (std::byte* b : staging_) pool_.free(b);
     throw;
   }
+  data_staging_ = staging_.size();
+  for (std::size_t i = 0; i < headers; ++i) {
+    free_headers_.push_back(staging_.size());
+    staging_.push_back(header_slab_ + i * header_bytes);
+  }
   // Fixed buffers where io_uring allows them; plain requests otherwise.
   std::vector<std::span<std::byte>> regions;
-  for (std::byte* b : staging_) regions.emplace_back(b, options_.block_bytes);
+  for (std::size_t i = 0; i < data_staging_; ++i) regions.emplace_back(staging_[i], options_.block_bytes);
+  regions.emplace_back(header_slab_, headers * header_bytes);
   stats_.registered_staging = engine_->register_buffers(regions);
   reaper_ = std::thread([this] { run_reaper(); });
   worker_ = std::thread([this] { run(); });
@@ -185,7 +195,8 @@ tensor_swapper::~tensor_swapper() {
   reap_cv_.notify_all();
   reaper_.join();  // every displaced file is gone before the destructor returns
   engine_.reset();  // unregisters the staging buffers before they go back to the pool
-  for (std::byte* b : staging_) pool_.free(b);
+  for (std::size_t i = 0; i < data_staging_; ++i) pool_.free(staging_[i]);
+  pool_.free(header_slab_);
 }
 
 int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
@@ -292,8 +303,8 @@ bool tensor_swapper::queue_more(std::uint64_t id, job& j) {
     return true;
   }
   if (!j.out && !j.header_queued) {
-    if (free_staging_.empty() || queued_ >= max_queued_) return false;
-    const std::size_t h = take_staging();
+    if (free_headers_.empty() || queued_ >= max_queued_) return false;
+    const std::size_t h = take_header();
     issue(id, j, 0, staging_[h], header_bytes, false, h, nullptr, 0, header_block);
     j.header_queued = true;
   }
@@ -335,13 +346,19 @@ bool tensor_swapper::queue_more(std::uint64_t id, job& j) {
     j.next_offset = off + n;
   }
   if (j.out && !j.header_queued) {
-    if (free_staging_.empty() || queued_ >= max_queued_) return false;
-    const std::size_t h = take_staging();
+    if (free_headers_.empty() || queued_ >= max_queued_) return false;
+    const std::size_t h = take_header();
     write_header(staging_[h], j.tensor.bytes, j.crc, options_.checksums, j.key);
     issue(id, j, 0, staging_[h], header_bytes, true, h, nullptr, 0, header_block);
     j.header_queued = true;
   }
   return true;
+}
+
+std::size_t tensor_swapper::take_header() {
+  const std::size_t h = free_headers_.back();
+  free_headers_.pop_back();
+  return h;
 }
 
 std::size_t tensor_swapper::take_staging() {
@@ -410,7 +427,9 @@ void tensor_swapper::on_completion(const io::io_completion& c) {
       timers_["checksum"] += seconds(clock::now() - t0);
     }
   }
-  if (r.staging != no_staging) free_staging_.push_back(r.staging);  // its I/O is over
+  if (r.staging != no_staging) {  // its I/O is over
+    (r.block == header_block ? free_headers_ : free_staging_).push_back(r.staging);
+  }
   if (--j.requests_left == 0 && j.fully_queued()) finish(r.job, j);
 }
 

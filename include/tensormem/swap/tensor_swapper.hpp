@@ -152,6 +152,7 @@ class tensor_swapper {
   bool queue_more(std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool& direct);
   std::size_t take_staging();
+  std::size_t take_header();
   void issue(std::uint64_t id, job& j, std::uint64_t file_offset, void* buffer, std::size_t bytes,
              bool write, std::size_t staging, void* copy_to, std::size_t copy_bytes, std::size_t block);
   void on_completion(const io::io_completion& c);
@@ -165,6 +166,9 @@ class tensor_swapper {
   std::unique_ptr<io::io_engine> engine_;
   std::vector<std::byte*> staging_;
   std::vector<std::size_t> free_staging_;
+  std::size_t data_staging_ = 0;        // staging_[0, data_staging_): block buffers; then header pages
+  std::byte* header_slab_ = nullptr;
+  std::vector<std::size_t> free_headers_;
   std::map<std::uint64_t, job> jobs_;            // by job id
   std::deque<std::uint64_t> ready_jobs_;         // jobs not yet fully queued, in order
   std::vector<pending_request> requests_;
