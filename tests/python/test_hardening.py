@@ -205,3 +205,16 @@ def test_swap_out_progresses_while_python_sleeps(tmp_path):
     assert all(os.path.exists(p) for p in paths)
     assert s.done(ticket)
     assert [r["error"] for r in s.wait(ticket)] == [0] * 16
+
+
+def test_unknown_tickets_are_value_errors(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=4 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2)
+    with pytest.raises(ValueError, match="unknown or already waited ticket 12345"):
+        s.done(12345)
+    with pytest.raises(ValueError, match="unknown or already waited ticket 12345"):
+        s.wait(12345)
+    t = s.swap_out([np.ones(10)], [str(tmp_path / "x")])
+    s.wait(t)
+    with pytest.raises(ValueError, match="already waited"):
+        s.wait(t)
