@@ -208,7 +208,6 @@ class py_swapper {
       py::gil_scoped_release release;
       ticket = out ? swapper_->swap_out(refs, paths, keys) : swapper_->swap_in(paths, refs, keys);
     }
-    std::lock_guard lock(held_mutex_);
     held_[ticket] = std::move(views);
     return ticket;
   }
@@ -218,14 +217,7 @@ class py_swapper {
       py::gil_scoped_release release;
       r = swapper_->wait(ticket);
     }
-    std::vector<held_view> done;
-    {
-      std::lock_guard lock(held_mutex_);
-      if (auto it = held_.find(ticket); it != held_.end()) {
-        done = std::move(it->second);
-        held_.erase(it);
-      }
-    }
+    held_.erase(ticket);  // GIL held again: the views can be released
     return r;
   }
   void synchronize() {
@@ -233,17 +225,14 @@ class py_swapper {
       py::gil_scoped_release release;
       swapper_->synchronize();
     }
-    std::map<std::uint64_t, std::vector<held_view>> done;
-    std::lock_guard lock(held_mutex_);
-    done.swap(held_);
+    held_.clear();
   }
   swap::tensor_swapper& get() { return *swapper_; }
 
  private:
   std::shared_ptr<memory::pinned_pool> pool_;
   std::unique_ptr<swap::tensor_swapper> swapper_;
-  std::mutex held_mutex_;
-  std::map<std::uint64_t, std::vector<held_view>> held_;
+  std::map<std::uint64_t, std::vector<held_view>> held_;  // touched only with the GIL held
 };
 
 io::engine_kind engine_of(const std::string& name) {

@@ -21,30 +21,15 @@
 
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
+#include "swap_test_support.hpp"
 
 namespace tensormem::swap {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct scratch_dir {
-  fs::path path;
-  scratch_dir() {
-    std::string templ = (fs::temp_directory_path() / "tensormem-async-XXXXXX").string();
-    if (mkdtemp(templ.data()) != nullptr) path = templ;
-  }
-  ~scratch_dir() {
-    if (!path.empty()) fs::remove_all(path);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
-  std::vector<std::byte> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& b : v) b = static_cast<std::byte>(rng());
-  return v;
-}
+using testing::pattern;
+using testing::scratch_dir;
 
 class async_test : public ::testing::TestWithParam<io::engine_kind> {};
 

@@ -20,30 +20,15 @@
 
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
+#include "swap_test_support.hpp"
 
 namespace tensormem::swap {
 namespace {
 
 namespace fs = std::filesystem;
 
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    std::string templ = (fs::temp_directory_path() / "tensormem-integrity-XXXXXX").string();
-    if (mkdtemp(templ.data()) != nullptr) path = templ;
-  }
-  ~temp_dir() {
-    if (!path.empty()) fs::remove_all(path);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
-  std::vector<std::byte> v(n);
-  std::mt19937_64 rng(seed);
-  for (auto& b : v) b = static_cast<std::byte>(rng());
-  return v;
-}
+using testing::pattern;
+using testing::scratch_dir;
 
 int swap_out_one(tensor_swapper& s, std::vector<std::byte>& t, const std::string& path,
                  const std::vector<std::string>& keys = {}) {
@@ -72,7 +57,7 @@ void flip_bit(const std::string& path, std::size_t offset, unsigned bit) {
 class integrity : public ::testing::TestWithParam<io::engine_kind> {
  protected:
   memory::pinned_pool pool_{{.slab_bytes = std::size_t{16} << 20}};
-  temp_dir dir_;
+  scratch_dir dir_;
 };
 
 TEST_P(integrity, a_flipped_header_bit_is_caught_whatever_the_file_says) {
