@@ -129,6 +129,17 @@ TEST_P(integrity, a_path_twice_in_flight_is_refused_before_anything_is_queued) {
 
 // With checksums off, a swap-out that fails must neither read back as success nor destroy
 // the previous good version of the file.
+TEST_P(integrity, keys_must_match_the_paths_one_for_one) {
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  auto a = pattern(100, 30);
+  const tensor_ref refs[] = {{a.data(), a.size()}};
+  const std::string paths[] = {dir_.file("k")};
+  const std::string keys[] = {"one", "two"};
+  EXPECT_THROW((void)s.swap_out(refs, paths, keys), std::invalid_argument);
+  EXPECT_THROW((void)s.swap_in(paths, refs, keys), std::invalid_argument);
+  EXPECT_FALSE(fs::exists(dir_.file("k")));
+}
+
 TEST_P(integrity, a_failed_swap_out_keeps_the_old_file_and_never_reads_back_as_success) {
   const std::string kept = dir_.file("kept");
   const std::string fresh = dir_.file("fresh");
