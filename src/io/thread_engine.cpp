@@ -1,5 +1,6 @@
 // Thread-pool engine: pread/pwrite on worker threads, for systems without io_uring.
 
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <mutex>
 #include <thread>
 
+#include "segments.hpp"
 #include "tensormem/io/io_engine.hpp"
 
 namespace tensormem::io {
@@ -17,11 +19,12 @@ namespace {
 
 std::int64_t transfer(const io_request& r) {
   std::size_t done = 0;
-  while (done < r.bytes) {
-    auto* buffer = static_cast<char*>(r.buffer) + done;
+  while (done < r.total()) {
+    iovec iov[2];
+    const unsigned segments = detail::remaining_segments(r, done, iov);
     const auto offset = static_cast<off_t>(r.offset + done);
-    const ssize_t n = r.write ? pwrite(r.fd, buffer, r.bytes - done, offset)
-                              : pread(r.fd, buffer, r.bytes - done, offset);
+    const ssize_t n = r.write ? pwritev(r.fd, iov, static_cast<int>(segments), offset)
+                              : preadv(r.fd, iov, static_cast<int>(segments), offset);
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
       return -errno;
@@ -86,7 +89,7 @@ class thread_engine final : public io_engine {
       const std::int64_t result = transfer(r);
       lock.lock();
       --busy_;
-      done_.push_back({r.user_data, result, r.bytes});
+      done_.push_back({r.user_data, result, r.total()});
       done_ready_.notify_all();
       work_ready_.notify_one();
     }

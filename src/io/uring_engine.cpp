@@ -10,6 +10,7 @@
 #include <system_error>
 
 #include "tensormem/io/io_engine.hpp"
+#include "segments.hpp"
 #include "uring_faults.hpp"
 
 namespace tensormem::io {
@@ -79,6 +80,7 @@ class uring_engine final : public io_engine {
   struct op {
     io_request request;
     std::size_t done = 0;  // bytes already transferred
+    iovec iov[2]{};        // a vectored request's segments, kept until it completes
   };
 
   // Moves pending requests into free slots and submits them with one system call.
@@ -126,16 +128,23 @@ class uring_engine final : public io_engine {
     for (const unsigned slot : unsubmitted_) complete(slot, broken_);
     unsubmitted_.clear();
     while (!pending_.empty()) {
-      ready_.push_back({pending_.front().request.user_data, broken_, pending_.front().request.bytes});
+      ready_.push_back({pending_.front().request.user_data, broken_, pending_.front().request.total()});
       pending_.pop_front();
     }
   }
 
   void prepare(io_uring_sqe* sqe, unsigned slot) {
-    const op& o = slots_[slot];
-    auto* buffer = static_cast<char*>(o.request.buffer) + o.done;
-    const auto remaining = static_cast<unsigned>(std::min<std::size_t>(o.request.bytes - o.done, 1U << 30));
+    op& o = slots_[slot];
     const auto offset = static_cast<__u64>(o.request.offset + o.done);
+    const unsigned segments = detail::remaining_segments(o.request, o.done, o.iov);
+    if (segments == 2) {  // header and data: one vectored request (the iovecs live in the slot)
+      if (o.request.write) io_uring_prep_writev(sqe, o.request.fd, o.iov, 2, offset);
+      else io_uring_prep_readv(sqe, o.request.fd, o.iov, 2, offset);
+      io_uring_sqe_set_data64(sqe, slot);
+      return;
+    }
+    auto* buffer = static_cast<char*>(o.iov[0].iov_base);
+    const auto remaining = static_cast<unsigned>(std::min<std::size_t>(o.iov[0].iov_len, 1U << 30));
     const int fixed = registered_index(buffer, remaining);
     if (fixed >= 0) {
       if (o.request.write) io_uring_prep_write_fixed(sqe, o.request.fd, buffer, remaining, offset, fixed);
@@ -213,7 +222,7 @@ class uring_engine final : public io_engine {
     }
     if (res > 0) {
       o.done += static_cast<std::size_t>(res);
-      if (o.done < o.request.bytes) {  // short transfer: continue where it stopped
+      if (o.done < o.request.total()) {  // short transfer: continue where it stopped
         retry_.push_back(slot);
         return;
       }
@@ -223,7 +232,7 @@ class uring_engine final : public io_engine {
 
   void complete(unsigned slot, std::int64_t result) {
     const op& o = slots_[slot];
-    ready_.push_back({o.request.user_data, result, o.request.bytes});
+    ready_.push_back({o.request.user_data, result, o.request.total()});
     free_slots_.push_back(slot);
   }
 

@@ -22,7 +22,8 @@ constexpr std::size_t header_bytes = 4096;
 constexpr std::size_t io_alignment = 4096;
 constexpr char magic[8] = {'T', 'M', 'S', 'W', 'A', 'P', '0', '2'};
 constexpr std::size_t no_staging = static_cast<std::size_t>(-1);
-constexpr std::size_t key_room = 4000;  // bytes of the key kept in the header (its tail)
+constexpr std::size_t key_room = 4000;
+constexpr std::size_t submit_batch = 8;  // requests handed to the engine at once, at most  // bytes of the key kept in the header (its tail)
 
 // The first 4096 bytes of a swap file. header_crc covers all 4096 bytes (with header_crc
 // itself zero), so a flipped bit anywhere in the header is detected whatever the setting.
@@ -113,7 +114,6 @@ struct tensor_swapper::job {
   std::uint32_t crc = 0;                 // swap-out: running CRC of the bytes queued so far
   std::vector<std::uint32_t> block_crc;  // swap-in: CRC of each block, as it arrived
   bool header_read = false;              // swap-in: the header arrived and was checked
-  std::uint64_t file_bytes = 0;          // swap-in: what the header says
   std::uint32_t file_crc = 0;
   bool file_has_crc = false;
   std::chrono::steady_clock::time_point started;
@@ -123,11 +123,12 @@ struct tensor_swapper::job {
 
 struct tensor_swapper::pending_request {
   std::uint64_t job = 0;
-  std::size_t staging = no_staging;
+  std::size_t staging = no_staging;  // data staging buffer, if the data is staged
+  std::size_t header = no_staging;   // header page, if the request carries the header
   void* copy_to = nullptr;  // staged read: where the bytes go once read
   std::size_t copy_bytes = 0;
   std::size_t expected = 0;
-  std::size_t block = 0;    // data block index; header_block for the header
+  std::size_t block = 0;    // data block index; header_block for a header alone
   bool write = false;
 };
 
@@ -177,6 +178,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   regions.emplace_back(header_slab_, headers * header_bytes);
   stats_.registered_staging = engine_->register_buffers(regions);
   reaper_ = std::thread([this] { run_reaper(); });
+  committer_ = std::thread([this] { run_committer(); });
   worker_ = std::thread([this] { run(); });
 }
 
@@ -189,6 +191,12 @@ tensor_swapper::~tensor_swapper() {
   work_cv_.notify_all();
   worker_.join();
   {
+    const std::lock_guard lock(mutex_);
+    commit_stop_ = true;
+  }
+  commit_cv_.notify_all();
+  committer_.join();
+  {
     const std::lock_guard lock(reap_mutex_);
     reap_stop_ = true;
   }
@@ -200,19 +208,26 @@ tensor_swapper::~tensor_swapper() {
 }
 
 int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
-  const int base = out ? O_WRONLY | O_CREAT | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY;
+  // Reads leave the access time alone (after every rewrite, relatime would dirty the inode
+  // on the next read): O_NOATIME where we own the file.
+  int flags = out ? O_WRONLY | O_CREAT | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
   direct = options_.direct;
-  if (direct) {
-    const int fd = open(path.c_str(), base | O_DIRECT | O_CLOEXEC, 0644);
-    if (fd >= 0 || errno != EINVAL) return fd;
-    // The filesystem refuses O_DIRECT (tmpfs): buffered I/O, reported.
-    direct = false;
-    stats_.direct = false;
-    if (stats_.fallback.empty()) {
-      stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
+  for (;;) {
+    const int fd = open(path.c_str(), flags | (direct ? O_DIRECT : 0) | O_CLOEXEC, 0644);
+    if (fd >= 0) return fd;
+    if (errno == EPERM && (flags & O_NOATIME) != 0) {  // not our file: O_NOATIME needs its owner
+      flags &= ~O_NOATIME;
+    } else if (errno == EINVAL && direct) {
+      // The filesystem refuses O_DIRECT (tmpfs): buffered I/O, reported.
+      direct = false;
+      stats_.direct = false;
+      if (stats_.fallback.empty()) {
+        stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
+      }
+    } else {
+      return fd;
     }
   }
-  return open(path.c_str(), base | O_CLOEXEC, 0644);
 }
 
 // ---------------------------------------------------------------- the worker
@@ -227,7 +242,12 @@ void tensor_swapper::run() {
     queue_ready();
     if (engine_->outstanding() == 0) {
       if (stop_ && ready_jobs_.empty()) return;
-      work_cv_.wait(lock, [this] { return stop_ || !ready_jobs_.empty(); });
+      // Nothing in flight: wait for a job that can start (a file may be opened, or its file
+      // is open already); the committer wakes us when it closes one.
+      work_cv_.wait(lock, [this] {
+        return stop_ || (!ready_jobs_.empty() &&
+                         (open_files_ < max_open_files_ || jobs_.at(ready_jobs_.front()).opened));
+      });
       continue;
     }
     lock.unlock();
@@ -257,7 +277,14 @@ void tensor_swapper::queue_jobs() {
         continue;
       }
     }
-    if (!queue_more(ready_jobs_.front(), j)) return;  // out of staging buffers or budget
+    const bool all = queue_more(ready_jobs_.front(), j);
+    // Hand what is queued to the engine every few requests, not at the end of the whole
+    // round: the disk gets work while the next files are opened and checksummed.
+    if (batch_.size() >= submit_batch) {
+      engine_->submit(batch_);
+      batch_.clear();
+    }
+    if (!all) return;  // out of staging buffers or budget
     ready_jobs_.pop_front();
   }
 }
@@ -291,10 +318,13 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
   if (!j.out) j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
 }
 
-// Queues the job's next requests. Swap-out: data blocks in order, each checksummed as it is
-// queued, then the header (it carries the checksum). Swap-in: the header and the data in
-// one go; every block is checksummed when it arrives. Returns true when the job is fully
-// queued, false when a staging buffer or the request budget ran out.
+// Queues the job's next requests. The header rides with the first data block where it can:
+// a swap-in reads it with block 0 (one vectored request: the header page, then the data);
+// a swap-out of a one-block tensor writes it with that block (its checksum is known once the
+// block is). Otherwise the header is a request of its own, written after the last block (it
+// carries the checksum of all of them). Swap-out checksums each block as it is queued;
+// swap-in checksums each block as it arrives. Returns true when the job is fully queued,
+// false when a staging buffer, a header page or the request budget ran out.
 bool tensor_swapper::queue_more(std::uint64_t id, job& j) {
   if (j.error != 0) {  // a request failed already: queue nothing more (no header either)
     j.next_offset = j.tensor.bytes;
@@ -302,12 +332,7 @@ bool tensor_swapper::queue_more(std::uint64_t id, job& j) {
     if (j.requests_left == 0) finish(id, j);
     return true;
   }
-  if (!j.out && !j.header_queued) {
-    if (free_headers_.empty() || queued_ >= max_queued_) return false;
-    const std::size_t h = take_header();
-    issue(id, j, 0, staging_[h], header_bytes, false, h, nullptr, 0, header_block);
-    j.header_queued = true;
-  }
+  const bool header_with_first = j.tensor.bytes > 0 && (!j.out || j.tensor.bytes <= options_.block_bytes);
   auto* data = static_cast<std::byte*>(j.tensor.data);
   while (j.next_offset < j.tensor.bytes) {
     if (queued_ >= max_queued_) return false;
@@ -315,41 +340,44 @@ bool tensor_swapper::queue_more(std::uint64_t id, job& j) {
     const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
     const std::size_t block = off / options_.block_bytes;
     const bool straight = !j.direct || aligned(data + off, n);
+    const bool with_header = header_with_first && !j.header_queued;
     if (!straight && free_staging_.empty()) return false;
-    if (j.out) {
-      if (options_.checksums) {
-        const auto t0 = clock::now();
-        j.crc = crc32c(data + off, n, j.crc);
-        timers_["checksum"] += seconds(clock::now() - t0);
-      }
-      if (straight) {
-        issue(id, j, header_bytes + off, data + off, n, true, no_staging, nullptr, 0, block);
-        stats_.direct_bytes += n;
-      } else {
-        const auto t0 = clock::now();
-        const std::size_t s = take_staging();
-        const std::size_t padded = round_up(n, io_alignment);
-        std::memcpy(staging_[s], data + off, n);
-        std::memset(staging_[s] + n, 0, padded - n);
-        timers_["staging_copy"] += seconds(clock::now() - t0);
-        issue(id, j, header_bytes + off, staging_[s], padded, true, s, nullptr, 0, block);
-        stats_.staged_bytes += n;
-      }
-    } else if (straight) {
-      issue(id, j, header_bytes + off, data + off, n, false, no_staging, nullptr, 0, block);
+    if (with_header && free_headers_.empty()) return false;
+    if (j.out && options_.checksums) {
+      const auto t0 = clock::now();
+      j.crc = crc32c(data + off, n, j.crc);
+      timers_["checksum"] += seconds(clock::now() - t0);
+    }
+    std::size_t h = no_staging;
+    if (with_header) {
+      h = take_header();
+      if (j.out) write_header(staging_[h], j.tensor.bytes, j.crc, options_.checksums, j.key);
+      j.header_queued = true;
+    }
+    if (straight) {
+      issue(id, j, off, data + off, n, j.out, no_staging, h, nullptr, 0, block);
       stats_.direct_bytes += n;
     } else {
       const std::size_t s = take_staging();
-      issue(id, j, header_bytes + off, staging_[s], round_up(n, io_alignment), false, s, data + off, n, block);
+      const std::size_t padded = round_up(n, io_alignment);
+      if (j.out) {
+        const auto t0 = clock::now();
+        std::memcpy(staging_[s], data + off, n);
+        std::memset(staging_[s] + n, 0, padded - n);
+        timers_["staging_copy"] += seconds(clock::now() - t0);
+        issue(id, j, off, staging_[s], padded, true, s, h, nullptr, 0, block);
+      } else {
+        issue(id, j, off, staging_[s], padded, false, s, h, data + off, n, block);
+      }
       stats_.staged_bytes += n;
     }
     j.next_offset = off + n;
   }
-  if (j.out && !j.header_queued) {
+  if (!j.header_queued) {  // a header alone: after the data of a swap-out, or of an empty tensor
     if (free_headers_.empty() || queued_ >= max_queued_) return false;
     const std::size_t h = take_header();
-    write_header(staging_[h], j.tensor.bytes, j.crc, options_.checksums, j.key);
-    issue(id, j, 0, staging_[h], header_bytes, true, h, nullptr, 0, header_block);
+    if (j.out) write_header(staging_[h], j.tensor.bytes, j.crc, options_.checksums, j.key);
+    issue(id, j, 0, nullptr, 0, j.out, no_staging, h, nullptr, 0, header_block);
     j.header_queued = true;
   }
   return true;
@@ -367,9 +395,12 @@ std::size_t tensor_swapper::take_staging() {
   return s;
 }
 
-void tensor_swapper::issue(std::uint64_t id, job& j, std::uint64_t file_offset, void* buffer,
-                           std::size_t bytes, bool write, std::size_t staging, void* copy_to,
-                           std::size_t copy_bytes, std::size_t block) {
+// Queues one request: `bytes` of data at `buffer` for the tensor's bytes from `data_offset`,
+// preceded by the header page `header` when there is one (then data_offset is 0 and both go
+// in one vectored request from the start of the file).
+void tensor_swapper::issue(std::uint64_t id, job& j, std::uint64_t data_offset, void* buffer,
+                           std::size_t bytes, bool write, std::size_t staging, std::size_t header,
+                           void* copy_to, std::size_t copy_bytes, std::size_t block) {
   std::size_t slot = 0;
   if (!free_requests_.empty()) {
     slot = free_requests_.back();
@@ -378,10 +409,15 @@ void tensor_swapper::issue(std::uint64_t id, job& j, std::uint64_t file_offset, 
     slot = requests_.size();
     requests_.emplace_back();
   }
-  requests_[slot] = {id, staging, copy_to, copy_bytes, bytes, block, write};
+  const std::size_t prefix = header == no_staging ? 0 : header_bytes;
+  requests_[slot] = {id, staging, header, copy_to, copy_bytes, prefix + bytes, block, write};
   ++j.requests_left;
   ++queued_;
-  batch_.push_back({j.fd, file_offset, buffer, bytes, write, slot});
+  if (header == no_staging) {
+    batch_.push_back({j.fd, header_bytes + data_offset, buffer, bytes, write, slot});
+  } else {
+    batch_.push_back({j.fd, 0, staging_[header], header_bytes, write, slot, buffer, bytes});
+  }
 }
 
 void tensor_swapper::on_completion(const io::io_completion& c) {
@@ -389,52 +425,98 @@ void tensor_swapper::on_completion(const io::io_completion& c) {
   free_requests_.push_back(static_cast<std::size_t>(c.user_data));
   --queued_;
   job& j = jobs_.at(r.job);
+  const auto fail = [&](int error, std::string message) {
+    if (j.error != 0) return;  // the first problem is the one reported
+    j.error = error;
+    j.message = std::move(message);
+  };
   if (c.result < 0) {
-    if (j.error == 0) {
-      j.error = static_cast<int>(-c.result);
-      j.message = std::string(r.write ? "write to " : "read from ") + j.path + " failed: " +
-                  std::strerror(j.error);
-    }
-  } else if (static_cast<std::size_t>(c.result) < r.expected) {
-    if (j.error == 0) {
-      j.error = EIO;
-      j.message = std::string("short ") + (r.write ? "write to " : "read from ") + j.path + ": " +
-                  std::to_string(c.result) + " of " + std::to_string(r.expected) + " bytes";
-    }
-  } else if (!r.write && r.block == header_block) {
-    file_header h{};
-    const std::string problem = check_header(staging_[r.staging], j.key, h);
-    if (!problem.empty()) {
-      if (j.error == 0) {
-        j.error = problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL;
-        j.message = j.path + " " + problem;
+    fail(static_cast<int>(-c.result), std::string(r.write ? "write to " : "read from ") + j.path +
+                                          " failed: " + std::strerror(static_cast<int>(-c.result)));
+  } else {
+    const auto got = static_cast<std::size_t>(c.result);
+    // A header that arrived is checked first, even from a short read: a file of another
+    // tensor or size says so rather than "short read".
+    if (!r.write && r.header != no_staging && got >= header_bytes) {
+      file_header h{};
+      const std::string problem = check_header(staging_[r.header], j.key, h);
+      if (!problem.empty()) {
+        fail(problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL, j.path + " " + problem);
+      } else if (h.bytes != j.tensor.bytes) {
+        fail(EINVAL, j.path + " holds " + std::to_string(h.bytes) + " bytes; the tensor has " +
+                         std::to_string(j.tensor.bytes));
+      } else {
+        j.header_read = true;
+        j.file_crc = h.crc;
+        j.file_has_crc = (h.flags & 1U) != 0;
       }
-    } else {
-      j.header_read = true;
-      j.file_bytes = h.bytes;
-      j.file_crc = h.crc;
-      j.file_has_crc = (h.flags & 1U) != 0;
     }
-  } else if (!r.write) {
-    // A data block arrived: into the tensor (copied from staging if it was staged), then
-    // checksummed while the other blocks are still in flight.
-    if (r.copy_to != nullptr) std::memcpy(r.copy_to, staging_[r.staging], r.copy_bytes);
-    if (options_.checksums && j.error == 0) {
-      const auto t0 = clock::now();
-      const std::size_t off = r.block * options_.block_bytes;
-      const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
-      j.block_crc[r.block] = crc32c(static_cast<const std::byte*>(j.tensor.data) + off, n);
-      timers_["checksum"] += seconds(clock::now() - t0);
+    if (got < r.expected) {
+      fail(EIO, std::string("short ") + (r.write ? "write to " : "read from ") + j.path + ": " +
+                    std::to_string(got) + " of " + std::to_string(r.expected) + " bytes");
+    } else if (!r.write && r.block != header_block) {
+      // A data block arrived: into the tensor (copied from staging if it was staged), then
+      // checksummed while the other blocks are still in flight.
+      if (r.copy_to != nullptr) std::memcpy(r.copy_to, staging_[r.staging], r.copy_bytes);
+      // (A tensor of one block is checksummed by the committer, off this thread.)
+      if (options_.checksums && j.error == 0 && j.block_crc.size() > 1) {
+        const auto t0 = clock::now();
+        const std::size_t off = r.block * options_.block_bytes;
+        const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
+        j.block_crc[r.block] = crc32c(static_cast<const std::byte*>(j.tensor.data) + off, n);
+        timers_["checksum"] += seconds(clock::now() - t0);
+      }
     }
   }
-  if (r.staging != no_staging) {  // its I/O is over
-    (r.block == header_block ? free_headers_ : free_staging_).push_back(r.staging);
-  }
+  // Their I/O is over: the buffers may be reused.
+  if (r.staging != no_staging) free_staging_.push_back(r.staging);
+  if (r.header != no_staging) free_headers_.push_back(r.header);
   if (--j.requests_left == 0 && j.fully_queued()) finish(r.job, j);
 }
 
-void tensor_swapper::finish(std::uint64_t /*id*/, job& j) {
-  if (j.fd >= 0 && j.out && j.error == 0 && options_.reuse_files) {
+// A job whose requests are all complete. With a file open, the committer thread closes it
+// (and commits a swap-out) so that the worker goes on queuing I/O meanwhile; else it is
+// done now.
+void tensor_swapper::finish(std::uint64_t id, job& j) {
+  if (j.fd >= 0) {
+    commit_queue_.push_back(id);
+    commit_cv_.notify_one();
+    return;
+  }
+  complete(j);
+}
+
+void tensor_swapper::complete(job& j) {
+  j.done = true;
+  j.finished = clock::now();
+  if (--tickets_.at(j.ticket).unfinished == 0) done_cv_.notify_all();
+}
+
+// The committer: takes finished jobs in batches and does their file work without the lock
+// (set the length of a reused spare, close, exchange with the path; or close and verify a
+// swap-in), then marks them done and frees their file slots.
+void tensor_swapper::run_committer() {
+  std::unique_lock lock(mutex_);
+  std::vector<job*> batch;
+  for (;;) {
+    commit_cv_.wait(lock, [this] { return commit_stop_ || !commit_queue_.empty(); });
+    if (commit_queue_.empty()) return;  // stopping, and nothing left
+    batch.clear();
+    for (const std::uint64_t id : commit_queue_) batch.push_back(&jobs_.at(id));
+    commit_queue_.clear();
+    lock.unlock();
+    for (job* j : batch) close_and_commit(*j);
+    lock.lock();
+    open_files_ -= batch.size();
+    for (job* j : batch) complete(*j);
+    work_cv_.notify_one();  // file slots are free again
+  }
+}
+
+// Runs on the committer without the lock: touches only the job, which no other thread
+// touches until it is marked done.
+void tensor_swapper::close_and_commit(job& j) {
+  if (j.out && j.error == 0 && options_.reuse_files) {
     // A reused spare may be longer than this version: cut it to this length.
     const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
     if (ftruncate(j.fd, length) != 0) {
@@ -442,36 +524,31 @@ void tensor_swapper::finish(std::uint64_t /*id*/, job& j) {
       j.message = "cannot set the length of " + j.temp_path + ": " + std::strerror(errno);
     }
   }
-  if (j.fd >= 0) {
-    if (close(j.fd) != 0 && j.out && j.error == 0) {
+  if (close(j.fd) != 0 && j.out && j.error == 0) {
+    j.error = errno;
+    j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
+  }
+  j.fd = -1;
+  if (!j.out) {
+    if (j.error == 0) verify_in(j);
+    return;
+  }
+  // Commit: the complete new file replaces the old one in one step; a failed swap-out
+  // leaves the old file (or no file) and removes its partial copy. The exchange is atomic
+  // for readers, and the old version's blocks are freed later by the reaper thread:
+  // freeing gigabytes (and discarding them) takes the file system about as long as
+  // writing them, and must not stall the I/O.
+  bool displaced = false;
+  if (j.error == 0) {
+    if (renameat2(AT_FDCWD, j.temp_path.c_str(), AT_FDCWD, j.path.c_str(), RENAME_EXCHANGE) == 0) {
+      displaced = true;
+    } else if (rename(j.temp_path.c_str(), j.path.c_str()) != 0) {  // no old file (or no exchange)
       j.error = errno;
-      j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
-    }
-    j.fd = -1;
-    --open_files_;
-    if (j.out) {
-      // Commit: the complete new file replaces the old one in one step; a failed swap-out
-      // leaves the old file (or no file) and removes its partial copy.
-      // The exchange is atomic for readers, and the old version's blocks are freed later
-      // by the reaper thread: freeing gigabytes (and discarding them) takes the file
-      // system about as long as writing them, and must not stall the I/O.
-      bool displaced = false;
-      if (j.error == 0) {
-        if (renameat2(AT_FDCWD, j.temp_path.c_str(), AT_FDCWD, j.path.c_str(), RENAME_EXCHANGE) == 0) {
-          displaced = true;
-        } else if (rename(j.temp_path.c_str(), j.path.c_str()) != 0) {  // no old file (or no exchange)
-          j.error = errno;
-          j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
-        }
-      }
-      if (j.error != 0) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
-      if (displaced && !options_.reuse_files) reap(j.temp_path);  // else: the next spare
+      j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
     }
   }
-  if (!j.out && j.error == 0) verify_in(j);
-  j.done = true;
-  j.finished = clock::now();
-  if (--tickets_.at(j.ticket).unfinished == 0) done_cv_.notify_all();
+  if (j.error != 0) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
+  if (displaced && !options_.reuse_files) reap(j.temp_path);  // else: the next spare
 }
 
 // Swap-in checks, once every block arrived: the header's size, whether it carries a
@@ -483,18 +560,13 @@ void tensor_swapper::verify_in(job& j) {
     j.message = j.path + " is not a tensormem swap file (or was never written completely)";
     return;
   }
-  if (j.file_bytes != j.tensor.bytes) {
-    j.error = EINVAL;
-    j.message = j.path + " holds " + std::to_string(j.file_bytes) + " bytes; the tensor has " +
-                std::to_string(j.tensor.bytes);
-    return;
-  }
   if (!options_.checksums) return;
   if (!j.file_has_crc) {
     j.error = EBADMSG;
     j.message = j.path + " carries no checksum (written with checksums off) and checksums are on";
     return;
   }
+  if (j.block_crc.size() == 1) j.block_crc[0] = crc32c(j.tensor.data, j.tensor.bytes);
   std::uint32_t crc = 0;
   for (std::size_t b = 0; b < j.block_crc.size(); ++b) {
     const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - b * options_.block_bytes);

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "segments.hpp"
 #include "tensormem/io/io_engine.hpp"
 
 namespace tensormem::io {
@@ -87,6 +88,78 @@ TEST_P(io_engine_test, round_trips_odd_sizes_by_content) {
   for (const io_completion& c : done) {
     ASSERT_EQ(c.result, static_cast<std::int64_t>(c.bytes));
     EXPECT_EQ(back[c.user_data], data[c.user_data]) << "read " << c.user_data;
+  }
+}
+
+// Two-segment requests (a header page and its data in one preadv/pwritev): by content,
+// with random sizes, and short where the file ends inside either segment.
+TEST_P(io_engine_test, two_segment_requests_round_trip_and_end_short) {
+  std::mt19937_64 rng(7);
+  std::vector<std::vector<char>> first, second;
+  std::vector<io_request> writes;
+  std::uint64_t offset = 0;
+  for (std::uint64_t i = 0; i < 100; ++i) {
+    first.emplace_back(1 + rng() % 9000);
+    second.emplace_back(i % 25 == 0 ? (std::size_t{2} << 20) + i : 1 + rng() % 70000);
+    for (auto* v : {&first.back(), &second.back()}) {
+      for (char& c : *v) c = static_cast<char>(rng());
+    }
+    writes.push_back({fd_, offset, first.back().data(), first.back().size(), true, i,
+                      second.back().data(), second.back().size()});
+    offset += writes.back().total() + rng() % 3000;
+  }
+  engine_->submit(writes);
+  for (const io_completion& c : wait_all(*engine_)) {
+    ASSERT_EQ(c.bytes, writes[c.user_data].total());
+    ASSERT_EQ(c.result, static_cast<std::int64_t>(c.bytes)) << "write " << c.user_data;
+  }
+  std::vector<std::vector<char>> back1, back2;
+  std::vector<io_request> reads;
+  for (std::size_t i = 0; i < writes.size(); ++i) {
+    back1.emplace_back(first[i].size());
+    back2.emplace_back(second[i].size());
+    reads.push_back({fd_, writes[i].offset, back1.back().data(), back1.back().size(), false, i,
+                     back2.back().data(), back2.back().size()});
+  }
+  engine_->submit(reads);
+  for (const io_completion& c : wait_all(*engine_)) {
+    ASSERT_EQ(c.result, static_cast<std::int64_t>(c.bytes));
+    EXPECT_EQ(back1[c.user_data], first[c.user_data]) << "read " << c.user_data;
+    EXPECT_EQ(back2[c.user_data], second[c.user_data]) << "read " << c.user_data;
+  }
+  // The file ends 100 bytes into the second segment, then inside the first.
+  const auto end = static_cast<std::uint64_t>(lseek(fd_, 0, SEEK_END));
+  std::vector<char> a(500), b(4000);
+  const io_request tail[] = {{fd_, end - 600, a.data(), a.size(), false, 1, b.data(), b.size()},
+                             {fd_, end - 200, a.data(), a.size(), false, 2, b.data(), b.size()}};
+  engine_->submit({&tail[0], 1});
+  EXPECT_EQ(wait_all(*engine_).at(0).result, 600);
+  engine_->submit({&tail[1], 1});
+  EXPECT_EQ(wait_all(*engine_).at(0).result, 200);
+}
+
+// What a request continues with after a short transfer: every split point of two segments.
+TEST(io_segments, remaining_segments_cover_exactly_what_is_left) {
+  std::vector<char> a(7), b(5);
+  for (const std::size_t second : {std::size_t{0}, b.size()}) {
+    const io_request r{3, 0, a.data(), a.size(), false, 0, second ? b.data() : nullptr, second};
+    for (std::size_t done = 0; done <= r.total(); ++done) {
+      iovec iov[2];
+      const unsigned n = detail::remaining_segments(r, done, iov);
+      std::size_t left = 0;
+      for (unsigned k = 0; k < n; ++k) left += iov[k].iov_len;
+      EXPECT_EQ(left, r.total() - done) << "done " << done;
+      if (done < a.size()) {
+        ASSERT_GE(n, 1U);
+        EXPECT_EQ(iov[0].iov_base, a.data() + done);
+        EXPECT_EQ(n, second ? 2U : 1U);
+      } else if (done < r.total()) {
+        ASSERT_EQ(n, 1U);
+        EXPECT_EQ(iov[0].iov_base, b.data() + (done - a.size()));
+      } else {
+        EXPECT_EQ(n, 0U);
+      }
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -201,15 +202,19 @@ class slow_checking_engine final : public io::io_engine {
   explicit slow_checking_engine(std::unique_ptr<io::io_engine> inner) : inner_(std::move(inner)) {}
   void submit(std::span<const io::io_request> requests) override {
     for (const io::io_request& r : requests) {
-      if (!busy_.insert(r.buffer).second) ++reused_while_busy_;
-      buffer_of_[r.user_data] = r.buffer;
+      for (void* b : {r.buffer, r.buffer2}) {
+        if (b != nullptr && !busy_.insert(b).second) ++reused_while_busy_;
+      }
+      buffers_of_[r.user_data] = {r.buffer, r.buffer2};
     }
     inner_->submit(requests);
   }
   std::vector<io::io_completion> wait(std::size_t min_completions) override {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
     auto done = inner_->wait(min_completions);
-    for (const auto& c : done) busy_.erase(buffer_of_.at(c.user_data));
+    for (const auto& c : done) {
+      for (void* b : buffers_of_.at(c.user_data)) busy_.erase(b);
+    }
     return done;
   }
   std::size_t outstanding() const noexcept override { return inner_->outstanding(); }
@@ -220,7 +225,7 @@ class slow_checking_engine final : public io::io_engine {
  private:
   std::unique_ptr<io::io_engine> inner_;
   std::set<void*> busy_;
-  std::map<std::uint64_t, void*> buffer_of_;
+  std::map<std::uint64_t, std::array<void*, 2>> buffers_of_;
   int reused_while_busy_ = 0;
 };
 

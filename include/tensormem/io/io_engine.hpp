@@ -11,8 +11,11 @@
 
 namespace tensormem::io {
 
-/// One read or write of `bytes` at `offset` of `fd`. The buffer must stay valid, and
-/// untouched for a write, until the request's completion has been returned by `wait`.
+/// One read or write of `bytes` at `offset` of `fd`, optionally followed by a second
+/// segment (`bytes2` at `buffer2`, at file offset `offset + bytes`) in the same request
+/// (preadv/pwritev): a small file's header page and its data move as one I/O. The buffers
+/// must stay valid, and untouched for a write, until the request's completion has been
+/// returned by `wait`.
 struct io_request {
   int fd = -1;
   std::uint64_t offset = 0;
@@ -20,6 +23,9 @@ struct io_request {
   std::size_t bytes = 0;
   bool write = false;
   std::uint64_t user_data = 0;  ///< returned with the completion
+  void* buffer2 = nullptr;
+  std::size_t bytes2 = 0;
+  std::size_t total() const noexcept { return bytes + bytes2; }
 };
 
 /// The outcome of one request: the bytes transferred (all of them unless the file ended, or
@@ -28,7 +34,7 @@ struct io_request {
 struct io_completion {
   std::uint64_t user_data = 0;
   std::int64_t result = 0;
-  std::size_t bytes = 0;  ///< what was asked
+  std::size_t bytes = 0;  ///< what was asked (both segments)
 };
 
 enum class engine_kind { uring, threads };

@@ -80,12 +80,14 @@ struct swap_stats {
 /// partial file and never reads back as success. The displaced old version becomes the
 /// spare, or, without reuse, is unlinked by a reaper thread, off the I/O path.
 ///
-/// Asynchronous for real: a worker thread of the swapper's own queues the requests, drives
-/// the engine and finishes each tensor, so transfers progress while the caller computes;
-/// `wait` is where the caller blocks. Checksums are computed on the worker, block by block:
+/// Asynchronous for real: a worker thread of the swapper's own opens files, queues the
+/// requests and drives the engine, and a committer thread closes each finished tensor's file
+/// (and commits a swap-out) while the worker keeps the disk busy, so transfers progress
+/// while the caller computes; `wait` is where the caller blocks. Checksums are computed on the worker, block by block:
 /// on swap-out as each block is queued (the header, written last, carries the total); on
 /// swap-in as each block arrives, in any order, combined in file order at the end. A swap-in
-/// reads the header in the same batch as the data (no blocking read first). At most a
+/// reads the header with the first block, in one vectored request (no blocking read first);
+/// a swap-out of a tensor of one block writes header and block in one request. At most a
 /// quarter of RLIMIT_NOFILE (4 to 256) files are open at once: files are opened when their
 /// tensor's turn comes and closed when it completes.
 ///
@@ -153,10 +155,14 @@ class tensor_swapper {
   int open_file(const std::string& path, bool out, bool& direct);
   std::size_t take_staging();
   std::size_t take_header();
-  void issue(std::uint64_t id, job& j, std::uint64_t file_offset, void* buffer, std::size_t bytes,
-             bool write, std::size_t staging, void* copy_to, std::size_t copy_bytes, std::size_t block);
+  void issue(std::uint64_t id, job& j, std::uint64_t data_offset, void* buffer, std::size_t bytes,
+             bool write, std::size_t staging, std::size_t header, void* copy_to,
+             std::size_t copy_bytes, std::size_t block);
   void on_completion(const io::io_completion& c);
   void finish(std::uint64_t id, job& j);
+  void complete(job& j);
+  void run_committer();
+  void close_and_commit(job& j);
   void verify_in(job& j);
   void reap(const std::string& path);
   void run_reaper();
@@ -194,6 +200,10 @@ class tensor_swapper {
   std::condition_variable work_cv_;  // the worker: new jobs, or stop
   std::condition_variable done_cv_;  // waiters: a job finished
   std::thread worker_;
+  std::deque<std::uint64_t> commit_queue_;  // finished jobs whose file the committer closes
+  std::condition_variable commit_cv_;
+  bool commit_stop_ = false;
+  std::thread committer_;
   std::mutex reap_mutex_;
   std::condition_variable reap_cv_;
   std::deque<std::string> reap_queue_;  // displaced or failed files to unlink
