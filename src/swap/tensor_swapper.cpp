@@ -8,10 +8,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <stdexcept>
 #include <string_view>
 
+#include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/swap/crc32c.hpp"
 
 namespace tensormem::swap {
@@ -116,6 +118,11 @@ struct tensor_swapper::job {
   bool header_read = false;              // swap-in: the header arrived and was checked
   std::uint32_t file_crc = 0;
   bool file_has_crc = false;
+  bool packed = false;            // in a pack file (decided when queued)
+  bool first_pack = false;        // swap-out: the path was not packed before
+  pack_file* pack = nullptr;
+  std::uint64_t data_start = header_bytes;  // file offset of the first byte (a pack slot's start)
+  std::uint64_t slot_bytes = 0;   // packed swap-out: the slot taken
   std::chrono::steady_clock::time_point started;
   std::chrono::steady_clock::time_point finished;
   bool fully_queued() const noexcept { return header_queued && next_offset >= tensor.bytes; }
@@ -130,6 +137,16 @@ struct tensor_swapper::pending_request {
   std::size_t expected = 0;
   std::size_t block = 0;    // data block index; header_block for a header alone
   bool write = false;
+};
+
+// An unnamed file in one directory holding small tensors at slots of `space`.
+struct tensor_swapper::pack_file {
+  int fd = -1;
+  bool direct = false;
+  core::best_fit_allocator space{core::growing, io_alignment};
+  ~pack_file() {
+    if (fd >= 0) close(fd);
+  }
 };
 
 namespace {
@@ -246,7 +263,8 @@ void tensor_swapper::run() {
       // is open already); the committer wakes us when it closes one.
       work_cv_.wait(lock, [this] {
         return stop_ || (!ready_jobs_.empty() &&
-                         (open_files_ < max_open_files_ || jobs_.at(ready_jobs_.front()).opened));
+                         (open_files_ < max_open_files_ || jobs_.at(ready_jobs_.front()).opened ||
+                          jobs_.at(ready_jobs_.front()).packed));
       });
       continue;
     }
@@ -270,7 +288,7 @@ void tensor_swapper::queue_jobs() {
   while (!ready_jobs_.empty()) {
     job& j = jobs_.at(ready_jobs_.front());
     if (!j.opened) {
-      if (open_files_ >= max_open_files_) return;
+      if (!j.packed && open_files_ >= max_open_files_) return;
       start_job(ready_jobs_.front(), j);
       if (j.done || j.fully_queued()) {
         ready_jobs_.pop_front();
@@ -297,6 +315,10 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
     finish(id, j);
     return;
   }
+  if (j.packed) {
+    start_packed(id, j);
+    return;
+  }
   // With reuse, the spare file (the version before the last) is overwritten in place: its
   // blocks are allocated already. Without, a name unique per job: a displaced version still
   // waiting for the reaper never shares a name with a file being written.
@@ -316,6 +338,84 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
   }
   ++open_files_;
   if (!j.out) j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
+}
+
+// A packed job: a swap-out takes a new slot in its directory's pack (the current version
+// stays where it is until this one is complete); a swap-in reads the slot of the current one.
+void tensor_swapper::start_packed(std::uint64_t id, job& j) {
+  if (j.out) {
+    std::string error;
+    pack_file* pack = pack_for(j.path, error);
+    const auto slot = pack == nullptr ? std::nullopt : pack->space.allocate(round_up(j.tensor.bytes, io_alignment));
+    if (!slot) {
+      j.error = pack == nullptr ? errno : EFBIG;
+      j.message = pack == nullptr ? error : "no room for " + j.path + " in its pack file";
+      finish(id, j);
+      return;
+    }
+    j.pack = pack;
+    j.data_start = slot->offset;
+    j.slot_bytes = slot->bytes;
+    j.first_pack = !packed_.contains(j.path);
+  } else {
+    const packed_entry& e = packed_.find(j.path)->second;
+    if (e.bytes != j.tensor.bytes) {
+      j.error = EINVAL;
+      j.message = j.path + " holds " + std::to_string(e.bytes) + " bytes; the tensor has " +
+                  std::to_string(j.tensor.bytes);
+      finish(id, j);
+      return;
+    }
+    j.pack = e.pack;
+    j.data_start = e.offset;
+    j.header_read = true;  // what a header would say, the index knows
+    j.file_crc = e.crc;
+    j.file_has_crc = e.has_crc;
+    j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
+  }
+  j.fd = j.pack->fd;
+  j.direct = j.pack->direct;
+  j.header_queued = true;  // a slot holds the bytes alone
+  if (j.tensor.bytes == 0) finish(id, j);  // nothing to move
+}
+
+// The pack of the path's directory, created on first use: an unnamed file (O_TMPFILE, or a
+// name unlinked at once where the file system has no O_TMPFILE) that vanishes when closed.
+tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std::string& error) {
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  if (const auto it = packs_.find(dir); it != packs_.end()) return it->second.get();
+  auto pack = std::make_unique<pack_file>();
+  bool direct = options_.direct;
+  int fd = -1;
+  for (;;) {
+    fd = open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0), 0600);
+    if (fd >= 0 || errno != EINVAL || !direct) break;
+    direct = false;  // no O_DIRECT here: buffered, reported below
+  }
+  if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) {
+    const std::string named = dir + "/.tensormem-pack." + std::to_string(getpid()) + "." +
+                              std::to_string(reinterpret_cast<std::uintptr_t>(this)) + "." +
+                              std::to_string(packs_.size());
+    direct = options_.direct;
+    fd = open(named.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0), 0600);
+    if (fd < 0 && errno == EINVAL && direct) {
+      direct = false;
+      fd = open(named.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    }
+    if (fd >= 0) unlink(named.c_str());
+  }
+  if (fd < 0) {
+    error = "cannot create a pack file in " + dir + ": " + std::strerror(errno);
+    return nullptr;
+  }
+  if (options_.direct && !direct) {
+    stats_.direct = false;
+    if (stats_.fallback.empty()) stats_.fallback = "O_DIRECT refused by the filesystem of " + dir + "; buffered I/O";
+  }
+  pack->fd = fd;
+  pack->direct = direct;
+  return packs_.emplace(dir, std::move(pack)).first->second.get();
 }
 
 // Queues the job's next requests. The header rides with the first data block where it can:
@@ -414,7 +514,7 @@ void tensor_swapper::issue(std::uint64_t id, job& j, std::uint64_t data_offset, 
   ++j.requests_left;
   ++queued_;
   if (header == no_staging) {
-    batch_.push_back({j.fd, header_bytes + data_offset, buffer, bytes, write, slot});
+    batch_.push_back({j.fd, j.data_start + data_offset, buffer, bytes, write, slot});
   } else {
     batch_.push_back({j.fd, 0, staging_[header], header_bytes, write, slot, buffer, bytes});
   }
@@ -478,7 +578,7 @@ void tensor_swapper::on_completion(const io::io_completion& c) {
 // (and commits a swap-out) so that the worker goes on queuing I/O meanwhile; else it is
 // done now.
 void tensor_swapper::finish(std::uint64_t id, job& j) {
-  if (j.fd >= 0) {
+  if (j.fd >= 0 || (j.packed && j.pack != nullptr)) {
     commit_queue_.push_back(id);
     commit_cv_.notify_one();
     return;
@@ -507,15 +607,48 @@ void tensor_swapper::run_committer() {
     lock.unlock();
     for (job* j : batch) close_and_commit(*j);
     lock.lock();
-    open_files_ -= batch.size();
-    for (job* j : batch) complete(*j);
+    for (job* j : batch) {
+      commit_locked(*j);
+      complete(*j);
+    }
     work_cv_.notify_one();  // file slots are free again
+  }
+}
+
+// The committer's work under the lock: file slots and the index of packed paths.
+void tensor_swapper::commit_locked(job& j) {
+  if (!j.packed) {
+    --open_files_;
+    if (j.out && j.error == 0) {  // a file at the path now: a packed version is stale
+      if (const auto it = packed_.find(j.path); it != packed_.end()) {
+        it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
+        packed_.erase(it);
+      }
+    }
+    return;
+  }
+  if (!j.out) return;
+  if (j.error != 0) {  // the slot goes back; the current version stays
+    j.pack->space.free(j.data_start, j.slot_bytes);
+    return;
+  }
+  const packed_entry entry{j.pack, j.data_start, j.slot_bytes, j.tensor.bytes, j.crc, options_.checksums};
+  if (const auto it = packed_.find(j.path); it != packed_.end()) {
+    it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
+    it->second = entry;
+  } else {
+    packed_.emplace(j.path, entry);
   }
 }
 
 // Runs on the committer without the lock: touches only the job, which no other thread
 // touches until it is marked done.
 void tensor_swapper::close_and_commit(job& j) {
+  if (j.packed) {  // the pack stays open; a swap-in is verified, a first packed path cleared
+    if (!j.out && j.error == 0) verify_in(j);
+    if (j.out && j.error == 0 && j.first_pack) remove_files(j.path);
+    return;
+  }
   if (j.out && j.error == 0 && options_.reuse_files) {
     // A reused spare may be longer than this version: cut it to this length.
     const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
@@ -643,6 +776,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     j.key = keys.empty() ? paths[i] : keys[i];
     j.tensor = tensors[i];
     j.out = out;
+    j.packed = out ? options_.pack_below > 0 && j.tensor.bytes <= options_.pack_below : packed_.contains(j.path);
     j.started = now;
     busy_paths_.insert(j.path);
     members.push_back(id);
@@ -746,7 +880,24 @@ void tensor_swapper::synchronize() {
 
 swap_stats tensor_swapper::stats() const {
   const std::lock_guard lock(mutex_);
-  return stats_;
+  swap_stats s = stats_;
+  s.packed_tensors = packed_.size();
+  for (const auto& [dir, pack] : packs_) s.pack_file_bytes += pack->space.peak();
+  return s;
+}
+
+void tensor_swapper::discard(const std::string& path) {
+  {
+    const std::lock_guard lock(mutex_);
+    if (busy_paths_.contains(path)) {
+      throw std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for");
+    }
+    if (const auto it = packed_.find(path); it != packed_.end()) {
+      it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
+      packed_.erase(it);
+    }
+  }
+  remove_files(path);
 }
 
 std::map<std::string, double> tensor_swapper::timers() const {

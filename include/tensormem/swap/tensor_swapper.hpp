@@ -32,6 +32,15 @@ struct swap_options {
   /// speed instead of allocating and freeing (and discarding) every block, at the price of
   /// up to twice the disk space. `remove_files(path)` deletes both.
   bool reuse_files = true;
+  /// Tensors of at most this many bytes (0: none) are packed into one unnamed file per
+  /// directory (O_TMPFILE), kept open by the swapper, at slots that an offset allocator hands
+  /// out and takes back: no file is opened, created or renamed per tensor, and a slot holds
+  /// the bytes alone (size and checksum stay in the swapper's index), so small tensors move
+  /// at the disk's speed. A packed tensor lives in the swapper: the same swapper reads
+  /// it back by its path; the pack's storage goes away with the swapper (and with the
+  /// process, however it ends). No file is created at the path; a file a swap-out of the
+  /// path left there before is removed when the path is first packed (it would be stale).
+  std::size_t pack_below = 0;
 };
 
 /// A tensor's bytes in host memory.
@@ -63,6 +72,8 @@ struct swap_stats {
   bool direct = false;              ///< O_DIRECT in use
   bool registered_staging = false;  ///< staging buffers registered with io_uring (fixed buffers)
   bool checksums = false;
+  std::uint64_t packed_tensors = 0;  ///< paths whose current version sits in a pack file
+  std::uint64_t pack_file_bytes = 0; ///< size of the pack files (their high-water marks)
   std::string engine;               ///< "uring" or "threads"
   std::string fallback;             ///< why an engine or O_DIRECT fallback happened; empty if none
   double write_gbps() const noexcept { return seconds_out > 0 ? static_cast<double>(bytes_out) / seconds_out / 1e9 : 0; }
@@ -132,6 +143,9 @@ class tensor_swapper {
   static std::string spare_path(const std::string& path);
   /// Deletes a swap file and its spare (missing ones are ignored).
   static void remove_files(const std::string& path);
+  /// Forgets a path: frees its packed slot and deletes its files (`remove_files`).
+  /// Throws std::invalid_argument while the path is in a transfer not yet waited for.
+  void discard(const std::string& path);
   /// Waits for every ticket; their results are dropped.
   void synchronize();
   swap_stats stats() const;
@@ -142,6 +156,15 @@ class tensor_swapper {
  private:
   struct job;
   struct pending_request;
+  struct pack_file;
+  struct packed_entry {
+    pack_file* pack = nullptr;
+    std::uint64_t offset = 0;      // of the slot: the bytes alone (no header page)
+    std::uint64_t slot_bytes = 0;
+    std::uint64_t bytes = 0;       // the tensor's
+    std::uint32_t crc = 0;         // CRC-32C of the bytes, when has_crc
+    bool has_crc = false;
+  };
   using clock = std::chrono::steady_clock;
 
   std::uint64_t start(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
@@ -163,6 +186,9 @@ class tensor_swapper {
   void complete(job& j);
   void run_committer();
   void close_and_commit(job& j);
+  void start_packed(std::uint64_t id, job& j);
+  pack_file* pack_for(const std::string& path, std::string& error);
+  void commit_locked(job& j);
   void verify_in(job& j);
   void reap(const std::string& path);
   void run_reaper();
@@ -195,6 +221,8 @@ class tensor_swapper {
   swap_stats stats_;
   std::map<std::string, double> timers_;
   std::set<std::string, std::less<>> busy_paths_;  // paths of unwaited transfers
+  std::map<std::string, std::unique_ptr<pack_file>> packs_;  // by directory
+  std::map<std::string, packed_entry, std::less<>> packed_;  // by path: its current version
   bool stop_ = false;
   mutable std::mutex mutex_;
   std::condition_variable work_cv_;  // the worker: new jobs, or stop
