@@ -19,8 +19,10 @@ for r in $(seq "$rounds"); do
   for shape in "4294967296 4294967296 1m" "2147483648 16777216 1m" "2147483648 1048576 1m" "2147483648 65536 64k"; do
     set -- $shape
     fw=$(fio_run w write "$3" "$1"); fr=$(fio_run w read "$3" "$1"); rm -f "$dir"/w.*
-    on=$(swap_run --bytes "$1" --tensor-bytes "$2")
-    off=$(swap_run --bytes "$1" --tensor-bytes "$2" --no-checksum)
+    # Tensors below 1 MiB are packed (--pack-below), as a user with many small tensors would.
+    pack=(); [ "$2" -lt 1048576 ] && pack=(--pack-below 1048576)
+    on=$(swap_run --bytes "$1" --tensor-bytes "$2" "${pack[@]}")
+    off=$(swap_run --bytes "$1" --tensor-bytes "$2" --no-checksum "${pack[@]}")
     python3 - "$r" "$1" "$2" "$fw" "$fr" "$on" "$off" <<'PY'
 import json, sys
 r, total, tensor, fw, fr, on, off = sys.argv[1:]

@@ -12,6 +12,7 @@
 #include <set>
 #include <stdexcept>
 #include <string_view>
+#include <tuple>
 
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/swap/crc32c.hpp"
@@ -780,7 +781,23 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     j.started = now;
     busy_paths_.insert(j.path);
     members.push_back(id);
-    ready_jobs_.push_back(id);
+  }
+  // Packed swap-ins are queued in the order of their slots in the pack (the disk reads
+  // ascending offsets faster than the scattered order rewrites leave); the rest as given.
+  const std::size_t first = ready_jobs_.size();
+  ready_jobs_.insert(ready_jobs_.end(), members.begin(), members.end());
+  if (!out && !packed_.empty()) {
+    // (pack, offset, job id): job ids ascend with the batch, so the sort is stable.
+    std::vector<std::tuple<std::uintptr_t, std::uint64_t, std::uint64_t>> order;
+    order.reserve(members.size());
+    for (const std::uint64_t id : members) {
+      const job& j = jobs_.at(id);
+      const auto it = j.packed ? packed_.find(j.path) : packed_.end();
+      order.emplace_back(it == packed_.end() ? 0 : reinterpret_cast<std::uintptr_t>(it->second.pack),
+                         it == packed_.end() ? 0 : it->second.offset, id);
+    }
+    std::sort(order.begin(), order.end());
+    for (std::size_t k = 0; k < order.size(); ++k) ready_jobs_[first + k] = std::get<2>(order[k]);
   }
   work_cv_.notify_one();
   return ticket;
