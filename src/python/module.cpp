@@ -510,14 +510,18 @@ PYBIND11_MODULE(_tensormem, m) {
   py::class_<py_swapper>(m, "TensorSwapper", "Tensors out to files and back on io_uring.")
       .def(py::init([](std::shared_ptr<memory::pinned_pool> pool, unsigned queue_depth,
                        std::size_t block_bytes, std::size_t staging_buffers, bool direct,
-                       bool checksums, const std::string& engine) {
+                       bool checksums, const std::string& engine, bool reuse_files, std::size_t pack_below) {
              return std::make_unique<py_swapper>(
-                 pool, swap::swap_options{engine_of(engine), queue_depth, block_bytes, staging_buffers,
-                                          direct, checksums});
+                 pool, swap::swap_options{.engine = engine_of(engine), .queue_depth = queue_depth,
+                                          .block_bytes = block_bytes, .staging_buffers = staging_buffers,
+                                          .direct = direct, .checksums = checksums,
+                                          .reuse_files = reuse_files, .pack_below = pack_below});
            }),
            py::arg("pool"), py::arg("queue_depth") = 32, py::arg("block_bytes") = std::size_t{1} << 20,
            py::arg("staging_buffers") = 8, py::arg("direct") = true, py::arg("checksums") = true,
-           py::arg("engine") = "uring")
+           py::arg("engine") = "uring", py::arg("reuse_files") = true, py::arg("pack_below") = 0,
+           "pack_below: tensors of at most this many bytes go into one unnamed pack file per "
+           "directory, read back by this swapper (no file at the path); 0 = a file per tensor.")
       .def("swap_out", [](py_swapper& s, const std::vector<py::buffer>& tensors,
                           const std::vector<std::string>& paths, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, true);
@@ -534,6 +538,10 @@ PYBIND11_MODULE(_tensormem, m) {
              py::gil_scoped_release release;
              return s.get().done(ticket);
            }, py::arg("ticket"), "True when every transfer of the ticket finished (wait() would not block).")
+      .def("discard", [](py_swapper& s, const std::string& path) {
+             py::gil_scoped_release release;
+             s.get().discard(path);
+           }, py::arg("path"), "Frees a packed tensor's slot and deletes the path's files.")
       .def("synchronize", &py_swapper::synchronize)
       .def("timers", [](py_swapper& s) { return s.get().timers(); })
       .def("stats", [](py_swapper& s) {
@@ -551,6 +559,8 @@ PYBIND11_MODULE(_tensormem, m) {
         d["checksums"] = st.checksums;
         d["fallback"] = st.fallback;
         d["registered_staging"] = st.registered_staging;
+        d["packed_tensors"] = st.packed_tensors;
+        d["pack_file_bytes"] = st.pack_file_bytes;
         return d;
       });
 }

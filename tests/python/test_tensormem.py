@@ -174,6 +174,27 @@ def test_swapper_round_trip_numpy_and_torch(tmp_path):
     assert s["tensors_out"] == 2 and s["checksums"] is True
 
 
+def test_packed_small_tensors_round_trip_without_files(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=16 << 20)
+    swapper = tensormem.TensorSwapper(pool, queue_depth=8, staging_buffers=4, pack_below=1 << 16)
+    rng = np.random.default_rng(3)
+    small = [torch.from_numpy(rng.standard_normal(int(n)).astype(np.float32)) for n in rng.integers(1, 16384, 50)]
+    large = torch.randn(20_000)  # 80,000 bytes: above pack_below, a file of its own
+    paths = [str(tmp_path / f"s{i}") for i in range(len(small))] + [str(tmp_path / "large")]
+    results = swapper.wait(swapper.swap_out([t.numpy() for t in small] + [large.numpy()], paths))
+    assert all(r["error"] == 0 for r in results)
+    assert [p for p in paths if os.path.exists(p)] == [paths[-1]]
+    back = [torch.zeros_like(t) for t in small] + [torch.zeros_like(large)]
+    results = swapper.wait(swapper.swap_in(paths, [t.numpy() for t in back]))
+    assert all(r["error"] == 0 for r in results)
+    assert all(torch.equal(a, b) for a, b in zip(small + [large], back))
+    assert swapper.stats()["packed_tensors"] == len(small)
+    swapper.discard(paths[0])
+    assert swapper.stats()["packed_tensors"] == len(small) - 1
+    missing = swapper.wait(swapper.swap_in([paths[0]], [back[0].numpy()]))
+    assert missing[0]["error"] == errno.ENOENT
+
+
 def test_async_tensor_swapper_deepspeed_api(tmp_path):
     swapper = AsyncTensorSwapper()
     swapper.add_buffers([torch.empty(4 << 20, dtype=torch.uint8)])
