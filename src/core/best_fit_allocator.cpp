@@ -24,9 +24,11 @@ best_fit_allocator::best_fit_allocator(std::uint64_t capacity, std::uint64_t ali
 void best_fit_allocator::reserve_nodes(std::size_t count) {
   while (spare_by_size_.empty() ||
          spare_by_size_.size() + free_by_size_.size() < live_.size() + count) {
+    // Room for every node grows geometrically: growing it by one node per call copied the
+    // whole vector on every allocation (quadratic in the live allocations).
     const std::size_t total = spare_by_size_.size() + free_by_size_.size() + 1;
-    spare_by_size_.reserve(std::max(total, spare_by_size_.capacity()));
-    spare_by_offset_.reserve(std::max(total, spare_by_offset_.capacity()));
+    if (spare_by_size_.capacity() < total) spare_by_size_.reserve(std::max(total, 2 * spare_by_size_.capacity()));
+    if (spare_by_offset_.capacity() < total) spare_by_offset_.reserve(std::max(total, 2 * spare_by_offset_.capacity()));
     // Nodes are made by inserting a key no real block has, then extracting it.
     constexpr auto max = std::numeric_limits<std::uint64_t>::max();
     auto size_node = free_by_size_.extract(free_by_size_.emplace(max, max).first);

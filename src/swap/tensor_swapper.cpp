@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <set>
 #include <stdexcept>
 #include <string_view>
@@ -144,6 +145,7 @@ struct tensor_swapper::pending_request {
 struct tensor_swapper::pack_file {
   int fd = -1;
   bool direct = false;
+  std::uint64_t reserved = 0;  // bytes allocated to the file with fallocate
   core::best_fit_allocator space{core::growing, io_alignment};
   ~pack_file() {
     if (fd >= 0) close(fd);
@@ -354,6 +356,13 @@ void tensor_swapper::start_packed(std::uint64_t id, job& j) {
       finish(id, j);
       return;
     }
+    if (const int e = reserve_pack(*pack, slot->offset + slot->bytes); e != 0) {
+      pack->space.free(slot->offset, slot->bytes);
+      j.error = e;
+      j.message = "cannot grow the pack file for " + j.path + ": " + std::strerror(e);
+      finish(id, j);
+      return;
+    }
     j.pack = pack;
     j.data_start = slot->offset;
     j.slot_bytes = slot->bytes;
@@ -378,6 +387,27 @@ void tensor_swapper::start_packed(std::uint64_t id, job& j) {
   j.direct = j.pack->direct;
   j.header_queued = true;  // a slot holds the bytes alone
   if (j.tensor.bytes == 0) finish(id, j);  // nothing to move
+}
+
+// Allocates the pack's blocks ahead of the writes (fallocate, in steps of at least 64 MiB or
+// a quarter of the pack): writes past the end of a file are serialized by the file system,
+// writes into allocated blocks are not; a full disk fails the slot's tensor here, before any
+// byte is written. A file system without fallocate (EOPNOTSUPP) grows by its writes.
+int tensor_swapper::reserve_pack(pack_file& pack, std::uint64_t end) {
+  if (end <= pack.reserved) return 0;
+  const std::uint64_t step = std::max<std::uint64_t>({end - pack.reserved, std::uint64_t{64} << 20, pack.reserved / 4});
+  for (const std::uint64_t want : {pack.reserved + step, end}) {
+    if (fallocate(pack.fd, 0, 0, static_cast<off_t>(want)) == 0) {
+      pack.reserved = want;
+      return 0;
+    }
+    if (errno == EOPNOTSUPP) {
+      pack.reserved = std::numeric_limits<std::uint64_t>::max();
+      return 0;
+    }
+    if (errno != ENOSPC && errno != EFBIG) return errno;
+  }
+  return errno;  // not even the slot fits
 }
 
 // The pack of the path's directory, created on first use: an unnamed file (O_TMPFILE, or a

@@ -188,6 +188,7 @@ class tensor_swapper {
   void close_and_commit(job& j);
   void start_packed(std::uint64_t id, job& j);
   pack_file* pack_for(const std::string& path, std::string& error);
+  static int reserve_pack(pack_file& pack, std::uint64_t end);
   void commit_locked(job& j);
   void verify_in(job& j);
   void reap(const std::string& path);
