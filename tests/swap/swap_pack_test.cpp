@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -76,7 +77,7 @@ TEST_P(pack_test, random_rewrites_between_pack_and_files_read_back_what_was_writ
         m.ref = {m.pinned, bytes};
       } else {
         m.heap.resize(bytes + 1);
-        std::memcpy(m.heap.data() + 1, oracle[path].data(), bytes);
+        std::copy(oracle[path].begin(), oracle[path].end(), m.heap.begin() + 1);
         m.ref = {m.heap.data() + 1, bytes};
       }
       paths.push_back(path);
