@@ -16,6 +16,8 @@ from ._tensormem import (  # noqa: F401
     PinnedPool,
     TensorSwapper,
     TlsfAllocator,
+    cuda_built,
+    cuda_unavailable_reason,
     lower_bound,
     plan,
     read_trace,
@@ -24,5 +26,5 @@ from ._tensormem import (  # noqa: F401
 
 __all__ = [
     "GROWING", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "PinnedBuffer",
-    "PinnedPool", "TensorSwapper", "TlsfAllocator", "lower_bound", "plan", "read_trace", "validate",
+    "PinnedPool", "TensorSwapper", "TlsfAllocator", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
 ]

@@ -21,6 +21,7 @@
 #include "tensormem/core/planner.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 #include "tensormem/trace/trace_io.hpp"
@@ -506,6 +507,12 @@ PYBIND11_MODULE(_tensormem, m) {
       .def_property_readonly("exports", [](const pinned_buffer& b) { return b.exports; })
       .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.bytes; })
       .def_property_readonly("address", [](const pinned_buffer& b) { return reinterpret_cast<std::uintptr_t>(b.data); });
+
+  m.def("cuda_built", &memory::cuda_built, "True when the CUDA resources were compiled in.");
+  m.def("cuda_unavailable_reason", [] {
+    py::gil_scoped_release release;
+    return memory::cuda_unavailable_reason();
+  }, "Empty when a CUDA device can be used, else why not (no driver, no device, not built).");
 
   py::class_<py_swapper>(m, "TensorSwapper", "Tensors out to files and back on io_uring.")
       .def(py::init([](std::shared_ptr<memory::pinned_pool> pool, unsigned queue_depth,

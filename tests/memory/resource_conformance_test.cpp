@@ -209,3 +209,33 @@ TYPED_TEST(resource_conformance, concurrent_use_when_thread_safe) {
 
 }  // namespace
 }  // namespace tensormem::memory
+
+namespace tensormem::memory {
+namespace {
+
+// Without a usable device (no driver, no GPU, or the runtime hidden), both CUDA resources
+// refuse to be built with device_unavailable carrying the reason; where a device exists they
+// are built (and covered by the conformance suite above).
+TEST(cuda, resources_without_a_device_say_why) {
+  const std::string why = cuda_unavailable_reason();
+  if (why.empty()) {
+    EXPECT_NO_THROW(cuda_device_resource{});
+    EXPECT_NO_THROW(cuda_pinned_resource{});
+    return;
+  }
+  for (int kind = 0; kind < 2; ++kind) {
+    try {
+      if (kind == 0) {
+        const cuda_device_resource r;
+      } else {
+        const cuda_pinned_resource r;
+      }
+      ADD_FAILURE() << "a CUDA resource was built although: " << why;
+    } catch (const device_unavailable& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tensormem::memory

@@ -7,12 +7,19 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.hpp"
+#include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"tensormem: tensor memory planning, arenas, pinned memory and swapping"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("tensormem ") + TENSORMEM_VERSION);
+  // The version, and whether the CUDA resources can be used here (and why not).
+  app.set_version_flag("--version", [] {
+    std::string text = std::string("tensormem ") + TENSORMEM_VERSION + "\nCUDA resources: ";
+    if (!tensormem::memory::cuda_built()) return text + "not built";
+    const std::string why = tensormem::memory::cuda_unavailable_reason();
+    return text + (why.empty() ? std::string("available") : "unavailable (" + why + ")");
+  });
   tensormem::cli::add_demo_command(app);
   tensormem::cli::add_plan_command(app);
   tensormem::cli::add_arena_command(app);
