@@ -13,7 +13,11 @@ build: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS)
 
-demo: build
+# The demo builds only the command-line tool (the tests, benchmarks and Python module are
+# built by `make build` and `make test`).
+demo: deps
+	cmake --preset release
+	cmake --build --preset release -j $(JOBS) --target tensormem_cli
 	./build/bin/tensormem demo
 
 test-release: deps
