@@ -10,7 +10,7 @@
 
 int main() {
   using namespace tensormem;
-  const std::vector<core::buffer> buffers = {{"a", 0, 2, 1024}, {"b", 1, 3, 2048}, {"c", 2, 4, 1024}};
+  const std::vector<core::buffer> buffers = {{"a", 0, 2, 1024, {}}, {"b", 1, 3, 2048, {}}, {"c", 2, 4, 1024, {}}};
   const core::plan_result plan = core::plan(buffers, {.time_limit_seconds = 1});
   core::best_fit_allocator online;
   const auto a = online.allocate(1024);

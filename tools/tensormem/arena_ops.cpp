@@ -162,20 +162,22 @@ arena_scenario zero3_scenario(std::uint32_t layers, std::uint64_t seed) {
   sc.script = s.str();
   sc.capacity = peak + peak / 20;  // 5 % slack over the most bytes live at once
   sc.alignment = 256;
-  sc.description = "ZeRO-3-like gather/release over " + std::to_string(layers) + " layers";
+  sc.description = "ZeRO-3-like gather/release of " + std::to_string(layers) +
+                   " parameter groups, sizes drawn at random (seed " + std::to_string(seed) + ")";
   return sc;
 }
 
 std::optional<arena_scenario> find_arena_scenario(const std::string& name) {
-  if (name == "deepspeed-test1") {
+  if (name == "fp16-compactions") {
     // Sizes in bytes of fp16 elements: 1024 elements in all.
     arena_scenario sc;
     sc.capacity = 1024 * 2;
     sc.alignment = 2;
     sc.description = "1024 fp16 elements; tensors of 64-256 elements; two compactions";
     sc.script =
-        "# DeepSpeed's test1 as a story: a 1024-element fp16 buffer (2048 bytes),\n"
-        "# tensors of 64-256 elements (128-512 bytes).\n"
+        "# Two compactions in a 1024-element fp16 buffer (2048 bytes; the shape of DeepSpeed's\n"
+        "# ContiguousMemoryAllocator tests, not one of them), tensors of 64-256 elements\n"
+        "# (128-512 bytes).\n"
         "alloc wte 256        # 128 elements at 0\n"
         "alloc wpe 256        # 128 at 256\n"
         "alloc qkv 512        # 256 at 512\n"
@@ -197,6 +199,6 @@ std::optional<arena_scenario> find_arena_scenario(const std::string& name) {
   return std::nullopt;
 }
 
-std::vector<std::string> arena_scenario_names() { return {"deepspeed-test1", "zero3"}; }
+std::vector<std::string> arena_scenario_names() { return {"fp16-compactions", "zero3"}; }
 
 }  // namespace tensormem::cli

@@ -101,7 +101,7 @@ void add_arena_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("arena", "Run alloc/free steps against a contiguous arena");
   auto* capacity = cmd->add_option("--capacity", o->capacity, "arena bytes")->check(CLI::PositiveNumber);
   auto* ops = cmd->add_option("--ops", o->ops, "script: 'alloc ID BYTES' / 'free ID' per line");
-  auto* scenario = cmd->add_option("--scenario", o->scenario, "built-in script: deepspeed-test1, zero3");
+  auto* scenario = cmd->add_option("--scenario", o->scenario, "built-in script: fp16-compactions, zero3");
   ops->excludes(scenario);
   cmd->add_option("--policy", o->policy, "defragmentation: minimal (default) or full")
       ->check(CLI::IsMember({"minimal", "full"}));

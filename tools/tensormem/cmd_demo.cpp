@@ -72,6 +72,7 @@ std::vector<arena_row> run_arena_section(const arena_scenario& sc) {
 }
 
 struct swap_section {
+  std::string dir;  // where the files went (removed afterwards)
   std::size_t tensors = 0;
   std::uint64_t bytes = 0;
   swap::swap_stats stats;
@@ -85,6 +86,7 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
   if (mkdtemp(templ.data()) == nullptr) throw std::runtime_error("cannot create a directory in " + fs::temp_directory_path().string());
   const fs::path dir = templ;
   swap_section out;
+  out.dir = dir.string();
   try {
     memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 20});
     swap::tensor_swapper swapper(pool);
@@ -219,7 +221,8 @@ void run_demo(const demo_options& o) {
   }
   std::cout << fmt::format("  {:<26} {:>14} {:>10}   {}\n", "no reuse (sum of buffers)",
                            human_bytes(no_reuse), ratio_text(no_reuse, lb), "every buffer its own bytes");
-  std::cout << fmt::format("\ncontiguous arena: {}, {} arena (5 % over the peak)\n",
+  std::cout << fmt::format("\ncontiguous arena: {}, two per layer of the model; {} arena "
+                           "(5 % over the peak)\n",
                            zero3.description, human_bytes(zero3.capacity))
             << fmt::format("  {:<26} {:>10} {:>14} {:>8} {:>10}\n", "defragmentation policy",
                            "defrags", "bytes moved", "moves", "contents");
@@ -228,9 +231,9 @@ void run_demo(const demo_options& o) {
                              r.stats.defragmentations, human_bytes(r.stats.bytes_moved),
                              r.stats.moves, r.verified ? "intact" : "CHANGED");
   }
-  std::cout << fmt::format("\nswap: layer 0's {} saved activations ({}) out to {} and back\n",
-                           swapped.tensors, human_bytes(swapped.bytes),
-                           std::filesystem::temp_directory_path().string())
+  std::cout << fmt::format("\nswap: layer 0's {} saved activations ({}) out to {} and back "
+                           "(the folder is removed afterwards)\n",
+                           swapped.tensors, human_bytes(swapped.bytes), swapped.dir)
             << fmt::format("  engine {}, {}, checksums {}; write {:.2f} GB/s, read {:.2f} GB/s; "
                            "contents {}\n",
                            swapped.stats.engine, swapped.stats.direct ? "O_DIRECT" : "buffered",

@@ -54,6 +54,7 @@ void run_plan(const plan_cli_options& o) {
     nlohmann::json j;
     j["trace"] = o.trace;
     j["buffers"] = buffers.size();
+    j["alignment"] = o.alignment;
     j["lower_bound"] = r.lower_bound;
     j["arena_bytes"] = r.arena_bytes;
     j["ratio"] = r.ratio();
@@ -65,7 +66,8 @@ void run_plan(const plan_cli_options& o) {
   }
   std::cout << fmt::format("trace        {}\n", o.trace)
             << fmt::format("buffers      {}\n", buffers.size())
-            << fmt::format("lower bound  {} bytes ({})\n", r.lower_bound, human_bytes(r.lower_bound))
+            << fmt::format("lower bound  {} bytes ({}), sizes rounded up to {} B\n", r.lower_bound,
+                           human_bytes(r.lower_bound), o.alignment)
             << fmt::format("arena        {} bytes ({})\n", r.arena_bytes, human_bytes(r.arena_bytes))
             << fmt::format("ratio        {:.4f}\n", r.ratio())
             << fmt::format("strategy     {}\n", r.strategy)

@@ -53,7 +53,7 @@ void run_replay(const replay_options& o) {
   std::cout << fmt::format("trace        {}\n", o.trace)
             << fmt::format("allocator    {} (alignment {})\n", o.allocator, o.alignment)
             << fmt::format("buffers      {}\n", buffers.size())
-            << fmt::format("lower bound  {} bytes ({})\n", lb, human_bytes(lb))
+            << fmt::format("lower bound  {} bytes ({}), sizes rounded up to {} B\n", lb, human_bytes(lb), o.alignment)
             << fmt::format("high water   {} bytes ({})\n", r.high_water,
                            human_bytes(r.high_water))
             << fmt::format("ratio        {}\n", ratio_text(r.high_water, lb))

@@ -13,6 +13,8 @@
 int main(int argc, char** argv) {
   CLI::App app{"tensormem: tensor memory planning, arenas, pinned memory and swapping"};
   app.require_subcommand(1);
+  // Help shows every option's default value (inherited by the subcommands added below).
+  app.option_defaults()->always_capture_default();
   // The version, and whether the CUDA resources can be used here (and why not).
   app.set_version_flag("--version", [] {
     std::string text = std::string("tensormem ") + TENSORMEM_VERSION + "\nCUDA resources: ";
