@@ -227,27 +227,44 @@ tensor_swapper::~tensor_swapper() {
   pool_.free(header_slab_);
 }
 
+namespace {
+
+// Opens with O_DIRECT when `direct` is set, again without it where the file system refuses
+// it (EINVAL, as tmpfs may); `direct` says what was used. `open_as(extra)` opens with the
+// extra flags.
+template <class Open>
+int open_direct_or_buffered(Open open_as, bool& direct) {
+  int fd = open_as(direct ? O_DIRECT : 0);
+  if (fd < 0 && errno == EINVAL && direct) {
+    direct = false;
+    fd = open_as(0);
+  }
+  return fd;
+}
+
+}  // namespace
+
+// Buffered I/O where O_DIRECT was asked for: reported (the first reason is kept).
+void tensor_swapper::note_buffered(const std::string& where) {
+  stats_.direct = false;
+  if (stats_.fallback.empty()) stats_.fallback = "O_DIRECT refused by the filesystem of " + where + "; buffered I/O";
+}
+
 int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
   // Reads leave the access time alone (after every rewrite, relatime would dirty the inode
-  // on the next read): O_NOATIME where we own the file.
+  // on the next read): O_NOATIME where we own the file (it needs the owner: EPERM else).
   int flags = out ? O_WRONLY | O_CREAT | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
   direct = options_.direct;
-  for (;;) {
-    const int fd = open(path.c_str(), flags | (direct ? O_DIRECT : 0) | O_CLOEXEC, 0644);
-    if (fd >= 0) return fd;
-    if (errno == EPERM && (flags & O_NOATIME) != 0) {  // not our file: O_NOATIME needs its owner
+  const int fd = open_direct_or_buffered([&](int extra) {
+    int f = open(path.c_str(), flags | extra | O_CLOEXEC, 0644);
+    if (f < 0 && errno == EPERM && (flags & O_NOATIME) != 0) {
       flags &= ~O_NOATIME;
-    } else if (errno == EINVAL && direct) {
-      // The filesystem refuses O_DIRECT (tmpfs): buffered I/O, reported.
-      direct = false;
-      stats_.direct = false;
-      if (stats_.fallback.empty()) {
-        stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
-      }
-    } else {
-      return fd;
+      f = open(path.c_str(), flags | extra | O_CLOEXEC, 0644);
     }
-  }
+    return f;
+  }, direct);
+  if (fd >= 0 && options_.direct && !direct) note_buffered(path);
+  return fd;
 }
 
 // ---------------------------------------------------------------- the worker
@@ -265,9 +282,10 @@ void tensor_swapper::run() {
       // Nothing in flight: wait for a job that can start (a file may be opened, or its file
       // is open already); the committer wakes us when it closes one.
       work_cv_.wait(lock, [this] {
-        return stop_ || (!ready_jobs_.empty() &&
-                         (open_files_ < max_open_files_ || jobs_.at(ready_jobs_.front()).opened ||
-                          jobs_.at(ready_jobs_.front()).packed));
+        if (stop_) return true;
+        if (ready_jobs_.empty()) return false;
+        const job& next = jobs_.at(ready_jobs_.front());
+        return next.opened || next.packed || open_files_ < max_open_files_;
       });
       continue;
     }
@@ -418,32 +436,23 @@ tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std
   if (const auto it = packs_.find(dir); it != packs_.end()) return it->second.get();
   auto pack = std::make_unique<pack_file>();
   bool direct = options_.direct;
-  int fd = -1;
-  for (;;) {
-    fd = open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0), 0600);
-    if (fd >= 0 || errno != EINVAL || !direct) break;
-    direct = false;  // no O_DIRECT here: buffered, reported below
-  }
+  int fd = open_direct_or_buffered(
+      [&](int extra) { return open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | extra, 0600); }, direct);
   if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) {
     const std::string named = dir + "/.tensormem-pack." + std::to_string(getpid()) + "." +
                               std::to_string(reinterpret_cast<std::uintptr_t>(this)) + "." +
                               std::to_string(packs_.size());
     direct = options_.direct;
-    fd = open(named.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC | (direct ? O_DIRECT : 0), 0600);
-    if (fd < 0 && errno == EINVAL && direct) {
-      direct = false;
-      fd = open(named.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    }
+    fd = open_direct_or_buffered(
+        [&](int extra) { return open(named.c_str(), O_CREAT | O_TRUNC | O_RDWR | O_CLOEXEC | extra, 0600); },
+        direct);
     if (fd >= 0) unlink(named.c_str());
   }
   if (fd < 0) {
     error = "cannot create a pack file in " + dir + ": " + std::strerror(errno);
     return nullptr;
   }
-  if (options_.direct && !direct) {
-    stats_.direct = false;
-    if (stats_.fallback.empty()) stats_.fallback = "O_DIRECT refused by the filesystem of " + dir + "; buffered I/O";
-  }
+  if (options_.direct && !direct) note_buffered(dir);
   pack->fd = fd;
   pack->direct = direct;
   return packs_.emplace(dir, std::move(pack)).first->second.get();
@@ -609,7 +618,7 @@ void tensor_swapper::on_completion(const io::io_completion& c) {
 // (and commits a swap-out) so that the worker goes on queuing I/O meanwhile; else it is
 // done now.
 void tensor_swapper::finish(std::uint64_t id, job& j) {
-  if (j.fd >= 0 || (j.packed && j.pack != nullptr)) {
+  if (j.fd >= 0) {  // a file of its own, or its pack's
     commit_queue_.push_back(id);
     commit_cv_.notify_one();
     return;

@@ -64,10 +64,9 @@ TEST_P(async_test, a_swap_out_progresses_while_the_caller_sleeps) {
 }
 
 // Completes every outstanding request at once, in reverse order of submission.
-class reversing_engine final : public io::io_engine {
+class reversing_engine final : public testing::forwarding_engine {
  public:
-  explicit reversing_engine(std::unique_ptr<io::io_engine> inner) : inner_(std::move(inner)) {}
-  void submit(std::span<const io::io_request> requests) override { inner_->submit(requests); }
+  using forwarding_engine::forwarding_engine;
   std::vector<io::io_completion> wait(std::size_t min_completions) override {
     std::vector<io::io_completion> all;
     // Give the swapper time to queue more, then take everything that is outstanding.
@@ -81,13 +80,9 @@ class reversing_engine final : public io::io_engine {
     reversed_ += all.size() > 1 ? 1 : 0;
     return all;
   }
-  std::size_t outstanding() const noexcept override { return inner_->outstanding(); }
-  io::engine_kind kind() const noexcept override { return inner_->kind(); }
-  unsigned queue_depth() const noexcept override { return inner_->queue_depth(); }
   int reversed() const { return reversed_; }
 
  private:
-  std::unique_ptr<io::io_engine> inner_;
   int reversed_ = 0;
 };
 

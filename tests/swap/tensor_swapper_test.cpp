@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "swap_test_support.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/crc32c.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
@@ -197,9 +198,9 @@ INSTANTIATE_TEST_SUITE_P(engines, swapper_test,
 
 // An engine that completes slowly and records any buffer handed to it again before the
 // request that used it completed.
-class slow_checking_engine final : public io::io_engine {
+class slow_checking_engine final : public testing::forwarding_engine {
  public:
-  explicit slow_checking_engine(std::unique_ptr<io::io_engine> inner) : inner_(std::move(inner)) {}
+  using forwarding_engine::forwarding_engine;
   void submit(std::span<const io::io_request> requests) override {
     for (const io::io_request& r : requests) {
       for (void* b : {r.buffer, r.buffer2}) {
@@ -217,13 +218,9 @@ class slow_checking_engine final : public io::io_engine {
     }
     return done;
   }
-  std::size_t outstanding() const noexcept override { return inner_->outstanding(); }
-  io::engine_kind kind() const noexcept override { return inner_->kind(); }
-  unsigned queue_depth() const noexcept override { return inner_->queue_depth(); }
   int reused_while_busy() const { return reused_while_busy_; }
 
  private:
-  std::unique_ptr<io::io_engine> inner_;
   std::set<void*> busy_;
   std::map<std::uint64_t, std::array<void*, 2>> buffers_of_;
   int reused_while_busy_ = 0;

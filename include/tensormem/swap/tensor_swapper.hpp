@@ -176,6 +176,7 @@ class tensor_swapper {
   void start_job(std::uint64_t id, job& j);
   bool queue_more(std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool& direct);
+  void note_buffered(const std::string& where);
   std::size_t take_staging();
   std::size_t take_header();
   void issue(std::uint64_t id, job& j, std::uint64_t data_offset, void* buffer, std::size_t bytes,
