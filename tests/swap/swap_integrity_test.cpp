@@ -233,6 +233,39 @@ TEST_P(integrity, one_swapper_shared_by_four_threads) {
   EXPECT_EQ(s.stats().tensors_in, 80U);
 }
 
+// A file the reader does not own: O_NOATIME is refused (EPERM) to anyone but the owner, so
+// the swapper opens it again without and reads it. The file is written as root, read in a
+// child that switched to the user nobody (skipped where the test does not run as root).
+TEST_P(integrity, a_file_of_another_user_reads_back) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to switch to another user";
+  const io::engine_kind kind = GetParam();
+  scratch_dir dir;
+  ASSERT_FALSE(dir.path.empty());
+  fs::permissions(dir.path, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                                fs::perms::others_read | fs::perms::others_exec);
+  const std::string path = dir.file("t");
+  auto t = pattern(100'000, 3);
+  {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20});
+    tensor_swapper s(pool, {.engine = kind, .block_bytes = std::size_t{64} << 10, .staging_buffers = 2});
+    ASSERT_EQ(swap_out_one(s, t, path), 0);
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(77);
+    memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20});
+    tensor_swapper s(pool, {.engine = kind, .block_bytes = std::size_t{64} << 10, .staging_buffers = 2});
+    std::vector<std::byte> back(t.size());
+    const swap_result r = swap_in_one(s, back, path);
+    _exit(r.error == 0 && back == t ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot switch to the user nobody";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(engines, integrity,
                          ::testing::Values(io::engine_kind::uring, io::engine_kind::threads),
                          [](const auto& p) { return std::string(io::to_string(p.param)); });
