@@ -856,13 +856,15 @@ std::uint64_t tensor_swapper::swap_in(std::span<const std::string> paths,
   return start(tensors, paths, keys, false);
 }
 
-bool tensor_swapper::done(std::uint64_t ticket) {
+bool tensor_swapper::done(std::uint64_t ticket) { return unfinished(ticket) == 0; }
+
+std::size_t tensor_swapper::unfinished(std::uint64_t ticket) {
   const std::lock_guard lock(mutex_);
   const auto it = tickets_.find(ticket);
   if (it == tickets_.end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " + std::to_string(ticket));
   }
-  return it->second.unfinished == 0;
+  return it->second.unfinished;
 }
 
 std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {

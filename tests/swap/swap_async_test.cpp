@@ -52,15 +52,23 @@ TEST_P(async_test, a_swap_out_progresses_while_the_caller_sleeps) {
   // can move the bytes. Files appear (renamed) only once complete.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   int complete = 0;
+  std::size_t unfinished = s.unfinished(ticket);
+  EXPECT_LE(unfinished, static_cast<std::size_t>(count));
   while (complete < count && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // The count of unfinished tensors only goes down (what a progress display reads).
+    const std::size_t now = s.unfinished(ticket);
+    EXPECT_LE(now, unfinished);
+    unfinished = now;
     complete = static_cast<int>(std::count_if(paths.begin(), paths.end(), [](const std::string& p) {
       return fs::exists(p) && fs::file_size(p) == 4096 + (std::size_t{1} << 20);
     }));
   }
   EXPECT_EQ(complete, count) << "bytes reached the disk only while the caller was inside the swapper";
   EXPECT_TRUE(s.done(ticket));
+  EXPECT_EQ(s.unfinished(ticket), 0u);
   for (const auto& r : s.wait(ticket)) EXPECT_EQ(r.error, 0) << r.message;
+  EXPECT_THROW((void)s.unfinished(ticket), std::invalid_argument);  // already waited
 }
 
 // Completes every outstanding request at once, in reverse order of submission.

@@ -14,6 +14,7 @@
 
 #include "arena_ops.hpp"
 #include "commands.hpp"
+#include "progress.hpp"
 #include "report.hpp"
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/core/graph.hpp"
@@ -141,18 +142,24 @@ void run_demo(const demo_options& o) {
   core::plan_options popts;
   popts.alignment = o.alignment;
   popts.time_limit_seconds = o.plan_seconds;
+  progress_line progress;
+  if (progress.enabled()) popts.progress = plan_progress_printer(progress, life.buffers.size());
   const core::plan_result offline = core::plan(life.buffers, popts);
   const std::string problem =
       core::validate(life.buffers, offline.offsets, offline.arena_bytes, o.alignment);
   if (!problem.empty()) throw std::logic_error("invalid offline plan: " + problem);
+  progress.show("demo: online allocators replay the step", true);
   const online_row rows[] = {
       run_online<core::best_fit_allocator>("online best-fit", life.buffers, o.alignment),
       run_online<core::tlsf_allocator>("online O(1) (TLSF)", life.buffers, o.alignment),
   };
 
   const arena_scenario zero3 = zero3_scenario(o.model.layers * 2, 7);
+  progress.show("demo: contiguous arena, both defragmentation policies", true);
   const std::vector<arena_row> arena_rows = run_arena_section(zero3);
+  progress.show("demo: swapping layer 0's activations out and back", true);
   const swap_section swapped = run_swap_section(g, life);
+  progress.clear();
 
   if (o.json) {
     nlohmann::json j;

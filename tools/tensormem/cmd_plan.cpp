@@ -1,8 +1,5 @@
 // `tensormem plan TRACE`: offline plan of a trace, validated before it is printed.
 
-#include <unistd.h>
-
-#include <cstdio>
 #include <iostream>
 #include <string>
 
@@ -10,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "progress.hpp"
 #include "report.hpp"
 #include "tensormem/core/planner.hpp"
 #include "tensormem/trace/plan_svg.hpp"
@@ -35,16 +33,10 @@ void run_plan(const plan_cli_options& o) {
   options.time_limit_seconds = o.time_limit;
   options.alignment = o.alignment;
   options.seed = o.seed;
-  const bool tty = isatty(STDERR_FILENO) != 0;
-  if (tty) {
-    options.progress = [](const core::plan_progress& p) {
-      std::fprintf(stderr, "\r%-18s %6.1f s  best %.4f x lower bound   ", p.phase, p.seconds,
-                   ratio_of(p.best_arena_bytes, p.lower_bound));
-      std::fflush(stderr);
-    };
-  }
+  progress_line progress;
+  if (progress.enabled()) options.progress = plan_progress_printer(progress, buffers.size());
   const core::plan_result r = core::plan(buffers, options);
-  if (tty) std::fprintf(stderr, "\r%70s\r", "");
+  progress.clear();
   const std::string problem = core::validate(buffers, r.offsets, r.arena_bytes, o.alignment);
   if (!problem.empty()) throw std::logic_error("the planner produced an invalid plan: " + problem);
   for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].offset = r.offsets[i];

@@ -6,12 +6,14 @@
 #include <filesystem>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "progress.hpp"
 #include "report.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 
@@ -93,20 +95,32 @@ void run_swap_bench(const swap_bench_options& o) {
     }
   };
   const double total = static_cast<double>(count * o.tensor_bytes);
-  auto timed = [&](bool out) {
+  progress_line progress;
+  auto timed = [&](bool out, const char* what) {
     const auto t0 = std::chrono::steady_clock::now();
-    check(swapper.wait(out ? swapper.swap_out(tensors, paths) : swapper.swap_in(paths, tensors)));
+    const std::uint64_t ticket = out ? swapper.swap_out(tensors, paths) : swapper.swap_in(paths, tensors);
+    // On a terminal: tensors done and the rate so far, every 0.1 s, while the swapper works.
+    while (progress.enabled() && !swapper.done(ticket)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const std::uint64_t finished = count - swapper.unfinished(ticket);
+      const double s = seconds_since(t0);
+      progress.show(fmt::format("swap-bench: {} {} of {} ({:.2f} GB/s)", what,
+                                human_bytes(finished * o.tensor_bytes), human_bytes(count * o.tensor_bytes),
+                                static_cast<double>(finished * o.tensor_bytes) / s / 1e9));
+    }
+    check(swapper.wait(ticket));
     return seconds_since(t0);
   };
   // Fresh files (as a driver that writes new files sees it), then rewrites in the steady
   // state (with reuse: into the spare files, as fio measures after laying its file out),
   // then reads.
-  const double fresh_seconds = timed(true);
+  const double fresh_seconds = timed(true, "writing fresh files");
   // The first rewrite leaves a spare beside every file (or, packed, the pack at twice the
   // live bytes: every slot freed after it is reused by the next pass).
-  if (!o.no_reuse || o.pack_below > 0) (void)timed(true);
-  const double rewrite_seconds = timed(true);
-  const double read_seconds = timed(false);
+  if (!o.no_reuse || o.pack_below > 0) (void)timed(true, "rewriting");
+  const double rewrite_seconds = timed(true, "rewriting");
+  const double read_seconds = timed(false, "reading");
+  progress.clear();
   const swap::swap_stats s = swapper.stats();
 
   nlohmann::json overlap = nullptr;

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.hpp"
+#include "progress.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
@@ -15,6 +16,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   // Help shows every option's default value (inherited by the subcommands added below).
   app.option_defaults()->always_capture_default();
+  // Options of the tool itself may also follow the command's name ("tensormem plan T -q").
+  app.fallthrough();
+  app.add_flag("-q,--quiet", tensormem::cli::quiet_flag(),
+               "no progress line (it is shown only when stderr is a terminal)");
   // The version, and whether the CUDA resources can be used here (and why not).
   app.set_version_flag("--version", [] {
     std::string text = std::string("tensormem ") + TENSORMEM_VERSION + "\nCUDA resources: ";

@@ -139,6 +139,9 @@ class tensor_swapper {
   std::vector<swap_result> wait(std::uint64_t ticket);
   /// True when every transfer of the ticket has finished (`wait` would not block).
   bool done(std::uint64_t ticket);
+  /// Tensors of the ticket whose transfers have not finished yet (0 when `done`); throws
+  /// std::invalid_argument for an unknown or already waited ticket, as `done` does.
+  std::size_t unfinished(std::uint64_t ticket);
   /// The spare file kept beside `path` when `reuse_files` is on.
   static std::string spare_path(const std::string& path);
   /// Deletes a swap file and its spare (missing ones are ignored).
