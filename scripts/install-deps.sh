@@ -9,7 +9,7 @@ packages=(
   libfmt-dev libcli11-dev nlohmann-json3-dev liburing-dev
   python3-dev pybind11-dev python3-pybind11 libdlpack-dev
   python3-numpy python3-pytest python3-torch
-  fio
+  fio chromium
 )
 
 missing=()

@@ -93,6 +93,15 @@ class ContiguousMemoryAllocator:
     def print_allocation(self, resolution: int = 200) -> None:
         print(self._arena.print_allocation(resolution))
 
+    def allocation_svg(self, path: Optional[str] = None) -> str:
+        """The map as an SVG picture (each tensor by offset, its id and size as a tooltip);
+        also written to `path` when one is given."""
+        svg = self._arena.allocation_svg()
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(svg)
+        return svg
+
     def max_allocated(self) -> int:
         """Most elements in use at once."""
         return self._arena.max_allocated() // self.itemsize

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
+#include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
 namespace py = pybind11;
@@ -445,6 +447,14 @@ PYBIND11_MODULE(_tensormem, m) {
            "The whole arena as a MemoryView (no copy).")
       .def("print_allocation", [](py_arena& a, std::size_t r) { return a.get().print_allocation(r); },
            py::arg("resolution") = 200)
+      .def("allocation_svg",
+           [](py_arena& a) {
+             std::ostringstream out;
+             const trace::arena_snapshot now = trace::snapshot(a.get(), "now");
+             trace::write_arena_svg(out, {&now, 1}, a.get().capacity());
+             return out.str();
+           },
+           "The map as an SVG picture: each tensor by offset with its id, size and padding.")
       .def("max_allocated", [](py_arena& a) { return a.get().max_allocated(); })
       .def("stats", [](py_arena& a) {
         const arena::arena_stats s = a.get().stats();

@@ -10,49 +10,16 @@
 #include <system_error>
 #include <vector>
 
+#include "svg_support.hpp"
+#include "write_file.hpp"
+
 namespace tensormem::trace {
 
+using detail::escape;
+using detail::human;
+using detail::tick_step;
+
 namespace {
-
-std::string escape(const std::string& s) {
-  std::string out;
-  for (const char c : s) {
-    switch (c) {
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '&': out += "&amp;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
-
-// Bytes in the largest binary unit that keeps the number at least 1: "1.25 GiB".
-std::string human(double bytes) {
-  static const char* const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 6) {
-    bytes /= 1024;
-    ++u;
-  }
-  char text[32];
-  std::snprintf(text, sizeof text, bytes >= 100 || u == 0 ? "%.0f %s" : "%.3g %s", bytes, units[u]);
-  return text;
-}
-
-// A round step (1, 2 or 5 times a power of `base`) giving about `ticks` ticks over `range`.
-double tick_step(double range, double ticks, double base) {
-  if (range <= 0) return 1;
-  const double raw = range / ticks;
-  double power = 1;
-  while (power * base <= raw) power *= base;
-  while (power > raw) power /= base;
-  for (const double m : {1.0, 2.0, 5.0, 10.0}) {
-    if (power * m >= raw) return power * m;
-  }
-  return power * base;
-}
 
 constexpr std::size_t outlined_up_to = 2'000;     // buffers drawn with an outline
 constexpr std::size_t one_by_one_up_to = 20'000;  // above: their union, per pixel column
@@ -177,9 +144,7 @@ void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
         << "<text x=\"" << x << "\" y=\"" << top + plot_h + 19 << "\" text-anchor=\"middle\">"
         << static_cast<std::uint64_t>(t) << "</text>\n";
   }
-  double unit = 1;
-  while (unit * 1024 <= y_top && unit < 1152921504606846976.0) unit *= 1024;
-  const double y_step = tick_step(y_top / unit, 6, 10) * unit;
+  const double y_step = detail::byte_tick_step(y_top, 6);
   for (double v = 0; v <= y_top * 1.0000001; v += y_step) {
     const double y = y_of(v);
     out << "<line class=\"ytick\" x1=\"" << left - 5 << "\" y1=\"" << y << "\" x2=\"" << left
@@ -228,11 +193,7 @@ void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
 void write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                     std::uint64_t lower_bound) {
-  std::ofstream out(path, std::ios::trunc);
-  if (!out) throw std::system_error(errno, std::generic_category(), "cannot write " + path);
-  write_plan_svg(out, buffers, offsets, arena_bytes, lower_bound);
-  out.flush();
-  if (!out) throw std::system_error(errno, std::generic_category(), "cannot write " + path);
+  detail::write_file(path, [&](std::ostream& out) { write_plan_svg(out, buffers, offsets, arena_bytes, lower_bound); });
 }
 
 }  // namespace tensormem::trace

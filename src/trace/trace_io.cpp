@@ -1,5 +1,7 @@
 #include "tensormem/trace/trace_io.hpp"
 
+#include "write_file.hpp"
+
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -9,6 +11,8 @@
 #include <string_view>
 #include <system_error>
 #include <unordered_map>
+
+#include "write_file.hpp"
 
 namespace tensormem::trace {
 
@@ -169,13 +173,7 @@ void write_trace(std::ostream& out, const std::vector<core::buffer>& buffers) {
 }
 
 void write_trace(const std::string& path, const std::vector<core::buffer>& buffers) {
-  std::ofstream out(path, std::ios::trunc);
-  if (!out) {
-    throw std::system_error(errno, std::generic_category(), "cannot write " + path);
-  }
-  write_trace(out, buffers);
-  out.flush();
-  if (!out) throw std::system_error(errno, std::generic_category(), "cannot write " + path);
+  detail::write_file(path, [&](std::ostream& out) { write_trace(out, buffers); });
 }
 
 }  // namespace tensormem::trace

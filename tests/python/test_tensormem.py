@@ -153,6 +153,23 @@ def test_print_allocation(capsys):
     assert capsys.readouterr().out.strip() == "|||||....."
 
 
+def test_allocation_svg(tmp_path):
+    cma = ContiguousMemoryAllocator(1024, torch.float32)  # 4 KiB
+    a = cma.allocate_tensor(100)
+    b = cma.allocate_tensor(300)
+    cma.release_tensor(a)
+    path = tmp_path / "map.svg"
+    svg = cma.allocation_svg(str(path))
+    assert path.read_text() == svg
+    assert svg.startswith("<svg ") and svg.rstrip().endswith("</svg>")
+    # One tensor left (b: 1200 bytes after a's 400, element-aligned), the used bytes and the
+    # largest hole (4096 - 1600 = 2496 bytes) in the row's label.
+    assert svg.count('class="tensor"') == 1
+    assert ": offset 400, 1200 bytes (1200 reserved)</title>" in svg
+    assert "1 tensors, used 1.17 KiB, free 2.83 KiB, largest hole 2.44 KiB" in svg
+    del b
+
+
 # ----------------------------------------------------------------------------- swapper
 
 def test_swapper_round_trip_numpy_and_torch(tmp_path):

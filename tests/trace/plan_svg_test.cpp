@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "tensormem/memory/host_resource.hpp"
+#include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/plan_svg.hpp"
 
 namespace tensormem::trace {
@@ -60,6 +62,66 @@ TEST(plan_svg, many_buffers_are_aggregated) {
   EXPECT_NE(svg.find("drawn as their union"), std::string::npos);
   EXPECT_LT(svg.size(), std::size_t{4} << 20);
   EXPECT_GT(count(svg, "<rect x="), 100U);  // something is drawn
+}
+
+// The page carries the plan as data; ids that look like markup or code stay text.
+TEST(plan_html, data_arrays_and_escaped_ids) {
+  const std::vector<core::buffer> buffers = {{"x</script><b>", 0, 10, 4096, {}},
+                                             {"quote\"back\\slash\ttab", 3, 7, 1 << 20, {}}};
+  const std::vector<std::uint64_t> offsets = {1 << 20, 0};
+  std::ostringstream out;
+  write_plan_html(out, buffers, offsets, (1 << 20) + 4096, 1 << 20, "t</title>.csv");
+  const std::string html = out.str();
+  EXPECT_TRUE(html.starts_with("<!DOCTYPE html>"));
+  EXPECT_TRUE(html.ends_with("</html>\n"));
+  EXPECT_EQ(count(html, "</script>"), 1U) << "an id closed the script element";
+  EXPECT_NE(html.find(R"(ids:["x<\/script><b>","quote\"back\\slash\u0009tab"])"), std::string::npos);
+  EXPECT_NE(html.find(R"(title:"t<\/title>.csv")"), std::string::npos);
+  EXPECT_NE(html.find("lower:[0,3],"), std::string::npos);
+  EXPECT_NE(html.find("upper:[10,7],"), std::string::npos);
+  EXPECT_NE(html.find("offset:[1048576,0],"), std::string::npos);
+  EXPECT_NE(html.find("bytes:[4096,1048576],"), std::string::npos);
+  EXPECT_NE(html.find("arena:1052672,"), std::string::npos);
+  EXPECT_EQ(html.find("http"), std::string::npos) << "the page must not reach the network";
+}
+
+// The arena map: one bar per snapshot, a rectangle per tensor with padding, the used and
+// free bytes and the largest hole per bar, an axis in binary units; blocks outside refused.
+TEST(arena_svg, bars_tensors_holes_and_axis) {
+  const std::vector<arena_snapshot> rows = {
+      {"before", {{"w<1>", 0, 1000, 1024}, {"b", 3072, 1024, 1024}}},  // holes 2048 and 4096
+      {"after", {{"w<1>", 0, 1000, 1024}, {"b", 1024, 1024, 1024}}}};  // one hole of 6144
+  std::ostringstream out;
+  write_arena_svg(out, rows, 8192);
+  const std::string svg = out.str();
+  EXPECT_EQ(count(svg, "class=\"row-label\""), 2U);
+  EXPECT_EQ(count(svg, "class=\"tensor\""), 4U);
+  EXPECT_NE(svg.find("w&lt;1&gt;: offset 0, 1000 bytes (1024 reserved)"), std::string::npos);
+  EXPECT_NE(svg.find("before: 2 tensors, used 2 KiB, free 6 KiB, largest hole 4 KiB"), std::string::npos);
+  EXPECT_NE(svg.find("after: 2 tensors, used 2 KiB, free 6 KiB, largest hole 6 KiB"), std::string::npos);
+  EXPECT_EQ(count(svg, "hsl("), 6U) << "padded tensors get a pale padding rectangle";
+  for (const char* label : {">0 B</text>", ">4 KiB</text>", ">8 KiB</text>", "offset in the arena"}) {
+    EXPECT_NE(svg.find(label), std::string::npos) << label;
+  }
+  const std::vector<arena_snapshot> outside = {{"bad", {{"x", 8000, 100, 256}}}};
+  std::ostringstream ignored;
+  EXPECT_THROW(write_arena_svg(ignored, outside, 8192), std::invalid_argument);
+}
+
+// A snapshot of a real arena: ids as names (or the caller's names), reserved = aligned size.
+TEST(arena_svg, snapshot_of_an_arena) {
+  memory::host_resource host;
+  arena::contiguous_arena a(host, 4096, {.alignment = 256});
+  const auto x = a.allocate(100);
+  const auto y = a.allocate(300);
+  const arena_snapshot s = snapshot(a, "now");
+  ASSERT_EQ(s.blocks.size(), 2U);
+  EXPECT_EQ(s.blocks[0].name, std::to_string(x.id));
+  EXPECT_EQ(s.blocks[0].reserved, 256U);
+  EXPECT_EQ(s.blocks[1].offset, y.offset);
+  EXPECT_EQ(s.blocks[1].reserved, 512U);
+  const arena_snapshot named = snapshot(a, "now", [](std::uint64_t id) { return "t" + std::to_string(id); });
+  EXPECT_EQ(named.blocks[1].name, "t" + std::to_string(y.id));
 }
 
 }  // namespace

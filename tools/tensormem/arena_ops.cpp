@@ -58,6 +58,14 @@ std::byte pattern(std::uint64_t seed, std::uint64_t i) {
 
 std::uint64_t seed_of(const std::string& name) { return std::hash<std::string>{}(name) | 1U; }
 
+// The arena now, its tensors named as the script names them.
+trace::arena_snapshot named_snapshot(const arena::contiguous_arena& arena,
+                                     const std::map<std::string, std::uint64_t>& ids, std::string label) {
+  std::map<std::uint64_t, std::string> names;
+  for (const auto& [name, id] : ids) names[id] = name;
+  return trace::snapshot(arena, std::move(label), [&](std::uint64_t id) { return names.at(id); });
+}
+
 }  // namespace
 
 arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector<arena_op>& ops,
@@ -102,6 +110,9 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
     }
     if (arena.stats().defragmentations != defrags) {
       r.maps_after_defrag.push_back(arena.print_allocation(resolution));
+      r.snapshots.push_back(named_snapshot(
+          arena, ids, "after defragmentation " + std::to_string(r.maps_after_defrag.size()) + " (line " +
+                          std::to_string(op.line) + ")"));
     }
     if (verify && *r.verified) {
       for (const auto& [name, id] : ids) {
@@ -114,6 +125,7 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
       }
     }
   }
+  r.snapshots.push_back(named_snapshot(arena, ids, "at the end"));
   return r;
 }
 

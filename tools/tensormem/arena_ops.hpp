@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "tensormem/arena/contiguous_arena.hpp"
+#include "tensormem/trace/arena_svg.hpp"
 
 namespace tensormem::cli {
 
@@ -28,6 +29,8 @@ struct arena_run_result {
   std::vector<std::string> failures;  ///< "line N: what", one per failed step
   std::optional<bool> verified;       ///< set when verification ran
   std::vector<std::string> maps_after_defrag;
+  /// The arena after each defragmentation and at the end, tensors named as in the script.
+  std::vector<trace::arena_snapshot> snapshots;
 };
 
 /// Runs the steps. A step that cannot be satisfied (out of memory, unknown or live name) is

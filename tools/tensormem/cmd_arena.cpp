@@ -11,6 +11,7 @@
 #include "commands.hpp"
 #include "report.hpp"
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
 namespace tensormem::cli {
@@ -24,6 +25,7 @@ struct arena_cli_options {
   std::string policy = "minimal";
   std::uint64_t alignment = 256;
   std::size_t resolution = 64;
+  std::string svg;
   bool verify = false;
   bool json = false;
 };
@@ -65,6 +67,7 @@ void run_arena(const arena_cli_options& o, bool alignment_given, bool capacity_g
   const arena_run_result r = run_arena_ops(a, ops, o.verify, o.resolution);
   const arena::arena_stats s = a.stats();
   const std::string map = a.print_allocation(o.resolution);
+  if (!o.svg.empty()) trace::write_arena_svg(o.svg, r.snapshots, capacity);
   if (o.json) {
     nlohmann::json j;
     j["steps"] = r.steps;
@@ -109,6 +112,7 @@ void add_arena_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--resolution", o->resolution, "cells in the map (1 to 1000000)")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1000000}));
+  cmd->add_option("--svg", o->svg, "draw the map after each defragmentation and at the end as SVG");
   cmd->add_flag("--verify", o->verify, "fill tensors with patterns and check them after every step");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o, alignment, capacity, ops, scenario] {

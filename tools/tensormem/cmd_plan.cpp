@@ -24,6 +24,7 @@ struct plan_cli_options {
   std::uint64_t seed = 1;
   std::string out;
   std::string svg;
+  std::string html;
   bool json = false;
 };
 
@@ -42,6 +43,10 @@ void run_plan(const plan_cli_options& o) {
   for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].offset = r.offsets[i];
   if (!o.out.empty()) trace::write_trace(o.out, buffers);
   if (!o.svg.empty()) trace::write_plan_svg(o.svg, buffers, r.offsets, r.arena_bytes, r.lower_bound);
+  if (!o.html.empty()) {
+    trace::write_plan_html(o.html, buffers, r.offsets, r.arena_bytes, r.lower_bound,
+                           std::filesystem::path(o.trace).filename().string());
+  }
   if (o.json) {
     nlohmann::json j;
     j["trace"] = o.trace;
@@ -80,6 +85,7 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--seed", opts->seed, "seed of the randomized search");
   cmd->add_option("--out", opts->out, "write the trace with an offset column");
   cmd->add_option("--svg", opts->svg, "draw the plan as SVG");
+  cmd->add_option("--html", opts->html, "write the plan as one interactive HTML page (zoom, hover)");
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] { run_plan(*opts); });
 }

@@ -1,5 +1,5 @@
 #pragma once
-// Pictures of plans: one SVG rectangle per buffer, time on x and offset on y.
+// Pictures of plans, time on x and offset on y: a static SVG, and an interactive HTML page.
 
 #include <cstdint>
 #include <iosfwd>
@@ -19,5 +19,20 @@ void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
 void write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                     std::uint64_t lower_bound);
+
+/// An interactive page of a plan: one self-contained HTML file (no network), the buffers
+/// drawn on a canvas by the page's own script; the wheel zooms about the pointer (shift: time
+/// only, alt: bytes only), dragging pans, a double click resets, and hovering a buffer shows
+/// its id, size, lifetime and offset. The number of buffers drawn in the current view is kept
+/// in the element `#drawn`. Opened with `#selftest` at the end of its address, the page
+/// hovers its largest buffer and zooms once by itself and writes what it saw into
+/// `#selftest` (for a headless browser). Values are exact up to 2^53.
+void write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
+                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                     std::uint64_t lower_bound, const std::string& title);
+/// As above, to a file; throws std::system_error when it cannot be written.
+void write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
+                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                     std::uint64_t lower_bound, const std::string& title);
 
 }  // namespace tensormem::trace

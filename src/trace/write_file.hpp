@@ -1,0 +1,21 @@
+#pragma once
+// Writes a text file through a callback; a file that cannot be opened or written is a
+// std::system_error naming it.
+
+#include <cerrno>
+#include <fstream>
+#include <string>
+#include <system_error>
+
+namespace tensormem::trace::detail {
+
+template <class Write>
+void write_file(const std::string& path, Write&& write) {
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) throw std::system_error(errno, std::generic_category(), "cannot write " + path);
+  write(out);
+  out.flush();
+  if (!out) throw std::system_error(errno, std::generic_category(), "cannot write " + path);
+}
+
+}  // namespace tensormem::trace::detail
