@@ -16,6 +16,7 @@ from ._tensormem import (  # noqa: F401
     PinnedPool,
     TensorSwapper,
     TlsfAllocator,
+    __version__,
     cuda_built,
     cuda_unavailable_reason,
     lower_bound,
@@ -26,5 +27,5 @@ from ._tensormem import (  # noqa: F401
 
 __all__ = [
     "GROWING", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "PinnedBuffer",
-    "PinnedPool", "TensorSwapper", "TlsfAllocator", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
+    "PinnedPool", "TensorSwapper", "TlsfAllocator", "__version__", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
 ]

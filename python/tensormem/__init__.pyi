@@ -3,6 +3,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 GROWING: int
+__version__: str
 
 class Allocation:
     offset: int

@@ -338,6 +338,7 @@ std::vector<core::buffer> buffers_from(const py::handle& lower, const py::handle
 
 PYBIND11_MODULE(_tensormem, m) {
   m.doc() = "tensormem: tensor memory planning, arenas, pinned memory and swapping";
+  m.attr("__version__") = TENSORMEM_VERSION;
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {
