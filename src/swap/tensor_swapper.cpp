@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/io/file_io.hpp"
 #include "tensormem/swap/crc32c.hpp"
 
 namespace tensormem::swap {
@@ -229,19 +230,6 @@ tensor_swapper::~tensor_swapper() {
 
 namespace {
 
-// Opens with O_DIRECT when `direct` is set, again without it where the file system refuses
-// it (EINVAL, as tmpfs may); `direct` says what was used. `open_as(extra)` opens with the
-// extra flags.
-template <class Open>
-int open_direct_or_buffered(Open open_as, bool& direct) {
-  int fd = open_as(direct ? O_DIRECT : 0);
-  if (fd < 0 && errno == EINVAL && direct) {
-    direct = false;
-    fd = open_as(0);
-  }
-  return fd;
-}
-
 }  // namespace
 
 // Buffered I/O where O_DIRECT was asked for: reported (the first reason is kept).
@@ -255,7 +243,7 @@ int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
   // on the next read): O_NOATIME where we own the file (it needs the owner: EPERM else).
   int flags = out ? O_WRONLY | O_CREAT | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
   direct = options_.direct;
-  const int fd = open_direct_or_buffered([&](int extra) {
+  const int fd = io::open_direct_or_buffered([&](int extra) {
     int f = open(path.c_str(), flags | extra | O_CLOEXEC, 0644);
     if (f < 0 && errno == EPERM && (flags & O_NOATIME) != 0) {
       flags &= ~O_NOATIME;
@@ -436,14 +424,14 @@ tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std
   if (const auto it = packs_.find(dir); it != packs_.end()) return it->second.get();
   auto pack = std::make_unique<pack_file>();
   bool direct = options_.direct;
-  int fd = open_direct_or_buffered(
+  int fd = io::open_direct_or_buffered(
       [&](int extra) { return open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | extra, 0600); }, direct);
   if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) {
     const std::string named = dir + "/.tensormem-pack." + std::to_string(getpid()) + "." +
                               std::to_string(reinterpret_cast<std::uintptr_t>(this)) + "." +
                               std::to_string(packs_.size());
     direct = options_.direct;
-    fd = open_direct_or_buffered(
+    fd = io::open_direct_or_buffered(
         [&](int extra) { return open(named.c_str(), O_CREAT | O_TRUNC | O_RDWR | O_CLOEXEC | extra, 0600); },
         direct);
     if (fd >= 0) unlink(named.c_str());

@@ -1,0 +1,139 @@
+#pragma once
+// Raw file reads and writes of caller buffers, queued and completed in the background on the
+// io engines: DeepSpeed's aio_handle semantics (no header, any file offset), with every
+// request's result checked.
+
+#include <fcntl.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tensormem/io/io_engine.hpp"
+
+namespace tensormem::io {
+
+/// Opens with O_DIRECT when `direct` is set, and again without it when the filesystem
+/// refuses O_DIRECT (EINVAL); `direct` then reads false. `open_as(extra_flags)` opens.
+template <class Open>
+int open_direct_or_buffered(Open open_as, bool& direct) {
+  int fd = open_as(direct ? O_DIRECT : 0);
+  if (fd < 0 && errno == EINVAL && direct) {
+    direct = false;
+    fd = open_as(0);
+  }
+  return fd;
+}
+
+struct file_io_options {
+  std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per request (an op is split in blocks)
+  unsigned queue_depth = 128;                      ///< requests in flight per ring
+  unsigned rings = 1;           ///< engines, each driven by its own thread; an op's blocks are dealt out in turn
+  engine_kind engine = engine_kind::uring;
+  bool direct = true;           ///< O_DIRECT where buffer, offset and length are 4096-aligned
+  /// Makes each ring's engine instead of `engine` (tests wrap engines to inject faults).
+  std::function<std::unique_ptr<io_engine>(unsigned queue_depth)> make_engine;
+};
+
+/// One failed operation: the file, an errno value and what happened.
+struct file_io_error {
+  std::string path;
+  int error = 0;
+  std::string message;
+};
+
+struct file_io_stats {
+  std::uint64_t ops = 0;           ///< completed operations (failed ones included)
+  std::uint64_t failed = 0;
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
+  std::uint64_t direct_ops = 0;    ///< operations done with O_DIRECT
+  std::uint64_t buffered_ops = 0;  ///< operations through the page cache (unaligned, or refused)
+  std::uint64_t requests = 0;      ///< block requests handed to the engines
+  std::string engine;              ///< "uring" or "threads"
+  std::string fallback;            ///< why io_uring or O_DIRECT was not used; empty if it was
+};
+
+/// Queues whole-buffer reads and writes of files and completes them on background threads
+/// (the caller need not be inside the object for the bytes to move). An operation opens its
+/// file when it is queued (a write creates it, mode 0600, and never truncates: bytes outside
+/// the written range stay), is split into `block_bytes` requests, and finishes when every
+/// request has; a request that fails or transfers fewer bytes than asked (the file ended)
+/// fails its operation with the path and errno, reported by `wait`. Thread-safe.
+class async_file_io {
+ public:
+  explicit async_file_io(file_io_options options = {});
+  ~async_file_io();  ///< waits for every queued operation
+  async_file_io(const async_file_io&) = delete;
+  async_file_io& operator=(const async_file_io&) = delete;
+
+  /// Queues a read of `bytes` at `file_offset` of `path` into `buffer` (which must stay valid
+  /// until `wait` returns). Throws std::system_error naming the path when the file cannot be
+  /// opened or is shorter than `file_offset + bytes`; nothing is queued then. With `validate`,
+  /// `wait` reads the range again through the page cache and compares.
+  void read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
+            bool validate = false);
+  /// Queues a write of `bytes` from `buffer` (valid and unchanged until `wait` returns).
+  void write(const void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
+             bool validate = false);
+
+  struct wait_result {
+    std::size_t completed = 0;          ///< operations finished since the last wait
+    std::vector<file_io_error> errors;  ///< one per failed operation, in queuing order
+  };
+  /// Blocks until every queued operation has finished.
+  wait_result wait();
+  /// Operations queued and not yet collected by `wait`.
+  std::size_t pending() const;
+  file_io_stats stats() const;
+  const file_io_options& options() const noexcept { return options_; }
+
+ private:
+  struct op {
+    std::string path;
+    int fd = -1;
+    bool write = false;
+    bool validate = false;
+    bool direct = false;
+    std::byte* buffer = nullptr;
+    std::size_t bytes = 0;
+    std::uint64_t file_offset = 0;
+    std::size_t unfinished = 0;  // requests not yet completed
+    int error = 0;
+    std::string message;
+  };
+  struct ring {
+    std::unique_ptr<io_engine> engine;
+    std::deque<io_request> queued;  // requests not yet given to the engine
+    std::condition_variable work;
+    std::thread thread;
+  };
+
+  void queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
+             std::uint64_t file_offset, bool validate);
+  void run(ring& r);
+  void complete(const io_completion& c);
+  void finish(op& o);
+
+  file_io_options options_;
+  mutable std::mutex mutex_;
+  std::condition_variable done_;
+  std::vector<std::unique_ptr<ring>> rings_;
+  std::map<std::uint64_t, op> ops_;  // queued, not yet collected, by id (queuing order)
+  std::uint64_t next_id_ = 1;
+  std::size_t unfinished_ops_ = 0;
+  std::size_t next_ring_ = 0;
+  bool stop_ = false;
+  file_io_stats stats_;
+};
+
+}  // namespace tensormem::io

@@ -1,0 +1,227 @@
+#include "tensormem/io/file_io.hpp"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <system_error>
+
+namespace tensormem::io {
+
+namespace {
+
+constexpr std::uint64_t direct_alignment = 4096;
+
+std::string describe(int error) { return std::generic_category().message(error); }
+
+}  // namespace
+
+async_file_io::async_file_io(file_io_options options) : options_(options) {
+  if (options_.block_bytes == 0) throw std::invalid_argument("async_file_io: block_bytes must be positive");
+  if (options_.queue_depth == 0) throw std::invalid_argument("async_file_io: queue_depth must be positive");
+  if (options_.rings == 0) throw std::invalid_argument("async_file_io: rings must be positive");
+  for (unsigned i = 0; i < options_.rings; ++i) {
+    auto r = std::make_unique<ring>();
+    std::string why;
+    r->engine = options_.make_engine ? options_.make_engine(options_.queue_depth)
+                                     : make_engine(options_.engine, options_.queue_depth, why);
+    if (!why.empty() && stats_.fallback.empty()) stats_.fallback = why;
+    stats_.engine = std::string(to_string(r->engine->kind()));
+    rings_.push_back(std::move(r));
+  }
+  for (auto& r : rings_) r->thread = std::thread([this, ring = r.get()] { run(*ring); });
+}
+
+async_file_io::~async_file_io() {
+  {
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [this] { return unfinished_ops_ == 0; });
+    stop_ = true;
+  }
+  for (auto& r : rings_) r->work.notify_all();
+  for (auto& r : rings_) r->thread.join();
+  for (auto& [id, o] : ops_) {
+    if (o.fd >= 0) ::close(o.fd);
+  }
+}
+
+void async_file_io::read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
+                         bool validate) {
+  queue(false, static_cast<std::byte*>(buffer), bytes, path, file_offset, validate);
+}
+
+void async_file_io::write(const void* buffer, std::size_t bytes, const std::string& path,
+                          std::uint64_t file_offset, bool validate) {
+  // The engines never write into a write's buffer.
+  queue(true, const_cast<std::byte*>(static_cast<const std::byte*>(buffer)), bytes, path, file_offset, validate);
+}
+
+void async_file_io::queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
+                          std::uint64_t file_offset, bool validate) {
+  if (bytes != 0 && buffer == nullptr) throw std::invalid_argument("async_file_io: null buffer for " + path);
+  if (file_offset > UINT64_MAX - bytes || file_offset + bytes > static_cast<std::uint64_t>(INT64_MAX)) {
+    throw std::invalid_argument("async_file_io: offset " + std::to_string(file_offset) + " + " +
+                                std::to_string(bytes) + " bytes is past the largest file offset (" + path + ")");
+  }
+  const auto aligned = [](std::uint64_t v) { return v % direct_alignment == 0; };
+  bool direct = options_.direct && aligned(reinterpret_cast<std::uintptr_t>(buffer)) && aligned(file_offset) &&
+                aligned(bytes);
+  const bool wanted_direct = direct;
+  const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
+  const int fd = open_direct_or_buffered([&](int extra) { return ::open(path.c_str(), flags | extra, 0600); }, direct);
+  if (fd < 0) {
+    const int e = errno;
+    throw std::system_error(e, std::generic_category(),
+                            std::string("cannot open ") + path + (write ? " for writing" : " for reading"));
+  }
+  if (!write) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || static_cast<std::uint64_t>(st.st_size) < file_offset + bytes) {
+      const auto size = static_cast<std::uint64_t>(st.st_size);
+      ::close(fd);
+      throw std::system_error(EINVAL, std::generic_category(),
+                              path + " has " + std::to_string(size) + " bytes; reading " + std::to_string(bytes) +
+                                  " at offset " + std::to_string(file_offset) + " needs " +
+                                  std::to_string(file_offset + bytes));
+    }
+  }
+  // Blocks of block_bytes (a multiple of 4096 under O_DIRECT), dealt out to the rings.
+  std::uint64_t block = options_.block_bytes;
+  if (direct) block = (block + direct_alignment - 1) / direct_alignment * direct_alignment;
+  std::unique_lock lock(mutex_);
+  if (wanted_direct && !direct && stats_.fallback.empty()) {
+    stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
+  }
+  const std::uint64_t id = next_id_++;
+  op& o = ops_[id];
+  o = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, 0, {}};
+  ++unfinished_ops_;
+  ++(direct ? stats_.direct_ops : stats_.buffered_ops);
+  if (bytes == 0) {
+    finish(o);
+    return;
+  }
+  std::vector<bool> woken(rings_.size(), false);
+  for (std::uint64_t done = 0; done < bytes; done += block) {
+    ring& r = *rings_[next_ring_];
+    woken[next_ring_] = true;
+    next_ring_ = (next_ring_ + 1) % rings_.size();
+    io_request q;
+    q.fd = fd;
+    q.offset = file_offset + done;
+    q.buffer = buffer + done;
+    q.bytes = static_cast<std::size_t>(std::min<std::uint64_t>(block, bytes - done));
+    q.write = write;
+    q.user_data = id;
+    r.queued.push_back(q);
+    ++o.unfinished;
+    ++stats_.requests;
+  }
+  lock.unlock();
+  for (std::size_t i = 0; i < rings_.size(); ++i) {
+    if (woken[i]) rings_[i]->work.notify_one();
+  }
+}
+
+// A ring's thread: hands queued requests to its engine and collects completions; the engine
+// is touched by this thread only.
+void async_file_io::run(ring& r) {
+  std::unique_lock lock(mutex_);
+  std::vector<io_request> batch;
+  for (;;) {
+    if (!r.queued.empty()) {
+      batch.assign(r.queued.begin(), r.queued.end());
+      r.queued.clear();
+      lock.unlock();
+      r.engine->submit(batch);
+      lock.lock();
+      continue;
+    }
+    if (r.engine->outstanding() == 0) {
+      if (stop_) return;
+      r.work.wait(lock, [&] { return stop_ || !r.queued.empty(); });
+      continue;
+    }
+    lock.unlock();
+    const std::vector<io_completion> done = r.engine->wait(1);
+    lock.lock();
+    for (const io_completion& c : done) complete(c);
+  }
+}
+
+void async_file_io::complete(const io_completion& c) {
+  op& o = ops_.at(c.user_data);
+  if (o.error == 0 && (c.result < 0 || static_cast<std::size_t>(c.result) < c.bytes)) {
+    if (c.result < 0) {
+      o.error = static_cast<int>(-c.result);
+      o.message = std::string(o.write ? "write to " : "read from ") + o.path + " failed: " + describe(o.error);
+    } else {
+      o.error = EIO;
+      o.message = std::string(o.write ? "short write to " : "short read from ") + o.path + ": " +
+                  std::to_string(c.result) + " of " + std::to_string(c.bytes) + " bytes";
+    }
+  }
+  if (--o.unfinished == 0) finish(o);
+}
+
+void async_file_io::finish(op& o) {
+  ::close(o.fd);
+  o.fd = -1;
+  ++stats_.ops;
+  if (o.error != 0) {
+    ++stats_.failed;
+  } else {
+    (o.write ? stats_.bytes_written : stats_.bytes_read) += o.bytes;
+  }
+  if (--unfinished_ops_ == 0) done_.notify_all();
+}
+
+async_file_io::wait_result async_file_io::wait() {
+  std::unique_lock lock(mutex_);
+  done_.wait(lock, [this] { return unfinished_ops_ == 0; });
+  std::map<std::uint64_t, op> finished;
+  finished.swap(ops_);
+  lock.unlock();
+  wait_result result;
+  for (auto& [id, o] : finished) {
+    ++result.completed;
+    if (o.error == 0 && o.validate && o.bytes != 0) {
+      // Read the range back through the page cache and compare with the buffer.
+      std::vector<std::byte> back(o.bytes);
+      const int fd = ::open(o.path.c_str(), O_RDONLY | O_CLOEXEC);
+      std::size_t got = 0;
+      while (fd >= 0 && got < o.bytes) {
+        const ssize_t n = ::pread(fd, back.data() + got, o.bytes - got, static_cast<off_t>(o.file_offset + got));
+        if (n <= 0) break;
+        got += static_cast<std::size_t>(n);
+      }
+      if (fd >= 0) ::close(fd);
+      if (got != o.bytes || std::memcmp(back.data(), o.buffer, o.bytes) != 0) {
+        {
+          const std::lock_guard stats_lock(mutex_);
+          ++stats_.failed;
+          (o.write ? stats_.bytes_written : stats_.bytes_read) -= o.bytes;
+        }
+        o.error = EBADMSG;
+        o.message = "validation of " + o.path + " failed: the file's " + std::to_string(o.bytes) +
+                    " bytes at offset " + std::to_string(o.file_offset) + " differ from the buffer";
+      }
+    }
+    if (o.error != 0) result.errors.push_back({o.path, o.error, o.message});
+  }
+  return result;
+}
+
+std::size_t async_file_io::pending() const {
+  const std::lock_guard lock(mutex_);
+  return ops_.size();
+}
+
+file_io_stats async_file_io::stats() const {
+  const std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+}  // namespace tensormem::io

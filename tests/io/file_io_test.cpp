@@ -1,0 +1,329 @@
+// Raw file transfers (DeepSpeed's aio_handle semantics): byte equality with plain writes at
+// any offset, no truncation, progress without the caller, and every failure reported with
+// its path and errno (at queuing, or per operation by wait).
+
+#include <gtest/gtest.h>
+
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <system_error>
+#include <thread>
+
+#include "tensormem/io/file_io.hpp"
+#include "../swap/swap_test_support.hpp"
+
+namespace tensormem::io {
+namespace {
+
+using swap::testing::pattern;
+using swap::testing::scratch_dir;
+
+// 4096-aligned memory, as pinned tensors are.
+struct aligned_buffer {
+  std::byte* data;
+  std::size_t size;
+  explicit aligned_buffer(std::size_t n) : data(static_cast<std::byte*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096))), size(n) {}
+  ~aligned_buffer() { std::free(data); }
+  aligned_buffer(const aligned_buffer&) = delete;
+  aligned_buffer& operator=(const aligned_buffer&) = delete;
+};
+
+std::vector<std::byte> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(c.size());
+  std::memcpy(out.data(), c.data(), c.size());
+  return out;
+}
+
+void write_plain(const std::string& path, const std::vector<std::byte>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+struct config {
+  engine_kind engine;
+  unsigned rings;
+};
+
+class file_io_test : public ::testing::TestWithParam<config> {
+ protected:
+  file_io_options options(std::size_t block = 64 << 10) const {
+    file_io_options o;
+    o.block_bytes = block;
+    o.queue_depth = 8;
+    o.rings = GetParam().rings;
+    o.engine = GetParam().engine;
+    return o;
+  }
+};
+
+// Random operations, aligned (O_DIRECT) and not (buffered), at random offsets of one file:
+// the file equals a model kept with plain writes, and reads return the model's bytes.
+TEST_P(file_io_test, random_reads_and_writes_match_a_plain_model) {
+  scratch_dir dir;
+  const std::string path = (dir.path / "raw").string();
+  std::vector<std::byte> model;
+  std::mt19937_64 rng(17);
+  async_file_io io(options());
+  for (int round = 0; round < 40; ++round) {
+    const bool aligned = rng() % 2 == 0;
+    const std::size_t bytes = aligned ? 4096 * (1 + rng() % 64) : 1 + rng() % 300'000;
+    const std::uint64_t offset = aligned ? 4096 * (rng() % 64) : rng() % 200'000;
+    aligned_buffer buffer(bytes + 1);
+    std::byte* at = buffer.data + (aligned ? 0 : 1);  // unaligned buffers too
+    const bool write = model.size() < offset + bytes || rng() % 2 == 0;
+    if (write) {
+      const auto data = pattern(bytes, rng());
+      std::memcpy(at, data.data(), bytes);
+      io.write(at, bytes, path, offset);
+      const auto r = io.wait();
+      ASSERT_EQ(r.completed, 1U);
+      ASSERT_TRUE(r.errors.empty()) << r.errors[0].message;
+      if (model.size() < offset + bytes) model.resize(offset + bytes);  // a hole reads as zeros
+      std::memcpy(model.data() + offset, data.data(), bytes);
+      ASSERT_EQ(file_bytes(path), model) << "round " << round;
+    } else {
+      io.read(at, bytes, path, offset);
+      const auto r = io.wait();
+      ASSERT_TRUE(r.errors.empty()) << r.errors[0].message;
+      ASSERT_EQ(std::memcmp(at, model.data() + offset, bytes), 0) << "round " << round;
+    }
+  }
+  const file_io_stats s = io.stats();
+  EXPECT_GT(s.direct_ops, 0U);
+  EXPECT_GT(s.buffered_ops, 0U);
+  EXPECT_EQ(s.ops, 40U);
+  EXPECT_EQ(s.failed, 0U);
+}
+
+// Many operations queued at once over several files; the bytes reach the disk while the
+// caller sleeps (only the rings' threads can move them); wait counts every one.
+TEST_P(file_io_test, queued_operations_complete_without_the_caller) {
+  scratch_dir dir;
+  constexpr int count = 24;
+  constexpr std::size_t bytes = std::size_t{1} << 20;
+  std::vector<std::unique_ptr<aligned_buffer>> buffers;
+  async_file_io io(options());
+  for (int i = 0; i < count; ++i) {
+    buffers.push_back(std::make_unique<aligned_buffer>(bytes));
+    const auto data = pattern(bytes, static_cast<std::uint64_t>(i));
+    std::memcpy(buffers.back()->data, data.data(), bytes);
+    io.write(buffers.back()->data, bytes, (dir.path / std::to_string(i)).string(), 0);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (io.stats().ops < count && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(io.stats().ops, static_cast<std::uint64_t>(count));
+  EXPECT_EQ(io.pending(), static_cast<std::size_t>(count));
+  const auto r = io.wait();
+  EXPECT_EQ(r.completed, static_cast<std::size_t>(count));
+  EXPECT_TRUE(r.errors.empty());
+  EXPECT_EQ(io.wait().completed, 0U) << "a second wait finds nothing new";
+  for (int i = 0; i < count; ++i) {
+    EXPECT_EQ(file_bytes((dir.path / std::to_string(i)).string()), pattern(bytes, static_cast<std::uint64_t>(i)));
+  }
+  EXPECT_EQ(io.stats().requests, count * bytes / (64 << 10));
+}
+
+// A write never truncates: the bytes around the written range stay.
+TEST_P(file_io_test, a_write_keeps_the_bytes_around_it) {
+  scratch_dir dir;
+  const std::string path = (dir.path / "keep").string();
+  auto before = pattern(3 * 4096, 1);
+  write_plain(path, before);
+  aligned_buffer b(4096);
+  std::memset(b.data, 0x5a, 4096);
+  async_file_io io(options());
+  io.write(b.data, 4096, path, 4096);
+  ASSERT_TRUE(io.wait().errors.empty());
+  std::memset(before.data() + 4096, 0x5a, 4096);
+  EXPECT_EQ(file_bytes(path), before);
+}
+
+TEST_P(file_io_test, errors_at_queuing_name_the_path_and_queue_nothing) {
+  scratch_dir dir;
+  async_file_io io(options());
+  aligned_buffer b(8192);
+  const std::string missing = (dir.path / "no" / "such" / "dir" / "f").string();
+  try {
+    io.write(b.data, 8192, missing, 0);
+    FAIL() << "a write into a missing directory was queued";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
+  }
+  const std::string small = (dir.path / "small").string();
+  write_plain(small, pattern(5000, 2));
+  try {
+    io.read(b.data, 8192, small, 0);
+    FAIL() << "a read past the end of the file was queued";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), EINVAL);
+    EXPECT_NE(std::string(e.what()).find("has 5000 bytes; reading 8192 at offset 0"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(io.read(b.data, 10, small, 4991), std::system_error);  // one byte too far
+  EXPECT_EQ(io.pending(), 0U);
+  EXPECT_EQ(io.wait().completed, 0U);
+  EXPECT_THROW(io.write(nullptr, 1, small, 0), std::invalid_argument);
+  EXPECT_THROW(io.write(b.data, 1, small, UINT64_MAX), std::invalid_argument);
+}
+
+// The file shrinks between queuing and the transfer: the read fails with EIO and says how
+// many bytes came; the other operation of the same wait succeeds.
+class truncating_engine final : public swap::testing::forwarding_engine {
+ public:
+  truncating_engine(std::unique_ptr<io_engine> inner, std::string path)
+      : forwarding_engine(std::move(inner)), path_(std::move(path)) {}
+  void submit(std::span<const io_request> requests) override {
+    if (!path_.empty()) {
+      if (::truncate(path_.c_str(), 6000) != 0) ADD_FAILURE() << "truncate";
+      path_.clear();
+    }
+    inner_->submit(requests);
+  }
+
+ private:
+  std::string path_;
+};
+
+TEST(file_io, a_short_read_fails_its_operation_alone) {
+  scratch_dir dir;
+  const std::string path = (dir.path / "shrinks").string();
+  write_plain(path, pattern(16384, 3));
+  file_io_options o;
+  o.block_bytes = 4096;
+  o.make_engine = [&](unsigned qd) { return std::make_unique<truncating_engine>(make_thread_engine(qd, 2), path); };
+  async_file_io io(o);
+  aligned_buffer b(16384);
+  io.read(b.data, 16384, path, 0);
+  const auto r = io.wait();
+  ASSERT_EQ(r.completed, 1U);
+  ASSERT_EQ(r.errors.size(), 1U);
+  EXPECT_EQ(r.errors[0].error, EIO);
+  EXPECT_EQ(r.errors[0].path, path);
+  EXPECT_NE(r.errors[0].message.find("short read from " + path), std::string::npos) << r.errors[0].message;
+  EXPECT_EQ(io.stats().failed, 1U);
+  // The handle goes on working.
+  write_plain(path, pattern(8192, 4));
+  io.read(b.data, 8192, path, 0);
+  EXPECT_TRUE(io.wait().errors.empty());
+  EXPECT_EQ(std::memcmp(b.data, pattern(8192, 4).data(), 8192), 0);
+}
+
+// validate reads the range back and compares: a buffer changed after its write landed is
+// caught (the caller broke the contract; the file holds the old bytes).
+TEST(file_io, validation_catches_a_buffer_that_differs_from_the_file) {
+  scratch_dir dir;
+  const std::string path = (dir.path / "v").string();
+  async_file_io io;
+  aligned_buffer b(1 << 16);
+  std::memset(b.data, 1, b.size);
+  io.write(b.data, b.size, path, 0, true);
+  ASSERT_TRUE(io.wait().errors.empty());  // the same bytes: valid
+  io.write(b.data, b.size, path, 0, true);
+  while (io.stats().ops < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  b.data[100] = std::byte{2};
+  const auto r = io.wait();
+  ASSERT_EQ(r.errors.size(), 1U);
+  EXPECT_EQ(r.errors[0].error, EBADMSG);
+  EXPECT_NE(r.errors[0].message.find("validation of " + path), std::string::npos);
+  io.read(b.data, b.size, path, 0, true);
+  EXPECT_TRUE(io.wait().errors.empty());
+  EXPECT_EQ(b.data[100], std::byte{1});
+}
+
+// Several threads queue and wait on one handle (run under ThreadSanitizer too).
+TEST(file_io, threads_share_one_handle) {
+  scratch_dir dir;
+  file_io_options o;
+  o.block_bytes = 16 << 10;
+  o.rings = 2;
+  async_file_io io(o);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      aligned_buffer b(1 << 17);
+      for (int i = 0; i < 10; ++i) {
+        const auto data = pattern(b.size, static_cast<std::uint64_t>(t * 100 + i));
+        std::memcpy(b.data, data.data(), b.size);
+        const std::string path = (dir.path / ("t" + std::to_string(t))).string();
+        io.write(b.data, b.size, path, 0);
+        EXPECT_TRUE(io.wait().errors.empty());
+        std::memset(b.data, 0, b.size);
+        io.read(b.data, b.size, path, 0);
+        EXPECT_TRUE(io.wait().errors.empty());
+        EXPECT_EQ(std::memcmp(b.data, data.data(), b.size), 0);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(io.stats().ops, 80U);
+}
+
+// A full disk: a 1 MiB tmpfs in a private mount namespace of a child (root only). The write
+// that does not fit fails with ENOSPC at wait; the one that fits succeeds.
+TEST(file_io, a_full_disk_fails_the_write_with_enospc) {
+  scratch_dir dir;
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (unshare(CLONE_NEWNS) != 0 || mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        mount("tmpfs", dir.path.c_str(), "tmpfs", 0, "size=1m") != 0) {
+      _exit(77);
+    }
+    bool ok = true;
+    {
+      file_io_options o;
+      o.engine = engine_kind::uring;
+      async_file_io io(o);
+      aligned_buffer small(256 << 10);
+      aligned_buffer big(4 << 20);
+      io.write(small.data, small.size, (dir.path / "fits").string(), 0);
+      io.write(big.data, big.size, (dir.path / "too-big").string(), 0);
+      const auto r = io.wait();
+      ok = r.completed == 2 && r.errors.size() == 1 && r.errors[0].error == ENOSPC &&
+           r.errors[0].path == (dir.path / "too-big").string() &&
+           r.errors[0].message.find("No space left") != std::string::npos;
+    }
+    umount(dir.path.c_str());
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot mount a tmpfs in a namespace here (needs root)";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(file_io, options_are_checked) {
+  file_io_options o;
+  o.block_bytes = 0;
+  EXPECT_THROW(async_file_io{o}, std::invalid_argument);
+  o = {};
+  o.queue_depth = 0;
+  EXPECT_THROW(async_file_io{o}, std::invalid_argument);
+  o = {};
+  o.rings = 0;
+  EXPECT_THROW(async_file_io{o}, std::invalid_argument);
+}
+
+INSTANTIATE_TEST_SUITE_P(engines, file_io_test,
+                         ::testing::Values(config{engine_kind::uring, 1}, config{engine_kind::uring, 3},
+                                           config{engine_kind::threads, 2}),
+                         [](const auto& param_info) {
+                           return std::string(to_string(param_info.param.engine)) + "_rings" +
+                                  std::to_string(param_info.param.rings);
+                         });
+
+}  // namespace
+}  // namespace tensormem::io
