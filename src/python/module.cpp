@@ -23,6 +23,7 @@
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
+#include "tensormem/io/file_io.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 #include "tensormem/trace/arena_svg.hpp"
@@ -579,6 +580,61 @@ PYBIND11_MODULE(_tensormem, m) {
         d["registered_staging"] = st.registered_staging;
         d["packed_tensors"] = st.packed_tensors;
         d["pack_file_bytes"] = st.pack_file_bytes;
+        return d;
+      });
+
+  // Raw file I/O of memory the caller owns, given by address: the private engine of
+  // tensormem.deepspeed.aio_handle (which keeps the tensors alive until wait()).
+  py::class_<io::async_file_io>(m, "AsyncFileIO",
+                                "Raw reads and writes of memory given by address (see tensormem.deepspeed).")
+      .def(py::init([](std::size_t block_bytes, unsigned queue_depth, unsigned rings, const std::string& engine,
+                       bool direct) {
+             if (engine != "uring" && engine != "threads") {
+               throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + engine + "'");
+             }
+             io::file_io_options o;
+             o.block_bytes = block_bytes;
+             o.queue_depth = queue_depth;
+             o.rings = rings;
+             o.engine = engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring;
+             o.direct = direct;
+             return std::make_unique<io::async_file_io>(o);
+           }),
+           py::arg("block_bytes") = std::size_t{1} << 20, py::arg("queue_depth") = 128, py::arg("rings") = 1,
+           py::arg("engine") = "uring", py::arg("direct") = true)
+      .def("read", [](io::async_file_io& io, std::uintptr_t address, std::size_t bytes, const std::string& path,
+                      std::uint64_t offset, bool validate) {
+             py::gil_scoped_release release;
+             io.read(reinterpret_cast<void*>(address), bytes, path, offset, validate);
+           }, py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
+      .def("write", [](io::async_file_io& io, std::uintptr_t address, std::size_t bytes, const std::string& path,
+                       std::uint64_t offset, bool validate) {
+             py::gil_scoped_release release;
+             io.write(reinterpret_cast<const void*>(address), bytes, path, offset, validate);
+           }, py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
+      .def("wait", [](io::async_file_io& io) {
+             io::async_file_io::wait_result r;
+             {
+               py::gil_scoped_release release;
+               r = io.wait();
+             }
+             py::list errors;
+             for (const io::file_io_error& e : r.errors) errors.append(py::make_tuple(e.path, e.error, e.message));
+             return py::make_tuple(r.completed, errors);
+           }, "Waits for every queued operation: (completed, [(path, errno, message) per failure]).")
+      .def("pending", &io::async_file_io::pending)
+      .def("stats", [](const io::async_file_io& io) {
+        const io::file_io_stats st = io.stats();
+        py::dict d;
+        d["ops"] = st.ops;
+        d["failed"] = st.failed;
+        d["bytes_read"] = st.bytes_read;
+        d["bytes_written"] = st.bytes_written;
+        d["direct_ops"] = st.direct_ops;
+        d["buffered_ops"] = st.buffered_ops;
+        d["requests"] = st.requests;
+        d["engine"] = st.engine;
+        d["fallback"] = st.fallback;
         return d;
       });
 }

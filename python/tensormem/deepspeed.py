@@ -1,0 +1,368 @@
+"""DeepSpeed drop-ins on tensormem: the aio op, pinned tensors, and the swapping classes.
+
+``AsyncIOBuilder().load()`` returns an object with DeepSpeed's ``aio_handle``, ``aio_read``,
+``aio_write`` and ``deepspeed_memcpy``, built on tensormem's io_uring engine: nothing to
+compile, and every request's result is checked. ``patch()`` makes DeepSpeed's own
+``AsyncIOBuilder`` load this one, so DeepSpeed's NVMe offload runs on tensormem unchanged.
+
+Files are raw bytes, exactly what DeepSpeed writes (no header, any offset; a write creates
+the file with mode 0600 and never truncates it). Differences from DeepSpeed's op, all on the
+side of not losing data:
+
+- A failed operation raises: ``OSError`` (errno, path) when it cannot be queued (missing
+  directory, a read past the end of the file); ``AIOError`` (an ``OSError`` carrying every
+  failure) from ``wait()`` or a synchronous call when an I/O failed or came up short
+  (ENOSPC, EIO, a file that shrank). DeepSpeed prints and returns -1, or loses the error.
+- Any CPU tensor works directly (O_DIRECT when its address, offset and size are multiples
+  of 4096, the page cache otherwise); other tensors (CUDA, non-contiguous) go through a
+  bounce copy, written back by ``wait()`` for reads.
+- ``intra_op_parallelism`` is the number of io_uring rings, each driven by its own thread;
+  an operation's ``block_size`` requests are dealt out to them in turn (DeepSpeed splits it
+  in equal parts, which must divide evenly; here any size works). ``single_submit`` and
+  ``overlap_events`` are kept and reported: tensormem's engine always hands each request to
+  the kernel as it is cut and reaps completions on the rings' threads while more are
+  queued, which measured fastest on the disks tried (batched submission let the block layer
+  merge requests and lowered the queue depth the device saw).
+- ``get_alignment()`` is 4096, the O_DIRECT alignment tensormem uses.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.dlpack
+
+from . import _tensormem
+
+__all__ = [
+    "AIOError", "AsyncIOBuilder", "aio_handle", "aio_read", "aio_write", "deepspeed_memcpy",
+    "new_cpu_locked_tensor", "free_cpu_locked_tensor", "is_pinned", "patch",
+]
+
+
+class AIOError(OSError):
+    """Operations failed. ``errno``/``filename`` are the first failure's; ``errors`` lists
+    ``(path, errno, message)`` for every failed operation and ``completed`` counts the
+    operations the wait finished (failed ones included)."""
+
+    def __init__(self, errors: List[Tuple[str, int, str]], completed: int):
+        path, code, message = errors[0]
+        more = f" (and {len(errors) - 1} more failed operations)" if len(errors) > 1 else ""
+        super().__init__(code, message + more, path)
+        self.errors = errors
+        self.completed = completed
+
+
+# ----------------------------------------------------------------------------- pinned tensors
+
+def _address(tensor: torch.Tensor) -> int:
+    """Where a tensor's bytes start (an empty tensor's data_ptr() is 0: its storage's)."""
+    return tensor.data_ptr() if tensor.numel() else tensor.storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+
+
+class _PinnedTensors:
+    """Page-locked CPU tensors from a tensormem pool, process-wide as DeepSpeed's manager is.
+
+    A tensor keeps its memory alive: ``free`` forgets it at once (and returns False for a
+    tensor it does not manage, as DeepSpeed does), and the bytes go back to the pool when the
+    last view of the tensor is gone, so no live tensor ever points at reused memory."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pool: Optional[_tensormem.PinnedPool] = None
+        self._regions = {}  # start address -> (end address, PinnedBuffer)
+
+    def alloc(self, num_elem: int, dtype: torch.dtype) -> torch.Tensor:
+        num_elem = int(num_elem)
+        if num_elem < 0:
+            raise ValueError(f"new_cpu_locked_tensor: num_elem must be >= 0, not {num_elem}")
+        nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            if self._pool is None:
+                self._pool = _tensormem.PinnedPool()
+            buffer = self._pool.allocate(max(nbytes, 1))
+            start = buffer.address
+            self._regions[start] = (start + nbytes, buffer)
+        tensor = torch.utils.dlpack.from_dlpack(buffer)[:nbytes].view(dtype)
+        assert _address(tensor) == start
+        if torch.cuda.is_available():  # let torch know the memory is pinned
+            torch.cuda.cudart().cudaHostRegister(start, max(nbytes, 1), 0)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> bool:
+        with self._lock:
+            entry = self._regions.pop(_address(tensor), None)
+        if entry is not None and torch.cuda.is_available():
+            torch.cuda.cudart().cudaHostUnregister(_address(tensor))
+        return entry is not None
+
+    def is_managed(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != "cpu":
+            return False
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        with self._lock:
+            return any(base <= start and end <= limit for base, (limit, _buffer) in self._regions.items())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {} if self._pool is None else self._pool.stats()
+
+
+_PINNED = _PinnedTensors()
+
+
+def new_cpu_locked_tensor(num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D page-locked CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype,
+    4096-aligned (uninitialised, as DeepSpeed's is). MemoryError when it cannot be locked."""
+    return _PINNED.alloc(num_elem, example_tensor.dtype)
+
+
+def free_cpu_locked_tensor(tensor: torch.Tensor) -> bool:
+    """Forgets a tensor from ``new_cpu_locked_tensor``; False when it is not one."""
+    return _PINNED.free(tensor)
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    """True for a torch-pinned tensor or a view inside one of ``new_cpu_locked_tensor``'s."""
+    try:
+        if tensor.is_pinned():
+            return True
+    except RuntimeError:  # torch without CUDA may refuse to answer
+        pass
+    return _PINNED.is_managed(tensor)
+
+
+# ----------------------------------------------------------------------------- the handle
+
+def _positive(name: str, value) -> int:
+    value = int(value)
+    if value <= 0:
+        raise ValueError(f"aio_handle: {name} must be positive, not {value}")
+    return value
+
+
+def _async_and_offset(method: str, args, kwargs) -> Tuple[bool, int]:
+    """DeepSpeed names the fourth parameter of pread/pwrite ``async`` (a Python keyword):
+    it comes positionally or as ``**{"async": ...}``."""
+    if len(args) > 2:
+        raise TypeError(f"{method}() takes at most 5 positional arguments")
+    values = dict(zip(("async", "file_offset"), args))
+    for key, value in kwargs.items():
+        if key not in ("async", "async_op", "file_offset"):
+            raise TypeError(f"{method}() got an unexpected keyword argument '{key}'")
+        key = "async" if key == "async_op" else key
+        if key in values:
+            raise TypeError(f"{method}() got multiple values for argument '{key}'")
+        values[key] = value
+    if "async" not in values:
+        raise TypeError(f"{method}() missing required argument: 'async'")
+    return bool(values["async"]), int(values.get("file_offset", 0))
+
+
+class aio_handle:  # noqa: N801 (DeepSpeed's name)
+    """DeepSpeed's ``aio_handle`` on tensormem's io_uring engine (see the module's notes).
+
+    ``read``/``write`` are synchronous and separate from the queue; ``pread``/``pwrite``
+    queue an operation and, unless asynchronous, wait for every queued one and return how
+    many completed; ``async_*`` return 0 and ``wait()`` returns the count. Tensors stay
+    referenced by the handle until the wait that completes them."""
+
+    def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
+                 overlap_events: bool = False, intra_op_parallelism: int = 1):
+        self._block_size = _positive("block_size", block_size)
+        self._queue_depth = _positive("queue_depth", queue_depth)
+        self._intra_op_parallelism = _positive("intra_op_parallelism", intra_op_parallelism)
+        self._single_submit = bool(single_submit)
+        self._overlap_events = bool(overlap_events)
+        self._io = _tensormem.AsyncFileIO(block_bytes=self._block_size, queue_depth=self._queue_depth,
+                                          rings=self._intra_op_parallelism)
+        self._sync_io: Optional[_tensormem.AsyncFileIO] = None
+        self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # read/write: one at a time, apart from the queue
+        self._keep: list = []        # tensors the queued operations use
+
+    # DeepSpeed's getters
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._intra_op_parallelism
+
+    def get_alignment(self) -> int:
+        return 4096
+
+    # operations
+    @staticmethod
+    def _staged(tensor: torch.Tensor, read: bool):
+        """(the tensor the bytes move through, the tensor to copy it back into or None)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"aio_handle: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            return tensor, None
+        if read:
+            return torch.empty(tensor.shape, dtype=tensor.dtype), tensor
+        return tensor.detach().to("cpu", copy=True).contiguous(), None
+
+    def _queue(self, io, read: bool, tensor: torch.Tensor, filename, validate: bool, file_offset: int):
+        staged, destination = self._staged(tensor, read)
+        nbytes = staged.numel() * staged.element_size()
+        path = os.fspath(filename)
+        if read:
+            io.read(staged.data_ptr(), nbytes, path, int(file_offset), bool(validate))
+        else:
+            io.write(staged.data_ptr(), nbytes, path, int(file_offset), bool(validate))
+        return staged, destination
+
+    @staticmethod
+    def _finish(io, staged_list) -> int:
+        completed, errors = io.wait()
+        for staged, destination in staged_list:
+            if destination is not None:
+                destination.copy_(staged)
+        if errors:
+            raise AIOError(errors, completed)
+        return completed
+
+    def _sync(self, read: bool, buffer, filename, validate, file_offset) -> int:
+        with self._sync_lock:
+            if self._sync_io is None:
+                self._sync_io = _tensormem.AsyncFileIO(block_bytes=self._block_size, queue_depth=self._queue_depth)
+            staged = self._queue(self._sync_io, read, buffer, filename, validate, file_offset)
+            self._finish(self._sync_io, [staged])
+        return 0
+
+    def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
+        """Synchronous read of ``buffer``'s bytes at ``file_offset``; 0 (as DeepSpeed)."""
+        return self._sync(True, buffer, filename, validate, file_offset)
+
+    def write(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
+        """Synchronous write of ``buffer``'s bytes at ``file_offset``; 0 (as DeepSpeed)."""
+        return self._sync(False, buffer, filename, validate, file_offset)
+
+    def _parallel(self, read: bool, buffer, filename, validate, is_async: bool, file_offset: int) -> int:
+        with self._lock:
+            staged, destination = self._queue(self._io, read, buffer, filename, validate, file_offset)
+            self._keep.append((staged, destination))
+        return 0 if is_async else self.wait()
+
+    def pread(self, buffer: torch.Tensor, filename: str, validate: bool, *args, **kwargs) -> int:
+        """``pread(buffer, filename, validate, async, file_offset=0)``."""
+        is_async, file_offset = _async_and_offset("pread", args, kwargs)
+        return self._parallel(True, buffer, filename, validate, is_async, file_offset)
+
+    def pwrite(self, buffer: torch.Tensor, filename: str, validate: bool, *args, **kwargs) -> int:
+        """``pwrite(buffer, filename, validate, async, file_offset=0)``."""
+        is_async, file_offset = _async_and_offset("pwrite", args, kwargs)
+        return self._parallel(False, buffer, filename, validate, is_async, file_offset)
+
+    def sync_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._parallel(True, buffer, filename, False, False, file_offset)
+
+    def sync_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._parallel(False, buffer, filename, False, False, file_offset)
+
+    def async_pread(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._parallel(True, buffer, filename, False, True, file_offset)
+
+    def async_pwrite(self, buffer: torch.Tensor, filename: str, file_offset: int = 0) -> int:
+        return self._parallel(False, buffer, filename, False, True, file_offset)
+
+    def wait(self) -> int:
+        """Waits for every queued operation; returns how many completed. Raises AIOError
+        (after all have completed) when any failed."""
+        with self._lock:
+            staged, self._keep = self._keep, []
+            return self._finish(self._io, staged)
+
+    # pinned tensors
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
+        return new_cpu_locked_tensor(num_elem, example_tensor)
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
+        return free_cpu_locked_tensor(tensor)
+
+    def is_pinned(self, buffer: torch.Tensor) -> bool:
+        return is_pinned(buffer)
+
+    # tensormem extras
+    def stats(self) -> dict:
+        """Counts of the queued path: operations, bytes, O_DIRECT and buffered, the engine."""
+        return self._io.stats()
+
+
+def aio_read(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
+             overlap_events: bool, validate: bool) -> int:
+    """One synchronous read of the whole buffer from the start of the file; 0."""
+    return aio_handle(block_size, queue_depth, single_submit, overlap_events).read(buffer, filename, validate)
+
+
+def aio_write(buffer: torch.Tensor, filename: str, block_size: int, queue_depth: int, single_submit: bool,
+              overlap_events: bool, validate: bool) -> int:
+    """One synchronous write of the whole buffer at the start of the file; 0."""
+    return aio_handle(block_size, queue_depth, single_submit, overlap_events).write(buffer, filename, validate)
+
+
+def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
+    """dest <- src (same number of bytes); 0."""
+    if dest.numel() * dest.element_size() != src.numel() * src.element_size():
+        raise ValueError(f"deepspeed_memcpy: {dest.numel() * dest.element_size()} bytes in dest, "
+                         f"{src.numel() * src.element_size()} in src")
+    dest.copy_(src.reshape(dest.shape) if dest.dtype == src.dtype else src.view(dest.dtype).reshape(dest.shape))
+    return 0
+
+
+_OPS = types.SimpleNamespace(aio_handle=aio_handle, aio_read=aio_read, aio_write=aio_write,
+                             deepspeed_memcpy=deepspeed_memcpy)
+
+
+class AsyncIOBuilder:
+    """DeepSpeed's op builder for the aio op: ``load()`` returns tensormem's, nothing is built."""
+
+    BUILD_VAR = "DS_BUILD_AIO"
+    NAME = "async_io"
+
+    def __init__(self, name: Optional[str] = None):
+        self.name = name or self.NAME
+
+    def absolute_name(self) -> str:
+        return "tensormem.deepspeed"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return True  # io_uring, or the thread engine where io_uring is unavailable
+
+    def load(self, verbose: bool = True):
+        return _OPS
+
+
+def patch() -> bool:
+    """Makes DeepSpeed's ``AsyncIOBuilder`` (every reference to the class, including those
+    imported before this call) load tensormem's aio op. False when DeepSpeed is not
+    importable, True once patched."""
+    try:
+        import deepspeed.ops.op_builder as op_builder  # noqa: F401
+    except ImportError:
+        return False
+    classes = {op_builder.AsyncIOBuilder}
+    try:
+        from deepspeed.ops.op_builder import async_io  # the defining module, where present
+        classes.add(async_io.AsyncIOBuilder)
+    except ImportError:
+        pass
+    for cls in classes:
+        cls.load = AsyncIOBuilder.load
+        cls.is_compatible = AsyncIOBuilder.is_compatible
+    return True

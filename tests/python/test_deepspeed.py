@@ -1,0 +1,340 @@
+"""tensormem.deepspeed: DeepSpeed's aio op contract, restated and checked on real files.
+
+Raw files (no header) byte for byte what a plain write gives, at any offset and for any
+dtype; DeepSpeed's return conventions; failures reported per operation with path and errno;
+pinned tensors; the op builder and patch()."""
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import tensormem
+from tensormem import deepspeed as ds
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+
+
+def raw_bytes(tensor):
+    """The tensor's bytes as a plain write would put them in a file."""
+    t = tensor.detach().contiguous()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def random_tensor(numel, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g).bool()
+    if dtype in (torch.int64, torch.uint8):
+        return torch.randint(0, 200, (numel,), generator=g).to(dtype)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def test_getters_and_defaults():
+    h = ds.aio_handle()
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
+            h.get_intra_op_parallelism(), h.get_alignment()) == (1048576, 128, False, False, 1, 4096)
+    h = ds.aio_handle(block_size=65536, queue_depth=8, single_submit=True, overlap_events=True,
+                      intra_op_parallelism=2)
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
+            h.get_intra_op_parallelism()) == (65536, 8, True, True, 2)
+    for bad in ({"block_size": 0}, {"queue_depth": -1}, {"intra_op_parallelism": 0}):
+        with pytest.raises(ValueError):
+            ds.aio_handle(**bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_write_method_gives_the_plain_bytes(tmp_path, dtype):
+    h = ds.aio_handle(block_size=65536, queue_depth=8, intra_op_parallelism=2)
+    tensor = random_tensor(100_003, dtype, 1)
+    expected = raw_bytes(tensor)
+    writes = {
+        "write": lambda p: h.write(tensor, p, False),
+        "pwrite": lambda p: h.pwrite(tensor, p, False, False),
+        "pwrite_keyword": lambda p: h.pwrite(tensor, p, True, **{"async": False}),
+        "sync_pwrite": lambda p: h.sync_pwrite(tensor, p),
+        "async_pwrite": lambda p: (h.async_pwrite(tensor, p), h.wait())[1],
+    }
+    returned = {}
+    for name, write in writes.items():
+        path = str(tmp_path / name)
+        returned[name] = write(path)
+        assert pathlib_bytes(path) == expected, name
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    # DeepSpeed's conventions: write 0, synchronous pwrite the count it waited for.
+    assert returned == {"write": 0, "pwrite": 1, "pwrite_keyword": 1, "sync_pwrite": 1, "async_pwrite": 1}
+
+
+def pathlib_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_read_method_returns_the_file(tmp_path, dtype):
+    h = ds.aio_handle(block_size=65536, queue_depth=8)
+    tensor = random_tensor(70_001, dtype, 2)
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(raw_bytes(tensor))
+    reads = {
+        "read": lambda b: h.read(b, path, False),
+        "pread": lambda b: h.pread(b, path, True, False),
+        "sync_pread": lambda b: h.sync_pread(b, path),
+        "async_pread": lambda b: (h.async_pread(b, path), h.wait())[1],
+    }
+    for name, read in reads.items():
+        back = torch.zeros_like(tensor)
+        read(back)
+        assert torch.equal(back, tensor), name
+
+
+def test_offsets_keep_the_rest_of_the_file(tmp_path):
+    """Writes at any offset (aligned or not) into one file; nothing outside is touched."""
+    h = ds.aio_handle(block_size=8192, queue_depth=4)
+    path = str(tmp_path / "f")
+    model = bytearray(os.urandom(300_000))
+    with open(path, "wb") as f:
+        f.write(model)
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        numel = int(rng.integers(1, 20_000))
+        offset = int(rng.integers(0, 200_000))
+        if rng.integers(0, 2):
+            offset -= offset % 4096  # O_DIRECT-eligible ones too
+            numel = max(1024, numel - numel % 1024)
+        t = random_tensor(numel, torch.float32, int(rng.integers(0, 1 << 30)))
+        if offset % 4096 == 0 and numel % 1024 == 0:  # 4096-aligned memory as well
+            t = ds.new_cpu_locked_tensor(numel, t).copy_(t)
+        assert h.async_pwrite(t, path, offset) == 0
+        assert h.wait() == 1
+        model[offset:offset + 4 * numel] = raw_bytes(t)
+        assert pathlib_bytes(path) == bytes(model)
+        back = torch.empty(numel, dtype=torch.float32)
+        assert h.sync_pread(back, path, offset) == 1
+        assert torch.equal(back, t)
+    stats = h.stats()
+    assert stats["direct_ops"] > 0 and stats["buffered_ops"] > 0 and stats["failed"] == 0
+
+
+def test_wait_counts_operations_and_sync_calls_collect_the_queue(tmp_path):
+    h = ds.aio_handle(block_size=65536)
+    tensors = [random_tensor(50_000, torch.float32, i) for i in range(5)]
+    for i, t in enumerate(tensors):
+        assert h.async_pwrite(t, str(tmp_path / str(i))) == 0
+    assert h.wait() == 5
+    assert h.wait() == 0
+    backs = [torch.empty_like(t) for t in tensors]
+    for i in range(3):
+        assert h.async_pread(backs[i], str(tmp_path / str(i))) == 0
+    # A synchronous pread waits for everything queued: 3 + itself.
+    assert h.pread(backs[3], str(tmp_path / "3"), False, False) == 4
+    assert h.sync_pread(backs[4], str(tmp_path / "4")) == 1
+    for t, b in zip(tensors, backs):
+        assert torch.equal(t, b)
+
+
+def test_non_contiguous_tensors_go_through_a_bounce(tmp_path):
+    h = ds.aio_handle()
+    base = random_tensor(64 * 48, torch.float32, 3).view(64, 48)
+    view = base.t()  # not contiguous
+    path = str(tmp_path / "t")
+    assert h.sync_pwrite(view, path) == 1
+    assert pathlib_bytes(path) == raw_bytes(view)
+    target = torch.zeros(64, 48).t()  # a non-contiguous destination of the view's shape
+    assert target.shape == view.shape and not target.is_contiguous()
+    assert h.async_pread(target, path) == 0
+    assert h.wait() == 1
+    assert torch.equal(target, view)
+
+
+def test_validate_passes_on_matching_bytes(tmp_path):
+    h = ds.aio_handle()
+    t = random_tensor(1 << 20, torch.float32, 4)
+    path = str(tmp_path / "v")
+    assert h.write(t, path, True) == 0
+    back = torch.empty_like(t)
+    assert h.read(back, path, True) == 0
+    assert torch.equal(back, t)
+    assert h.pwrite(t, path, True, False) == 1
+
+
+def test_errors_name_the_path_and_errno(tmp_path):
+    h = ds.aio_handle()
+    t = torch.ones(1024)
+    missing = str(tmp_path / "no" / "dir" / "f")
+    for call in (lambda: h.async_pwrite(t, missing), lambda: h.write(t, missing, False),
+                 lambda: h.sync_pwrite(t, missing), lambda: h.async_pread(t, missing)):
+        with pytest.raises(OSError) as e:
+            call()
+        assert e.value.errno == errno.ENOENT and missing in str(e.value)
+    short = str(tmp_path / "short")
+    with open(short, "wb") as f:
+        f.write(b"x" * 1000)
+    with pytest.raises(OSError) as e:
+        h.async_pread(t, short)  # 4096 bytes wanted, 1000 there
+    assert e.value.errno == errno.EINVAL and "has 1000 bytes" in str(e.value)
+    with pytest.raises(OSError):
+        h.read(t, short, False)
+    assert h.wait() == 0  # nothing was queued
+    # The handle goes on working.
+    assert h.sync_pwrite(t, short) == 1
+    with pytest.raises(TypeError):
+        h.pread(t, short, False)  # 'async' missing
+    with pytest.raises(TypeError):
+        h.async_pwrite(np.ones(4), short)
+
+
+ENOSPC_SCRIPT = textwrap.dedent("""
+    import errno, sys, torch
+    from tensormem import deepspeed as ds
+    d = sys.argv[1]
+    h = ds.aio_handle()
+    small, big = torch.ones(65536), torch.ones(1 << 20)  # 256 KiB fits in 1 MiB, 4 MiB does not
+    h.async_pwrite(small, d + "/fits")
+    h.async_pwrite(big, d + "/too-big")
+    try:
+        h.wait()
+        print("NO ERROR")
+    except ds.AIOError as e:
+        ok = (e.errno == errno.ENOSPC and e.completed == 2 and len(e.errors) == 1
+              and e.errors[0][0] == d + "/too-big" and e.filename == d + "/too-big")
+        print("ENOSPC-REPORTED" if ok else "WRONG %r %r" % (e, e.errors))
+    import os
+    os.remove(d + "/too-big")  # what it wrote before the disk filled
+    h.sync_pwrite(small, d + "/again")  # still usable
+    print("STILL-WORKS")
+""")
+
+
+def test_a_full_disk_is_reported_per_operation(tmp_path):
+    """A 1 MiB tmpfs in a private mount namespace (needs root and unshare)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs")
+    script = tmp_path / "enospc.py"
+    script.write_text(ENOSPC_SCRIPT)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = ["unshare", "-m", "sh", "-c",
+           f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} {script} {mnt}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=120)
+    if "mount" in r.stderr and r.returncode != 0 and "ENOSPC" not in r.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    assert "ENOSPC-REPORTED" in r.stdout and "STILL-WORKS" in r.stdout, (r.stdout, r.stderr)
+
+
+# ----------------------------------------------------------------------------- pinned tensors
+
+def test_pinned_tensors():
+    example = torch.zeros(1, dtype=torch.float16)
+    t = ds.new_cpu_locked_tensor(1 << 20, example)
+    assert t.dtype == torch.float16 and t.shape == (1 << 20,) and t.data_ptr() % 4096 == 0
+    h = ds.aio_handle()
+    assert h.is_pinned(t) and ds.is_pinned(t.narrow(0, 100, 1000))
+    assert not h.is_pinned(torch.zeros(10))
+    assert not ds.is_pinned(torch.zeros(16, dtype=torch.float16))
+    t.fill_(1.5)
+    assert h.free_cpu_locked_tensor(t) is True
+    assert h.free_cpu_locked_tensor(t) is False  # already freed: reported
+    assert ds.free_cpu_locked_tensor(torch.zeros(4)) is False  # never managed
+    assert not ds.is_pinned(t)
+    assert float(t[123]) == 1.5  # the tensor keeps its memory until it dies
+    z = h.new_cpu_locked_tensor(0, torch.zeros(1))
+    assert z.numel() == 0 and h.free_cpu_locked_tensor(z)
+
+
+def test_pinned_memory_returns_to_the_pool_when_the_tensor_dies():
+    before = ds._PINNED.stats().get("in_use_bytes", 0)
+    t = ds.new_cpu_locked_tensor(1 << 18, torch.zeros(1))
+    assert ds._PINNED.stats()["in_use_bytes"] >= before + (1 << 20)
+    ds.free_cpu_locked_tensor(t)
+    assert ds._PINNED.stats()["in_use_bytes"] >= before + (1 << 20)  # a live tensor holds it
+    del t
+    assert ds._PINNED.stats()["in_use_bytes"] == before
+
+
+def test_io_through_pinned_tensors_is_direct(tmp_path):
+    h = ds.aio_handle()
+    t = ds.new_cpu_locked_tensor(1 << 20, torch.zeros(1))
+    t.copy_(torch.arange(1 << 20, dtype=torch.float32))
+    path = str(tmp_path / "p")
+    assert h.sync_pwrite(t, path) == 1
+    back = ds.new_cpu_locked_tensor(1 << 20, torch.zeros(1))
+    assert h.sync_pread(back, path) == 1
+    assert torch.equal(back, t)
+    assert h.stats()["direct_ops"] == 2
+    ds.free_cpu_locked_tensor(t)
+    ds.free_cpu_locked_tensor(back)
+
+
+# ----------------------------------------------------------------------------- builder, patch
+
+def test_builder_and_module_functions(tmp_path):
+    builder = ds.AsyncIOBuilder()
+    assert builder.is_compatible() and builder.NAME == "async_io"
+    ops = builder.load(verbose=False)
+    for name in ("aio_handle", "aio_read", "aio_write", "deepspeed_memcpy"):
+        assert callable(getattr(ops, name))
+    t = random_tensor(10_000, torch.float32, 7)
+    path = str(tmp_path / "m")
+    assert ops.aio_write(t, path, 1 << 20, 32, False, False, True) == 0
+    back = torch.empty_like(t)
+    assert ops.aio_read(back, path, 1 << 20, 32, False, False, False) == 0
+    assert torch.equal(back, t)
+    dest = torch.zeros_like(t)
+    assert ops.deepspeed_memcpy(dest, t) == 0 and torch.equal(dest, t)
+    with pytest.raises(ValueError):
+        ops.deepspeed_memcpy(torch.zeros(3), t)
+
+
+FAKE_BUILDER = textwrap.dedent("""
+    class AsyncIOBuilder:
+        NAME = "async_io"
+        def is_compatible(self, verbose=False):
+            return False
+        def load(self, verbose=True):
+            raise RuntimeError("would build libaio")
+""")
+
+
+def test_patch_redirects_deepspeeds_builder(tmp_path, monkeypatch):
+    """A stand-in DeepSpeed package: its op_builder's AsyncIOBuilder, and a module that
+    imported the class before patch(), both load tensormem's op afterwards."""
+    pkg = tmp_path / "deepspeed"
+    (pkg / "ops" / "op_builder").mkdir(parents=True)
+    (pkg / "runtime").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "ops" / "op_builder" / "__init__.py").write_text("from .async_io import AsyncIOBuilder\n")
+    (pkg / "ops" / "op_builder" / "async_io.py").write_text(FAKE_BUILDER)
+    (pkg / "runtime" / "__init__.py").write_text("")
+    (pkg / "runtime" / "swapper.py").write_text(
+        "from deepspeed.ops.op_builder import AsyncIOBuilder\n"
+        "def make_handle():\n"
+        "    return AsyncIOBuilder().load().aio_handle(block_size=65536, queue_depth=4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+        monkeypatch.delitem(sys.modules, name)
+    import deepspeed.runtime.swapper as swapper  # imports the class before the patch
+    with pytest.raises(RuntimeError):
+        swapper.make_handle()
+    assert ds.patch() is True
+    handle = swapper.make_handle()
+    assert isinstance(handle, ds.aio_handle) and handle.get_block_size() == 65536
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    assert AsyncIOBuilder().is_compatible()
+    t = torch.arange(1000, dtype=torch.float32)
+    assert handle.sync_pwrite(t, str(tmp_path / "x")) == 1
+    for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
+        del sys.modules[name]
+
+
+def test_patch_without_deepspeed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails
+    assert ds.patch() is False
