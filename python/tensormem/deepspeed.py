@@ -37,10 +37,12 @@ import torch
 import torch.utils.dlpack
 
 from . import _tensormem
+from .torch import AllocatorAssertion, ArenaFull, ContiguousMemoryAllocator  # noqa: F401
 
 __all__ = [
-    "AIOError", "AsyncIOBuilder", "aio_handle", "aio_read", "aio_write", "deepspeed_memcpy",
+    "AIOError", "AllocatorAssertion", "ArenaFull", "ContiguousMemoryAllocator", "AsyncIOBuilder", "aio_handle", "aio_read", "aio_write", "deepspeed_memcpy",
     "new_cpu_locked_tensor", "free_cpu_locked_tensor", "is_pinned", "patch",
+    "AsyncTensorSwapper", "SwapperAssertion", "ASYNC_SWAPPER_WAIT_TIMER",
 ]
 
 
@@ -366,3 +368,169 @@ def patch() -> bool:
         cls.load = AsyncIOBuilder.load
         cls.is_compatible = AsyncIOBuilder.is_compatible
     return True
+
+
+# ----------------------------------------------------------------------------- the swapper
+
+ASYNC_SWAPPER_WAIT_TIMER = "async_swap_gradient_wait"
+
+
+class SwapperAssertion(AssertionError, ValueError):
+    """Misuse DeepSpeed's AsyncTensorSwapper would assert on, with a clearer message."""
+
+
+class _Staging:
+    """One of the caller's pinned buffers, filled with aligned tensors before being written."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.used = 0
+        self.entries: list = []  # (view written, path, elements of the tensor)
+
+    def reset(self) -> None:
+        self.used = 0
+        self.entries = []
+
+
+class AsyncTensorSwapper:
+    """DeepSpeed's ``AsyncTensorSwapper(aio_handle, numel_alignment, timers)``: gradients out
+    to raw files through the caller's pinned buffers.
+
+    ``swap_out_tensors`` copies each tensor into the current buffer (padded with zeros to a
+    multiple of ``numel_alignment`` elements, so no stale bytes reach the files) and returns:
+    the caller may reuse its tensors at once. A full buffer is written with ``async_pwrite``
+    and filling goes on in the next free one; only when no buffer is free does the call wait
+    for the writes in flight. ``release_buffers`` writes what is left, waits, and returns the
+    caller's buffer objects. Each file holds the tensor's elements and the padding, what
+    DeepSpeed's swap-in reads. Works on this module's ``aio_handle`` or DeepSpeed's.
+
+    tensormem's own ``tensormem.torch.AsyncTensorSwapper`` (on ``TensorSwapper``) is the
+    recommended path where DeepSpeed compatibility is not needed: it checksums every block
+    (CRC-32C, checked on swap-in), replaces files atomically, and swaps in as well as out.
+    """
+
+    def __init__(self, aio_handle, numel_alignment: int, timers=None):
+        if int(numel_alignment) <= 0:
+            raise SwapperAssertion(f"AsyncTensorSwapper: numel_alignment must be positive, not {numel_alignment}")
+        self.aio_handle = aio_handle
+        self.numel_alignment = int(numel_alignment)
+        self.timers = timers
+        self.dtype: Optional[torch.dtype] = None
+        self.max_numel = 0
+        self.num_elements_swapped = 0
+        self._buffers: List[torch.Tensor] = []
+        self._staging: List[_Staging] = []
+        self._free: List[int] = []
+        self._filling: Optional[int] = None
+        self._in_flight: List[int] = []
+        self._pending_ops = 0
+        self._timer_names: set = set()
+
+    def has_buffers(self) -> bool:
+        return len(self._buffers) > 0
+
+    def add_buffers(self, buffer_list: Sequence[torch.Tensor]) -> None:
+        if self._buffers:
+            raise SwapperAssertion("add_buffers: the swapper has buffers already; release_buffers first")
+        buffers = list(buffer_list)
+        if not buffers:
+            raise SwapperAssertion("add_buffers: no buffers given")
+        pinned = getattr(self.aio_handle, "is_pinned", is_pinned)
+        for i, b in enumerate(buffers):
+            if b.dim() != 1 or not b.is_contiguous():
+                raise SwapperAssertion(f"add_buffers: buffer {i} is not a contiguous 1-D tensor")
+            if not pinned(b):
+                raise SwapperAssertion(f"add_buffers: buffer {i} is not page-locked "
+                                       "(use aio_handle.new_cpu_locked_tensor)")
+            if b.dtype != buffers[0].dtype:
+                raise SwapperAssertion(f"add_buffers: buffer {i} is {b.dtype}, buffer 0 {buffers[0].dtype}")
+        self.dtype = buffers[0].dtype
+        self._buffers = buffers
+        self._staging = [_Staging(b) for b in buffers]
+        self._free = list(range(len(buffers)))
+        self.max_numel = max(b.numel() for b in buffers)
+        self._timer_names = set()
+
+    def get_timer_names(self) -> List[str]:
+        return list(self._timer_names)
+
+    def release_buffers(self) -> List[torch.Tensor]:
+        """Writes what is buffered, waits for every write, returns the buffers given."""
+        try:
+            self._flush()
+        finally:
+            buffers = self._buffers
+            self._buffers, self._staging, self._free, self._in_flight = [], [], [], []
+            self._filling, self._pending_ops, self.dtype = None, 0, None
+            self.num_elements_swapped = 0
+        return buffers
+
+    def swap_out_tensors(self, tensor_list: Sequence[torch.Tensor], path_list: Sequence[str]) -> None:
+        tensors, paths = list(tensor_list), list(path_list)
+        if len(tensors) != len(paths):
+            raise SwapperAssertion(f"swap_out_tensors: {len(tensors)} tensors but {len(paths)} paths")
+        for tensor, path in zip(tensors, paths):
+            self._swap_out(tensor, path)
+
+    # ------------------------------------------------------------------------------------
+
+    def _aligned(self, numel: int) -> int:
+        return -(-numel // self.numel_alignment) * self.numel_alignment
+
+    def _swap_out(self, tensor: torch.Tensor, path: str) -> None:
+        if not self._buffers:
+            raise SwapperAssertion("swap_out_tensors: no buffers; add_buffers first")
+        numel = tensor.numel()
+        aligned = self._aligned(numel)
+        if aligned > self.max_numel:
+            raise SwapperAssertion(f"swap_out_tensors: a tensor of {numel} elements ({aligned} aligned) "
+                                   f"does not fit in a buffer of {self.max_numel}")
+        if self._filling is not None:
+            current = self._staging[self._filling]
+            if current.used + aligned > current.buffer.numel():
+                self._queue_filling()
+        if self._filling is None:
+            if not self._free:
+                self._wait_in_flight()  # back-pressure: every buffer is being written
+            self._filling = self._free.pop()
+        staging = self._staging[self._filling]
+        if staging.used + aligned > staging.buffer.numel():  # buffers of different sizes
+            raise SwapperAssertion(f"swap_out_tensors: {aligned} elements do not fit in an empty buffer of "
+                                   f"{staging.buffer.numel()}")
+        view = staging.buffer.narrow(0, staging.used, aligned)
+        view.narrow(0, 0, numel).copy_(tensor.detach().reshape(-1))
+        if aligned > numel:
+            view.narrow(0, numel, aligned - numel).zero_()
+        staging.entries.append((view, os.fspath(path), numel))
+        staging.used += aligned
+
+    def _queue_filling(self) -> None:
+        index, self._filling = self._filling, None
+        self._in_flight.append(index)
+        for view, path, _numel in self._staging[index].entries:
+            if self.aio_handle.async_pwrite(view, path) != 0:
+                raise OSError(f"async_pwrite of {path} was refused")
+            self._pending_ops += 1
+
+    def _wait_in_flight(self) -> None:
+        if self.timers:
+            self.timers(ASYNC_SWAPPER_WAIT_TIMER).start()
+        try:
+            completed = self.aio_handle.wait()
+            if completed != self._pending_ops:
+                raise SwapperAssertion(f"wait completed {completed} writes, {self._pending_ops} were queued")
+        finally:
+            if self.timers:
+                self.timers(ASYNC_SWAPPER_WAIT_TIMER).stop()
+            self._timer_names.add(ASYNC_SWAPPER_WAIT_TIMER)
+            for index in self._in_flight:  # the buffers are free again, whatever happened
+                self.num_elements_swapped += sum(n for _v, _p, n in self._staging[index].entries)
+                self._staging[index].reset()
+                self._free.append(index)
+            self._in_flight, self._pending_ops = [], 0
+
+    def _flush(self) -> None:
+        if self._filling is not None:
+            self._queue_filling()
+        if self._in_flight:
+            self._wait_in_flight()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence
+from types import MappingProxyType
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,14 +23,44 @@ import torch.utils.dlpack
 from . import _tensormem
 
 
+class AllocatorAssertion(AssertionError, ValueError):
+    """Misuse DeepSpeed's allocator would assert on (an unknown or released tensor, a view,
+    a second param): an AssertionError as there, and a ValueError, with a clearer message."""
+
+
+class ArenaFull(AssertionError, MemoryError):
+    """Not enough free elements in the buffer (DeepSpeed asserts; also a MemoryError)."""
+
+
+class _CallableInt(int):
+    """An int that may also be called: DeepSpeed's ``max_allocated`` attribute shadows its
+    method, so its code reads ``mem.max_allocated`` and older code calls it."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
 class ContiguousMemoryAllocator:
-    """DeepSpeed's ``ContiguousMemoryAllocator`` on a tensormem arena (CPU memory)."""
+    """DeepSpeed's ``ContiguousMemoryAllocator`` (its observable contract) on a tensormem
+    arena of ``size`` elements of ``dtype`` (CPU).
+
+    As DeepSpeed: the buffer starts zeroed; a tensor's id is ``id(tensor)``;
+    ``assign_to_param`` sets ``param.contiguous_tensor_id``; ``max_allocated``,
+    ``total_free``, ``largest_contiguous``, ``count`` are ints kept current and
+    ``tensor_map``, ``tensor_ids``, ``tensor_addresses``, ``tensor_sizes``,
+    ``contiguous_sizes``, ``id_to_params`` read-only mappings (addresses in elements).
+    Beyond DeepSpeed: a defragmentation moves as few bytes as possible (``policy="full"``
+    slides everything down as DeepSpeed does) and re-points every returned tensor and every
+    assigned param, with or without a param; a view of a tensor is refused by
+    ``release_tensor`` (DeepSpeed frees memory it cannot account for); a released tensor's
+    params are detached (set to an empty tensor); errors say what is wrong.
+    """
 
     def __init__(self, size: int, dtype: torch.dtype, device="cpu", policy: str = "minimal"):
         device = torch.device(device)
         if device.type != "cpu":
             raise NotImplementedError(
-                f"tensormem.torch.ContiguousMemoryAllocator supports CPU tensors; got {device}")
+                f"tensormem.torch.ContiguousMemoryAllocator keeps CPU tensors; {device} is not supported")
         self.dtype = dtype
         self.device = device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -38,60 +69,127 @@ class ContiguousMemoryAllocator:
                                                  alignment=self.itemsize, policy=policy)
         raw = torch.utils.dlpack.from_dlpack(self._arena.buffer())  # uint8, no copy
         self.buffer = raw.view(dtype)
-        self._tensors: Dict[int, torch.Tensor] = {}   # id -> the tensor handed out
-        self._numel: Dict[int, int] = {}
-        self._params: Dict[int, List[tuple]] = {}     # id -> [(weakref(param), shape)]
-        self._ids: Dict[int, int] = {}                # data_ptr -> id
+        self.buffer.zero_()  # as DeepSpeed's torch.zeros
+        self.count = 0
+        self._tensors: Dict[int, torch.Tensor] = {}    # id(tensor) -> the tensor handed out
+        self._arena_ids: Dict[int, int] = {}           # id(tensor) -> arena id
+        self._by_arena_id: Dict[int, int] = {}         # arena id -> id(tensor)
+        self._params: Dict[int, List[tuple]] = {}      # id(tensor) -> [(weakref(param), shape)]
 
     # DeepSpeed's API ------------------------------------------------------------------
 
     def allocate_tensor(self, size: int) -> torch.Tensor:
         """A tensor of ``size`` elements inside the buffer (defragments first if needed)."""
         size = int(size)
-        tensor_id, offset = self._arena.allocate(size * self.itemsize)
+        if size < 0:
+            raise AllocatorAssertion(f"allocate_tensor: size must be >= 0, not {size}")
+        if size > self.total_free:
+            raise ArenaFull(f"allocate_tensor({size}): only {self.total_free} of {self.total_size} "
+                            f"elements are free")
+        try:
+            arena_id, offset = self._arena.allocate(size * self.itemsize)
+        except MemoryError as e:
+            raise ArenaFull(str(e)) from None
         self._apply_moves()
         if size == 0:
-            tensor = torch.empty(0, dtype=self.dtype)
+            tensor = self.buffer.narrow(0, 0, 0)
         else:
             tensor = self.buffer.narrow(0, offset // self.itemsize, size)
-            self._ids[tensor.data_ptr()] = tensor_id
-        tensor.ds_tensormem_id = tensor_id  # noqa: attribute for release_tensor of empty tensors
-        self._tensors[tensor_id] = tensor
-        self._numel[tensor_id] = size
+        tid = id(tensor)
+        self._tensors[tid] = tensor
+        self._arena_ids[tid] = arena_id
+        self._by_arena_id[arena_id] = tid
+        self.count += 1
         return tensor
 
     def release_tensor(self, tensor: torch.Tensor) -> None:
-        tensor_id = getattr(tensor, "ds_tensormem_id", None)
-        if tensor_id is None:
-            tensor_id = self._ids.get(tensor.data_ptr())
-        if tensor_id is None or tensor_id not in self._tensors:
-            raise ValueError("release_tensor: this tensor was not allocated here or was released")
-        self.release_tensor_with_id(tensor_id)
+        tid = id(tensor)
+        if self._tensors.get(tid) is not tensor:
+            raise AllocatorAssertion(
+                "release_tensor: not a tensor allocate_tensor returned here, or already released "
+                "(a view or slice of one? release the tensor itself)")
+        self.release_tensor_with_id(tid)
 
     def release_tensor_with_id(self, tensor_id: int) -> None:
         if tensor_id not in self._tensors:
-            raise ValueError(f"release_tensor_with_id: unknown or released id {tensor_id}")
-        self._arena.release(tensor_id)
-        tensor = self._tensors.pop(tensor_id)
-        self._numel.pop(tensor_id)
-        if tensor.numel() != 0:
-            self._ids.pop(tensor.data_ptr(), None)
+            raise AllocatorAssertion(f"release_tensor_with_id: invalid tensor id {tensor_id} "
+                                     "(unknown here or already released)")
+        arena_id = self._arena_ids.pop(tensor_id)
+        self._arena.release(arena_id)
+        del self._by_arena_id[arena_id]
+        del self._tensors[tensor_id]
         for ref, _shape in self._params.pop(tensor_id, []):
             param = ref()
             if param is not None:  # detach: never let a param point into reused memory
                 param.data = torch.empty(0, dtype=self.dtype)
 
     def assign_to_param(self, tensor: torch.Tensor, param: torch.Tensor, numel: int, shape) -> None:
-        tensor_id = getattr(tensor, "ds_tensormem_id", None)
-        if tensor_id not in self._tensors:
-            raise ValueError("assign_to_param: tensor is not live in this allocator")
+        tid = id(tensor)
+        if self._tensors.get(tid) is not tensor:
+            raise AllocatorAssertion("assign_to_param: no such tensor allocated by this allocator")
         if numel > tensor.numel():
-            raise ValueError(f"assign_to_param: numel {numel} exceeds the tensor's {tensor.numel()}")
+            raise AllocatorAssertion(f"assign_to_param: numel {numel} exceeds the tensor's {tensor.numel()}")
+        if tid in self._params:
+            raise AllocatorAssertion("assign_to_param: this tensor has already been assigned to a param")
         param.data = tensor.narrow(0, 0, numel).view(shape)
-        self._params.setdefault(tensor_id, []).append((weakref.ref(param), tuple(shape)))
+        param.contiguous_tensor_id = tid
+        self._params[tid] = [(weakref.ref(param), tuple(param.data.shape))]  # -1 resolved
 
     def print_allocation(self, resolution: int = 200) -> None:
         print(self._arena.print_allocation(resolution))
+
+    @property
+    def max_allocated(self) -> int:
+        """Most elements in use at once (an int; calling it works too)."""
+        return _CallableInt(self._arena.max_allocated() // self.itemsize)
+
+    @property
+    def total_free(self) -> int:
+        return self.total_size - self._arena.stats()["used_bytes"] // self.itemsize
+
+    @property
+    def largest_contiguous(self) -> int:
+        return self._arena.stats()["largest_free_bytes"] // self.itemsize
+
+    @property
+    def tensor_map(self) -> Mapping[int, torch.Tensor]:
+        return MappingProxyType(self._tensors)
+
+    def _addresses(self) -> Dict[int, int]:
+        base = self.buffer.data_ptr()
+        return {tid: (t.data_ptr() - base) // self.itemsize for tid, t in self._tensors.items() if t.numel()}
+
+    @property
+    def tensor_addresses(self) -> Mapping[int, int]:
+        """id -> address (elements); tensors of zero elements occupy no address."""
+        return MappingProxyType(self._addresses())
+
+    @property
+    def tensor_ids(self) -> Mapping[int, int]:
+        return MappingProxyType({address: tid for tid, address in self._addresses().items()})
+
+    @property
+    def tensor_sizes(self) -> Mapping[int, int]:
+        return MappingProxyType({address: self._tensors[tid].numel() for tid, address in self._addresses().items()})
+
+    @property
+    def contiguous_sizes(self) -> Mapping[int, int]:
+        """Free holes: address -> elements."""
+        holes, cursor = {}, 0
+        for address, size in sorted(self.tensor_sizes.items()):
+            if address > cursor:
+                holes[cursor] = address - cursor
+            cursor = address + size
+        if cursor < self.total_size:
+            holes[cursor] = self.total_size - cursor
+        return MappingProxyType(holes)
+
+    @property
+    def id_to_params(self) -> Mapping[int, List[torch.Tensor]]:
+        return MappingProxyType({tid: [p for p in (ref() for ref, _ in refs) if p is not None]
+                                 for tid, refs in self._params.items()})
+
+    # tensormem extras -----------------------------------------------------------------
 
     def allocation_svg(self, path: Optional[str] = None) -> str:
         """The map as an SVG picture (each tensor by offset, its id and size as a tooltip);
@@ -102,25 +200,17 @@ class ContiguousMemoryAllocator:
                 f.write(svg)
         return svg
 
-    def max_allocated(self) -> int:
-        """Most elements in use at once."""
-        return self._arena.max_allocated() // self.itemsize
-
-    # tensormem extras -----------------------------------------------------------------
-
     def stats(self) -> dict:
         return self._arena.stats()
 
     def _apply_moves(self) -> None:
-        for tensor_id, offset in self._arena.take_moves():
-            tensor = self._tensors.get(tensor_id)
+        for arena_id, offset in self._arena.take_moves():
+            tid = self._by_arena_id.get(arena_id)
+            tensor = self._tensors.get(tid) if tid is not None else None
             if tensor is None or tensor.numel() == 0:
                 continue
-            self._ids.pop(tensor.data_ptr(), None)
-            numel = self._numel[tensor_id]
-            tensor.data = self.buffer.narrow(0, offset // self.itemsize, numel)
-            self._ids[tensor.data_ptr()] = tensor_id
-            for ref, shape in self._params.get(tensor_id, []):
+            tensor.data = self.buffer.narrow(0, offset // self.itemsize, tensor.numel())
+            for ref, shape in self._params.get(tid, []):
                 param = ref()
                 if param is not None:
                     count = int(np.prod(shape)) if len(shape) else 1

@@ -338,3 +338,236 @@ def test_patch_redirects_deepspeeds_builder(tmp_path, monkeypatch):
 def test_patch_without_deepspeed(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails
     assert ds.patch() is False
+
+
+# ----------------------------------------------------------------------------- ContiguousMemoryAllocator
+
+def check_bookkeeping(mem):
+    """DeepSpeed's attributes agree with each other and with the tensors, after every step."""
+    sizes, holes = dict(mem.tensor_sizes), dict(mem.contiguous_sizes)
+    assert sum(sizes.values()) + sum(holes.values()) == mem.total_size
+    spans = sorted([(a, s, "t") for a, s in sizes.items()] + [(a, s, "h") for a, s in holes.items()])
+    cursor = 0
+    for address, size, _kind in spans:  # tensors and holes tile the buffer exactly
+        assert address == cursor
+        cursor += size
+    assert cursor == mem.total_size
+    assert mem.total_free == sum(holes.values())
+    assert mem.largest_contiguous == max(holes.values(), default=0)
+    base = mem.buffer.data_ptr()
+    for tid, tensor in mem.tensor_map.items():
+        assert tid == id(tensor)
+        if tensor.numel():
+            address = mem.tensor_addresses[tid]
+            assert (tensor.data_ptr() - base) // tensor.element_size() == address
+            assert mem.tensor_ids[address] == tid and mem.tensor_sizes[address] == tensor.numel()
+
+
+@pytest.mark.parametrize("policy", ["minimal", "full"])
+def test_allocator_random_oracle(policy):
+    """Random allocations, releases and param assignments against a model of the values:
+    every live tensor and param keeps its fill through every defragmentation."""
+    # Memory that held NaNs before (the heap hands it out again): the buffer starts zeroed,
+    # as DeepSpeed's torch.zeros, so its mul_(0.0).add_(x) idiom gives x, never NaN.
+    for _ in range(3):
+        dirty = ds.ContiguousMemoryAllocator(4096, torch.float16, "cpu", policy=policy)
+        dirty.buffer.fill_(float("nan"))
+        del dirty
+    mem = ds.ContiguousMemoryAllocator(4096, torch.float16, "cpu", policy=policy)
+    assert torch.count_nonzero(mem.buffer) == 0
+    rng = np.random.default_rng(11)
+    live = {}   # id -> (tensor, value, param or None)
+    peak = used = 0
+    for step in range(400):
+        if live and (rng.random() < 0.45 or mem.total_free < 64):
+            tid = list(live)[int(rng.integers(0, len(live)))]
+            tensor, _value, param = live.pop(tid)
+            if rng.random() < 0.5:
+                mem.release_tensor(tensor)
+            else:
+                mem.release_tensor_with_id(tid)
+            used -= tensor.numel()
+            if param is not None:
+                assert param.numel() == 0  # detached
+        else:
+            size = int(rng.integers(0, min(512, mem.total_free) + 1))
+            tensor = mem.allocate_tensor(size).mul_(0.0).add_(float(step % 100))
+            param = None
+            if size >= 4 and rng.random() < 0.5:
+                param = torch.nn.Parameter(torch.empty(0, dtype=torch.float16))
+                mem.assign_to_param(tensor, param, size - size % 4, (4, -1))
+                assert param.contiguous_tensor_id == id(tensor)
+            live[id(tensor)] = (tensor, float(step % 100), param)
+            used += size
+            peak = max(peak, used)
+        for tensor, value, param in live.values():
+            assert not torch.isnan(tensor).any()
+            assert torch.all(tensor == value), f"step {step}"
+            if param is not None:
+                assert param.data_ptr() == tensor.data_ptr() and torch.all(param == value)
+        check_bookkeeping(mem)
+        assert mem.max_allocated == peak and mem.max_allocated() == peak
+    assert mem.count > 200
+    assert mem.stats()["defragmentations"] > 0
+
+
+def test_allocator_refuses_what_deepspeed_asserts_on():
+    mem = ds.ContiguousMemoryAllocator(256, torch.float32)
+    u = mem.allocate_tensor(100)
+    with pytest.raises(AssertionError, match="view or slice"):
+        mem.release_tensor(u[:10])  # DeepSpeed would free all of u's memory
+    assert mem.total_free == 156
+    p = torch.nn.Parameter(torch.empty(0))
+    mem.assign_to_param(u, p, 100, (10, 10))
+    with pytest.raises(AssertionError, match="already been assigned"):
+        mem.assign_to_param(u, torch.nn.Parameter(torch.empty(0)), 100, (100,))
+    with pytest.raises(AssertionError, match="exceeds"):
+        mem.assign_to_param(mem.allocate_tensor(4), p, 5, (5,))
+    with pytest.raises(AssertionError, match="no such tensor"):
+        mem.assign_to_param(torch.zeros(4), p, 4, (4,))
+    with pytest.raises(AssertionError, match="invalid tensor id"):
+        mem.release_tensor_with_id(12345)
+    with pytest.raises(MemoryError) as e:
+        mem.allocate_tensor(1000)
+    assert isinstance(e.value, AssertionError)
+    with pytest.raises(TypeError):
+        mem.tensor_map[1] = u  # read-only views
+    with pytest.raises(TypeError):
+        mem.contiguous_sizes[0] = 1
+    mem.release_tensor(u)
+    with pytest.raises(AssertionError):
+        mem.release_tensor(u)  # twice
+
+
+def test_allocator_like_deepspeeds_own_scenario():
+    """Two releases leave 512 elements free in holes; a 512-element tensor defragments, and
+    the norms are what the fills say (values and sizes computed here, not copied)."""
+    mem = ds.ContiguousMemoryAllocator(1024, torch.half, "cpu")
+    fills = {}
+    tensors = {}
+    for name, size, value in (("a", 64, 2.0), ("b", 256, 3.0), ("c", 128, 4.0), ("d", 64, 5.0),
+                              ("e", 256, 6.0), ("f", 128, 7.0), ("g", 128, 9.0)):
+        tensors[name] = mem.allocate_tensor(size).mul_(0.0).add_(value)
+        fills[name] = (size, value)
+    for name in ("g", "e", "a", "d"):
+        mem.release_tensor(tensors.pop(name))
+        fills.pop(name)
+    assert mem.largest_contiguous < 512 <= mem.total_free
+    tensors["h"] = mem.allocate_tensor(512).mul_(0.0).add_(10.0)
+    fills["h"] = (512, 10.0)
+    expected = sum(v * np.sqrt(n) for n, v in fills.values())
+    got = sum(t.float().norm().item() for t in tensors.values())
+    assert abs(got - expected) < 1e-3 * expected
+
+
+# ----------------------------------------------------------------------------- AsyncTensorSwapper
+
+class RecordingHandle:
+    """The real handle, with its calls counted."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.calls = []
+
+    def async_pwrite(self, buffer, path, file_offset=0):
+        self.calls.append("write")
+        return self.handle.async_pwrite(buffer, path, file_offset)
+
+    def wait(self):
+        self.calls.append("wait")
+        return self.handle.wait()
+
+    def is_pinned(self, t):
+        return self.handle.is_pinned(t)
+
+
+class Timers:
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, name):
+        timers = self
+
+        class Timer:
+            def start(self):
+                timers.events.append(("start", name))
+
+            def stop(self):
+                timers.events.append(("stop", name))
+        return Timer()
+
+
+def test_swapper_driven_like_deepspeeds_optimizer(tmp_path):
+    handle = RecordingHandle(ds.aio_handle(block_size=1 << 16, queue_depth=8))
+    timers = Timers()
+    swapper = ds.AsyncTensorSwapper(handle, numel_alignment=256, timers=timers)
+    assert not swapper.has_buffers()
+    # Four pinned buffers of 4096 elements, as DeepSpeed's SwapBufferManager hands out.
+    example = torch.zeros(1, dtype=torch.float32)
+    buffers = [handle.handle.new_cpu_locked_tensor(4096, example).zero_() for _ in range(4)]
+    swapper.add_buffers(buffers)
+    assert swapper.has_buffers()
+    rng = np.random.default_rng(3)
+    expected = {}
+    for batch in range(6):
+        tensors = [torch.randn(int(rng.integers(1, 3000))) for _ in range(5)]
+        paths = [str(tmp_path / f"g{batch}_{i}") for i in range(5)]
+        before = len(handle.calls)
+        swapper.swap_out_tensors(tensors, paths)
+        for t, p in zip(tensors, paths):
+            expected[p] = t.clone()
+            t.fill_(float("nan"))  # the caller reuses its tensors at once
+        if batch == 0:
+            assert "wait" not in handle.calls[before:]  # buffers free: no waiting
+    assert "wait" in handle.calls  # 6 x 5 tensors need more than four buffers: back-pressure
+    returned = swapper.release_buffers()
+    assert [id(b) for b in returned] == [id(b) for b in buffers]  # the caller's own objects
+    assert not swapper.has_buffers()
+    assert swapper.get_timer_names() == [] or ds.ASYNC_SWAPPER_WAIT_TIMER in swapper.get_timer_names()
+    assert ("start", ds.ASYNC_SWAPPER_WAIT_TIMER) in timers.events
+    assert timers.events.count(("start", ds.ASYNC_SWAPPER_WAIT_TIMER)) == \
+        timers.events.count(("stop", ds.ASYNC_SWAPPER_WAIT_TIMER))
+    # Raw files: the tensor's elements then zeros up to a multiple of 256 elements; read
+    # back as DeepSpeed's swap-in does (async_pread of the aligned length).
+    reader = ds.aio_handle()
+    for path, tensor in expected.items():
+        aligned = -(-tensor.numel() // 256) * 256
+        data = pathlib_bytes(path)
+        assert len(data) == 4 * aligned
+        assert data == raw_bytes(torch.cat([tensor, torch.zeros(aligned - tensor.numel())]))
+        back = torch.empty(aligned)
+        assert reader.async_pread(back, path) == 0 and reader.wait() == 1
+        assert torch.equal(back[:tensor.numel()], tensor)
+    # The buffers come back reusable.
+    swapper.add_buffers(returned)
+    swapper.swap_out_tensors([torch.ones(10)], [str(tmp_path / "again")])
+    swapper.release_buffers()
+    assert pathlib_bytes(str(tmp_path / "again"))[:40] == raw_bytes(torch.ones(10))
+
+
+def test_swapper_refuses_what_deepspeed_asserts_on(tmp_path):
+    handle = ds.aio_handle()
+    swapper = ds.AsyncTensorSwapper(handle, numel_alignment=64, timers=None)
+    with pytest.raises(AssertionError, match="add_buffers first"):
+        swapper.swap_out_tensors([torch.ones(4)], [str(tmp_path / "x")])
+    with pytest.raises(AssertionError, match="not page-locked"):
+        swapper.add_buffers([torch.zeros(1024)])
+    pinned = handle.new_cpu_locked_tensor(1024, torch.zeros(1))
+    swapper.add_buffers([pinned])
+    with pytest.raises(AssertionError, match="has buffers already"):
+        swapper.add_buffers([pinned])
+    with pytest.raises(AssertionError, match="does not fit"):
+        swapper.swap_out_tensors([torch.ones(1000)], [str(tmp_path / "big")])  # 1024 aligned: fits
+        swapper.swap_out_tensors([torch.ones(1025)], [str(tmp_path / "big")])
+    with pytest.raises(AssertionError, match="2 tensors but 1 paths"):
+        swapper.swap_out_tensors([torch.ones(1), torch.ones(1)], [str(tmp_path / "y")])
+    # A write that cannot be queued is an OSError; the swapper stays usable.
+    swapper.swap_out_tensors([torch.ones(8)], [str(tmp_path / "no" / "dir" / "z")])
+    with pytest.raises(OSError) as e:
+        swapper.release_buffers()
+    assert e.value.errno == errno.ENOENT
+    swapper.add_buffers([pinned])
+    swapper.swap_out_tensors([torch.ones(8)], [str(tmp_path / "ok")])
+    assert swapper.release_buffers() == [pinned]
+    with pytest.raises(ValueError):
+        ds.AsyncTensorSwapper(handle, 0, None)
