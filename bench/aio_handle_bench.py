@@ -3,11 +3,15 @@
 For each round, in turn: sync_pwrite, sync_pread, async_pwrite + wait, async_pread + wait of
 one page-locked tensor (O_DIRECT, BLOCK-byte requests, QUEUE_DEPTH in flight), then fio
 writing and reading a file of the same size with the same request size and depth (io_uring,
-O_DIRECT). Prints GB/s and CPU seconds per GB (user + system of the whole process, so the
+O_DIRECT), and, given ``--deepspeed-op PATH`` (DeepSpeed's async_io op built as a torch
+extension), the same four calls on DeepSpeed's handle and its own pinned tensor. Prints GB/s and CPU seconds per GB (user + system of the whole process, so the
 rings' threads count) per method, medians over the rounds, and one JSON line.
 
     PYTHONPATH=build/python /usr/bin/python3 bench/aio_handle_bench.py --dir /work/aiobench
 """
+
+import importlib.machinery
+import importlib.util
 
 import argparse
 import json
@@ -52,6 +56,7 @@ def main():
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-fio", action="store_true")
+    parser.add_argument("--deepspeed-op", help="path of DeepSpeed's built async_io op (.so), run beside")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, "aio_handle_bench.bin")
@@ -66,6 +71,19 @@ def main():
         "async_pwrite": lambda: (h.async_pwrite(tensor, path), h.wait()),
         "async_pread": lambda: (h.async_pread(tensor, path), h.wait()),
     }
+    if args.deepspeed_op:
+        loader = importlib.machinery.ExtensionFileLoader("async_io_op", args.deepspeed_op)
+        spec = importlib.util.spec_from_file_location("async_io_op", args.deepspeed_op, loader=loader)
+        op = importlib.util.module_from_spec(spec)
+        loader.exec_module(op)
+        dsh = op.aio_handle(args.block, args.queue_depth, False, True, 1)
+        ds_tensor = dsh.new_cpu_locked_tensor(numel, torch.zeros(1))
+        ds_tensor.copy_(tensor)
+        ds_path = os.path.join(args.dir, "aio_handle_bench.ds")
+        methods["ds_sync_pwrite"] = lambda: dsh.sync_pwrite(ds_tensor, ds_path)
+        methods["ds_sync_pread"] = lambda: dsh.sync_pread(ds_tensor, ds_path)
+        methods["ds_async_pwrite"] = lambda: (dsh.async_pwrite(ds_tensor, ds_path), dsh.wait())
+        methods["ds_async_pread"] = lambda: (dsh.async_pread(ds_tensor, ds_path), dsh.wait())
     if not args.no_fio and shutil.which("fio"):
         methods["fio_write"] = lambda: fio(fio_path, "write", args.bytes, args.block, args.queue_depth)
         methods["fio_read"] = lambda: fio(fio_path, "read", args.bytes, args.block, args.queue_depth)
@@ -80,8 +98,10 @@ def main():
                 samples[name].append((args.bytes / seconds / 1e9, cpu / (args.bytes / 1e9)))
         expected = torch.arange(numel, dtype=torch.float32)
         assert torch.equal(tensor, expected), "the data read back differs"
+        if args.deepspeed_op:
+            assert torch.equal(ds_tensor, expected), "DeepSpeed's data read back differs"
     finally:
-        for p in (path, fio_path):
+        for p in (path, fio_path, os.path.join(args.dir, "aio_handle_bench.ds")):
             if os.path.exists(p):
                 os.remove(p)
     result = {"bytes": args.bytes, "block": args.block, "queue_depth": args.queue_depth,

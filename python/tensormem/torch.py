@@ -42,7 +42,7 @@ class _CallableInt(int):
 
 class ContiguousMemoryAllocator:
     """DeepSpeed's ``ContiguousMemoryAllocator`` (its observable contract) on a tensormem
-    arena of ``size`` elements of ``dtype`` (CPU).
+    arena of ``size`` elements of ``dtype``, on the CPU or (``device="cuda"``) CUDA device 0.
 
     As DeepSpeed: the buffer starts zeroed; a tensor's id is ``id(tensor)``;
     ``assign_to_param`` sets ``param.contiguous_tensor_id``; ``max_allocated``,
@@ -58,15 +58,18 @@ class ContiguousMemoryAllocator:
 
     def __init__(self, size: int, dtype: torch.dtype, device="cpu", policy: str = "minimal"):
         device = torch.device(device)
-        if device.type != "cpu":
+        if device.type not in ("cpu", "cuda") or (device.type == "cuda" and device.index not in (None, 0)):
             raise NotImplementedError(
-                f"tensormem.torch.ContiguousMemoryAllocator keeps CPU tensors; {device} is not supported")
+                "tensormem.torch.ContiguousMemoryAllocator keeps tensors on the CPU or CUDA device 0; "
+                f"{device} is not supported")
         self.dtype = dtype
         self.device = device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.total_size = int(size)
-        self._arena = _tensormem.ContiguousArena(self.total_size * self.itemsize,
-                                                 alignment=self.itemsize, policy=policy)
+        # CUDA: the arena's memory comes from tensormem's CUDA resource and defragmentation
+        # moves by device copies; RuntimeError says why when no device can be used.
+        self._arena = _tensormem.ContiguousArena(self.total_size * self.itemsize, alignment=self.itemsize,
+                                                 policy=policy, device=device.type)
         raw = torch.utils.dlpack.from_dlpack(self._arena.buffer())  # uint8, no copy
         self.buffer = raw.view(dtype)
         self.buffer.zero_()  # as DeepSpeed's torch.zeros
@@ -121,7 +124,7 @@ class ContiguousMemoryAllocator:
         for ref, _shape in self._params.pop(tensor_id, []):
             param = ref()
             if param is not None:  # detach: never let a param point into reused memory
-                param.data = torch.empty(0, dtype=self.dtype)
+                param.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def assign_to_param(self, tensor: torch.Tensor, param: torch.Tensor, numel: int, shape) -> None:
         tid = id(tensor)

@@ -42,6 +42,7 @@ struct memory_view {
   std::byte* data = nullptr;
   std::size_t bytes = 0;
   py::object owner;
+  DLDeviceType device = kDLCPU;  ///< kDLCUDA for device memory (DLPack only, no buffer protocol)
 };
 
 struct dlpack_context {
@@ -64,7 +65,7 @@ py::capsule to_dlpack(const memory_view& v, py::object self, std::function<void(
   auto* ctx = new dlpack_context{{static_cast<std::int64_t>(v.bytes)}, std::move(self), std::move(on_release)};
   auto* managed = new DLManagedTensor{};
   managed->dl_tensor.data = v.data;
-  managed->dl_tensor.device = {kDLCPU, 0};
+  managed->dl_tensor.device = {v.device, 0};
   managed->dl_tensor.ndim = 1;
   managed->dl_tensor.dtype = {kDLUInt, 8, 1};
   managed->dl_tensor.shape = ctx->shape;
@@ -85,8 +86,9 @@ py::capsule to_dlpack(const memory_view& v, py::object self, std::function<void(
 
 class py_arena {
  public:
-  py_arena(std::uint64_t capacity, std::uint64_t alignment, const std::string& policy)
-      : arena_(host_, capacity,
+  py_arena(std::uint64_t capacity, std::uint64_t alignment, const std::string& policy, const std::string& device)
+      : resource_(make_resource(device)),
+        arena_(*resource_, capacity,
                {.alignment = alignment,
                 .policy = policy == "full" ? arena::defrag_policy::full_compaction
                                            : arena::defrag_policy::minimal_move}) {
@@ -106,11 +108,21 @@ class py_arena {
   std::vector<std::pair<std::uint64_t, std::uint64_t>> take_moves() {
     return std::exchange(moves_, {});
   }
-  memory_view view(py::object self) const { return {arena_.base(), arena_.capacity(), std::move(self)}; }
+  memory_view view(py::object self) const {
+    const bool device = resource_->kind() == memory::memory_kind::cuda_device;
+    return {arena_.base(), arena_.capacity(), std::move(self), device ? kDLCUDA : kDLCPU};
+  }
   arena::contiguous_arena& get() { return arena_; }
 
  private:
-  memory::host_resource host_;
+  // "cpu": host memory; "cuda" or "cuda:0": device memory of CUDA device 0 (moves by device
+  // copies); device_unavailable says why when there is none.
+  static std::unique_ptr<memory::memory_resource> make_resource(const std::string& device) {
+    if (device == "cpu") return std::make_unique<memory::host_resource>();
+    if (device == "cuda" || device == "cuda:0") return std::make_unique<memory::cuda_device_resource>();
+    throw std::invalid_argument("device must be 'cpu', 'cuda' or 'cuda:0', not '" + device + "'");
+  }
+  std::unique_ptr<memory::memory_resource> resource_;
   arena::contiguous_arena arena_;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> moves_;
 };
@@ -359,13 +371,14 @@ PYBIND11_MODULE(_tensormem, m) {
   py::class_<memory_view>(m, "MemoryView", py::buffer_protocol(),
                           "Bytes viewed without a copy (buffer protocol and DLPack).")
       .def_buffer([](memory_view& v) {
+        if (v.device != kDLCPU) throw py::buffer_error("device memory has no buffer protocol; use DLPack");
         return py::buffer_info(v.data, 1, py::format_descriptor<std::uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(v.bytes)}, {1});
       })
       .def("__dlpack__", [](py::object self, py::object /*stream*/) {
              return to_dlpack(self.cast<memory_view&>(), self);
            }, py::arg("stream") = py::none())
-      .def("__dlpack_device__", [](const memory_view&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
+      .def("__dlpack_device__", [](const memory_view& v) { return py::make_tuple(static_cast<int>(v.device), 0); })
       .def_property_readonly("nbytes", [](const memory_view& v) { return v.bytes; })
       .def_property_readonly("address", [](const memory_view& v) { return reinterpret_cast<std::uintptr_t>(v.data); });
 
@@ -437,8 +450,8 @@ PYBIND11_MODULE(_tensormem, m) {
      py::arg("alignment") = 1, "Empty string when the plan is valid, else what is wrong.");
 
   py::class_<py_arena>(m, "ContiguousArena", "A host buffer that hands out tensors and defragments.")
-      .def(py::init<std::uint64_t, std::uint64_t, const std::string&>(), py::arg("capacity"),
-           py::arg("alignment") = 256, py::arg("policy") = "minimal")
+      .def(py::init<std::uint64_t, std::uint64_t, const std::string&, const std::string&>(), py::arg("capacity"),
+           py::arg("alignment") = 256, py::arg("policy") = "minimal", py::arg("device") = "cpu")
       .def("allocate", &py_arena::allocate, py::arg("bytes"),
            "Returns (id, offset); may defragment first; MemoryError when free bytes are short.")
       .def("release", &py_arena::release, py::arg("id"))

@@ -363,17 +363,28 @@ def check_bookkeeping(mem):
             assert mem.tensor_ids[address] == tid and mem.tensor_sizes[address] == tensor.numel()
 
 
+def cuda_or_skip(device):
+    """CUDA cases run where a device is usable; elsewhere the allocator must say why not."""
+    if device == "cuda" and tensormem.cuda_unavailable_reason():
+        with pytest.raises(RuntimeError, match="CUDA|cuda"):
+            ds.ContiguousMemoryAllocator(64, torch.float16, "cuda")
+        pytest.skip(tensormem.cuda_unavailable_reason())
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("policy", ["minimal", "full"])
-def test_allocator_random_oracle(policy):
+def test_allocator_random_oracle(policy, device):
     """Random allocations, releases and param assignments against a model of the values:
     every live tensor and param keeps its fill through every defragmentation."""
+    cuda_or_skip(device)
     # Memory that held NaNs before (the heap hands it out again): the buffer starts zeroed,
     # as DeepSpeed's torch.zeros, so its mul_(0.0).add_(x) idiom gives x, never NaN.
     for _ in range(3):
-        dirty = ds.ContiguousMemoryAllocator(4096, torch.float16, "cpu", policy=policy)
+        dirty = ds.ContiguousMemoryAllocator(4096, torch.float16, device, policy=policy)
         dirty.buffer.fill_(float("nan"))
         del dirty
-    mem = ds.ContiguousMemoryAllocator(4096, torch.float16, "cpu", policy=policy)
+    mem = ds.ContiguousMemoryAllocator(4096, torch.float16, device, policy=policy)
+    assert mem.buffer.device.type == device
     assert torch.count_nonzero(mem.buffer) == 0
     rng = np.random.default_rng(11)
     live = {}   # id -> (tensor, value, param or None)
@@ -394,7 +405,7 @@ def test_allocator_random_oracle(policy):
             tensor = mem.allocate_tensor(size).mul_(0.0).add_(float(step % 100))
             param = None
             if size >= 4 and rng.random() < 0.5:
-                param = torch.nn.Parameter(torch.empty(0, dtype=torch.float16))
+                param = torch.nn.Parameter(torch.empty(0, dtype=torch.float16, device=device))
                 mem.assign_to_param(tensor, param, size - size % 4, (4, -1))
                 assert param.contiguous_tensor_id == id(tensor)
             live[id(tensor)] = (tensor, float(step % 100), param)
@@ -434,6 +445,8 @@ def test_allocator_refuses_what_deepspeed_asserts_on():
         mem.tensor_map[1] = u  # read-only views
     with pytest.raises(TypeError):
         mem.contiguous_sizes[0] = 1
+    with pytest.raises(NotImplementedError, match="cuda:1"):
+        ds.ContiguousMemoryAllocator(64, torch.float32, "cuda:1")
     mem.release_tensor(u)
     with pytest.raises(AssertionError):
         mem.release_tensor(u)  # twice
