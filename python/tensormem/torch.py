@@ -21,6 +21,7 @@ import torch
 import torch.utils.dlpack
 
 from . import _tensormem
+from .model import Buffer, Graph, ModulePlan, UnsupportedGraph, plan_module, trace  # noqa: F401
 
 
 class AllocatorAssertion(AssertionError, ValueError):

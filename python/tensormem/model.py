@@ -1,0 +1,490 @@
+"""From a PyTorch module to a planned arena: trace, plan, run (re-exported by tensormem.torch).
+
+``trace(module, *inputs, training=False)`` records the module's aten-level operator graph
+with ``functorch.make_fx`` (for ``training=True`` the forward, the loss -- the sum of the
+outputs unless ``loss_fn`` is given -- and the backward that computes every parameter's
+gradient) and turns it into buffers with lifetimes:
+
+- Time steps are the graph's nodes in execution order; a buffer lives over
+  ``[the step that creates it, the step after its last use)``.
+- Aliasing comes from each op's schema (its alias annotations): an output annotated as an
+  alias of an argument (``view``, ``t``, ``expand``, ``split``'s list, ``relu_``...) is the
+  same buffer as that argument and extends its lifetime; an argument annotated as written
+  (``add_``, ``relu_``) is a use; outputs without annotation are new buffers.
+- Graph inputs and outputs live for the whole run. Parameters and module buffers are not
+  activations: their bytes are reported apart (``param_bytes``) and never planned.
+
+``plan_module`` plans the buffers in one arena (``tensormem.plan``), measures the eager peak
+of the same call (torch.profiler's memory events: bytes allocated minus bytes freed, at
+their highest), replays the online best fit, and ``ModulePlan.run`` executes the traced graph
+with every activation inside ONE preallocated arena tensor at its planned offset.
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.fx
+from torch.nn.utils import stateless
+
+from . import _tensormem
+
+
+class UnsupportedGraph(ValueError):
+    """The module cannot be traced or planned; the message names the op or construct."""
+
+
+@dataclass
+class Buffer:
+    """One activation buffer: bytes, lifetime [lower, upper) in graph steps."""
+    id: int
+    name: str          # the node that creates it
+    nbytes: int
+    lower: int
+    upper: int
+    kind: str          # "activation", "input" or "output"
+    node: str = ""     # the node that creates it
+    index: int = 0     # which of the node's outputs
+    aliases: int = 0   # values (views, in-place results) that share it
+
+
+@dataclass
+class Graph:
+    """A traced module: the aten graph and its activation buffers."""
+    module: torch.fx.GraphModule
+    buffers: List[Buffer]
+    steps: int
+    training: bool
+    param_bytes: int            # parameters and module buffers (not planned)
+    n_state: int                # leading placeholders that are parameters / module buffers
+    node_buffers: Dict[str, List[Optional[int]]] = field(default_factory=dict)  # node -> buffer per output
+    ops: Dict[str, int] = field(default_factory=dict)
+    out_spec: object = None  # pytree structure of the call's result
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def arrays(self):
+        lower = np.array([b.lower for b in self.buffers], dtype=np.uint64)
+        upper = np.array([b.upper for b in self.buffers], dtype=np.uint64)
+        size = np.array([b.nbytes for b in self.buffers], dtype=np.uint64)
+        return lower, upper, size
+
+    def to_trace(self, path: str) -> None:
+        """Writes the buffers as a trace CSV (``id,lower,upper,size``) for ``tensormem plan``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("id,lower,upper,size\n")
+            for b in self.buffers:
+                f.write(f"{b.name},{b.lower},{b.upper},{b.nbytes}\n")
+
+
+def _flat_tensors(value) -> List:
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(_flat_tensors(v))
+        return out
+    return [value]
+
+
+def _is_meta(meta) -> bool:
+    """A single tensor's metadata (TensorMetadata is itself a named tuple)."""
+    return hasattr(meta, "shape") and hasattr(meta, "dtype")
+
+
+def _metas(meta) -> list:
+    """One entry per output of a node: its TensorMetadata, or None for a non-tensor."""
+    if meta is None or _is_meta(meta):
+        return [meta]
+    return [m if _is_meta(m) else None for m in meta]
+
+
+def _storage_bytes(meta) -> int:
+    """Bytes a tensor of this shape, stride and dtype spans."""
+    if meta is None:
+        return 0
+    numel = 1
+    for s in meta.shape:
+        numel *= int(s)
+    if numel == 0:
+        return 0
+    span = 1 + sum((int(s) - 1) * int(st) for s, st in zip(meta.shape, meta.stride))
+    return span * torch.empty((), dtype=meta.dtype).element_size()
+
+
+def _alias_sources(op, node: torch.fx.Node) -> Tuple[List[Optional[int]], List[int]]:
+    """For each return of ``op``: the index of the argument it aliases (or None); and the
+    indices of the arguments it writes."""
+    schema = op._schema
+    args = list(node.args) + [None] * (len(schema.arguments) - len(node.args))
+    for i, a in enumerate(schema.arguments):
+        if a.name in node.kwargs:
+            args[i] = node.kwargs[a.name]
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    sources: List[Optional[int]] = []
+    for r in schema.returns:
+        ai = r.alias_info
+        if ai is None:
+            sources.append(None)
+            continue
+        sets = set(ai.before_set) | set(ai.after_set)
+        candidates = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None
+                      and (sets & (set(a.alias_info.before_set) | set(a.alias_info.after_set)) if sets else True)]
+        if len(candidates) != 1:
+            raise UnsupportedGraph(f"cannot tell which argument {schema.name} returns a view of")
+        sources.append(candidates[0])
+    return sources, written
+
+
+def _schema_args(op, node: torch.fx.Node) -> list:
+    schema = op._schema
+    values = list(node.args) + [None] * (len(schema.arguments) - len(node.args))
+    for i, a in enumerate(schema.arguments):
+        if a.name in node.kwargs:
+            values[i] = node.kwargs[a.name]
+    return values
+
+
+def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
+          loss_fn: Optional[Callable] = None) -> Graph:
+    """The operator graph of ``module(*example_inputs)`` and its activation buffers.
+
+    ``training=True`` traces forward, loss (``loss_fn(output)``, by default the sum of every
+    output) and backward (gradients of every parameter that requires one), as one graph.
+    Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
+    params = {k: v for k, v in module.named_parameters()}
+    state = {**params, **{k: v for k, v in module.named_buffers()}}
+    param_bytes = sum(v.numel() * v.element_size() for v in state.values())
+    grad_params = [k for k, v in params.items() if v.requires_grad]
+
+    def loss_of(out):
+        if loss_fn is not None:
+            return loss_fn(out)
+        tensors = [t for t in _flat_tensors(out) if isinstance(t, torch.Tensor)]
+        return sum(t.float().sum() for t in tensors)
+
+    def forward(state_values, *inputs):
+        out = stateless.functional_call(module, state_values, inputs)
+        if not training:
+            return out
+        loss = loss_of(out)
+        grads = torch.autograd.grad(loss, [state_values[k] for k in grad_params], allow_unused=True)
+        return loss, [g for g in grads if g is not None]
+
+    from functorch import make_fx
+    try:
+        if training:
+            gm = make_fx(forward)(state, *example_inputs)
+        else:
+            with torch.no_grad():
+                gm = make_fx(forward)(state, *example_inputs)
+    except Exception as e:  # data-dependent control flow, unsupported Python constructs
+        raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
+    # Shapes, strides and dtypes of every value, multi-output ops included (make_fx records
+    # single tensors only): one run of the graph on the example inputs.
+    from torch.fx.passes.shape_prop import ShapeProp
+    from torch.utils._pytree import tree_flatten
+    with torch.no_grad():
+        ShapeProp(gm).propagate(*state.values(), *example_inputs)
+        # The structure the call returns (the graph returns its leaves).
+        spec = tree_flatten((0, [0] * len(grad_params)) if training else module(*example_inputs))[1]
+    g = _analyse(gm, len(state), param_bytes, training)
+    g.out_spec = spec
+    return g
+
+
+def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training: bool) -> Graph:
+    nodes = list(gm.graph.nodes)
+    steps = len(nodes)
+    buffers: List[Buffer] = []
+    node_buffers: Dict[str, List[Optional[int]]] = {}
+    last_use: Dict[int, int] = {}
+    ops: Dict[str, int] = {}
+
+    def new_buffer(node, index, meta, kind, step) -> int:
+        name = node.name if index == 0 else f"{node.name}.{index}"
+        buffers.append(Buffer(len(buffers), name, _storage_bytes(meta), step, step + 1, kind, node.name, index))
+        return len(buffers) - 1
+
+    def use(value, step):
+        for v in _flat_tensors(value):
+            if isinstance(v, torch.fx.Node):
+                for bid in node_buffers.get(v.name, []):
+                    if bid is not None:
+                        last_use[bid] = max(last_use.get(bid, step), step)
+
+    placeholders = 0
+    for step, node in enumerate(nodes):
+        meta = node.meta.get("tensor_meta")
+        if node.op == "placeholder":
+            if placeholders < n_state:
+                node_buffers[node.name] = [None]  # a parameter or module buffer
+            else:
+                node_buffers[node.name] = [new_buffer(node, 0, meta, "input", 0)]
+            placeholders += 1
+        elif node.op == "call_function" and node.target is operator.getitem:
+            source, index = node.args
+            node_buffers[node.name] = [node_buffers[source.name][index]]
+            use(source, step)
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            op = node.target
+            ops[str(op)] = ops.get(str(op), 0) + 1
+            sources, _written = _alias_sources(op, node)  # written arguments are uses
+            args = _schema_args(op, node)
+            for a in args:
+                use(a, step)
+            metas = _metas(meta)
+            returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "List[Tensor]"
+            out: List[Optional[int]] = []
+            for i, r_meta in enumerate(metas):
+                source = sources[0] if returns_list else (sources[i] if i < len(sources) else None)
+                if source is not None:
+                    arg = args[source]
+                    if not isinstance(arg, torch.fx.Node):
+                        raise UnsupportedGraph(f"{op} (node {node.name}) returns a view of a non-tensor argument")
+                    bid = node_buffers[arg.name][0]
+                    if bid is not None:
+                        buffers[bid].aliases += 1
+                    out.append(bid)
+                elif r_meta is None:
+                    out.append(None)
+                else:
+                    out.append(new_buffer(node, i, r_meta, "activation", step))
+            node_buffers[node.name] = out
+        elif node.op == "call_function":
+            raise UnsupportedGraph(f"unsupported op {node.target} (node {node.name}): not an aten operator")
+        elif node.op == "output":
+            for v in _flat_tensors(node.args[0]):
+                if isinstance(v, torch.fx.Node):
+                    for bid in node_buffers.get(v.name, []):
+                        if bid is not None:
+                            last_use[bid] = steps
+                            if buffers[bid].kind == "activation":
+                                buffers[bid].kind = "output"
+        else:
+            raise UnsupportedGraph(f"unsupported node {node.op} {node.target}")
+    for b in buffers:
+        if b.kind == "input":
+            b.lower, b.upper = 0, steps + 1
+        elif b.kind == "output":
+            b.upper = steps + 1
+        else:
+            b.upper = max(b.lower + 1, last_use.get(b.id, b.lower) + 1)
+    return Graph(gm, buffers, steps + 1, training, param_bytes, n_state, node_buffers, ops)
+
+
+# ----------------------------------------------------------------------------- planning
+
+def _eager_peak(module, inputs, training: bool, loss_fn) -> int:
+    """Highest live bytes during one eager call, from torch.profiler's CPU memory records:
+    each op's own allocations (at its start) and the ``[memory]`` release events, summed in
+    time order (sizes only: no addresses needed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def call():
+        out = module(*inputs)
+        if training:
+            tensors = [t for t in _flat_tensors(out) if isinstance(t, torch.Tensor)]
+            loss = loss_fn(out) if loss_fn else sum(t.float().sum() for t in tensors)
+            torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad], allow_unused=True)
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if training:
+            call()
+        else:
+            with torch.no_grad():
+                call()
+    records = [(e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+               for e in prof.events() if e.name == "[memory]" or e.self_cpu_memory_usage > 0]
+    live = peak = 0
+    for _start, delta in sorted(records):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _online_best_fit(buffers: Sequence[Buffer], alignment: int) -> int:
+    """High-water mark of tensormem's online best fit replaying the buffers in time order
+    (frees before allocations at equal times)."""
+    a = _tensormem.BestFitAllocator(alignment=alignment)
+    events = []
+    for b in buffers:
+        events.append((b.lower, 1, b.id))
+        events.append((b.upper, 0, b.id))
+    live = {}
+    for _t, is_alloc, bid in sorted(events):
+        if is_alloc:
+            live[bid] = a.allocate(max(buffers[bid].nbytes, 1))
+        else:
+            a.deallocate(live.pop(bid))
+    return a.peak
+
+
+@dataclass
+class ModulePlan:
+    graph: Graph
+    offsets: np.ndarray
+    arena_bytes: int
+    lower_bound: int
+    eager_peak: int
+    online_best_fit: int
+    plan_seconds: float
+    alignment: int
+    strategy: str
+    moved_ops: int = 0  # ops of the last run that computed outside their slot and were copied in
+    state: Optional[Callable[[], list]] = field(default=None, repr=False)  # parameters, module buffers
+
+    def report(self) -> str:
+        """A readable table: eager peak, planned arena, lower bound, online best fit."""
+        mib = 1 << 20
+
+        def row(name, value, note=""):
+            ratio = value / self.lower_bound if self.lower_bound else float("nan")
+            return f"  {name:<28} {value / mib:10.2f} MiB  {ratio:7.3f} x LB  {note}\n"
+
+        g = self.graph
+        text = (f"{'training step' if g.training else 'inference'}: {len(g.buffers)} activation buffers over "
+                f"{g.steps} graph steps; parameters and module buffers {g.param_bytes / mib:.2f} MiB (not planned)\n")
+        text += row("eager PyTorch peak", self.eager_peak, "(torch.profiler memory events)")
+        text += row("online best fit", self.online_best_fit, f"(alignment {self.alignment})")
+        text += row("planned arena", self.arena_bytes, f"({self.strategy}, {self.plan_seconds:.2f} s)")
+        text += row("lower bound", self.lower_bound, "(most bytes alive at one step)")
+        if self.arena_bytes:
+            text += f"  eager peak / planned arena: {self.eager_peak / self.arena_bytes:.3f}\n"
+        return text
+
+    def run(self, *inputs):
+        """Runs the traced graph with every activation in one arena tensor at its planned
+        offset; returns the graph's outputs (copies, so the arena can be reused)."""
+        return _planned_run(self, inputs)
+
+
+def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_limit: float = 10.0,
+                alignment: int = 64, loss_fn: Optional[Callable] = None) -> ModulePlan:
+    """Traces ``module(*inputs)`` and plans its activations in one arena."""
+    g = trace(module, *inputs, training=training, loss_fn=loss_fn)
+    lower, upper, size = g.arrays()
+    t0 = time.perf_counter()
+    r = _tensormem.plan(lower, upper, size, time_limit=time_limit, alignment=alignment)
+    seconds = time.perf_counter() - t0
+    problem = _tensormem.validate(lower, upper, size, r["offsets"], r["arena_bytes"], alignment)
+    if problem:
+        raise RuntimeError(f"the planner produced an invalid plan: {problem}")
+    return ModulePlan(g, np.asarray(r["offsets"]), int(r["arena_bytes"]), int(r["lower_bound"]),
+                      _eager_peak(module, inputs, training, loss_fn), _online_best_fit(g.buffers, alignment),
+                      seconds, alignment, r["strategy"],
+                      state=lambda: [*dict(module.named_parameters()).values(), *dict(module.named_buffers()).values()])
+
+
+# ----------------------------------------------------------------------------- planned execution
+
+def _out_overload(op):
+    """The ``out=`` overload of ``op`` taking the same arguments plus one ``out``, or None."""
+    packet = op.overloadpacket
+    if "out" not in packet.overloads():
+        return None
+    candidate = packet.out
+    names = [a.name for a in candidate._schema.arguments]
+    if names != [a.name for a in op._schema.arguments] + ["out"]:
+        return None
+    return candidate
+
+
+def _planned_run(plan: ModulePlan, inputs):
+    g = plan.graph
+    if plan.state is None:
+        raise RuntimeError("ModulePlan.run needs the module's parameters: make the plan with plan_module()")
+    module_state = plan.state()
+    if len(inputs) + len(module_state) != sum(1 for n in g.module.graph.nodes if n.op == "placeholder"):
+        raise ValueError(f"ModulePlan.run: {len(inputs)} inputs given, the traced call had "
+                         f"{sum(1 for n in g.module.graph.nodes if n.op == 'placeholder') - len(module_state)}")
+    arena = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8)
+    env: Dict[str, object] = {}
+    moved = 0
+
+    def slot(bid: int, meta) -> torch.Tensor:
+        nbytes = g.buffers[bid].nbytes
+        if nbytes == 0:
+            return torch.empty(tuple(meta.shape), dtype=meta.dtype)
+        raw = arena.narrow(0, int(plan.offsets[bid]), nbytes)
+        return raw.view(meta.dtype).as_strided(tuple(meta.shape), tuple(meta.stride))
+
+    def value(a):
+        if isinstance(a, torch.fx.Node):
+            return env[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(value(v) for v in a)
+        return a
+
+    placeholder_index = 0
+    with torch.no_grad():  # the graph holds the backward ops itself
+        for node in g.module.graph.nodes:
+            meta = node.meta.get("tensor_meta")
+            if node.op == "placeholder":
+                if placeholder_index < g.n_state:
+                    env[node.name] = module_state[placeholder_index]
+                else:
+                    dst = slot(g.node_buffers[node.name][0], meta)
+                    dst.copy_(inputs[placeholder_index - g.n_state])
+                    env[node.name] = dst
+                placeholder_index += 1
+            elif node.op == "call_function" and node.target is operator.getitem:
+                env[node.name] = env[node.args[0].name][node.args[1]]
+            elif node.op == "call_function":
+                op = node.target
+                args = [value(a) for a in node.args]
+                kwargs = {k: value(v) for k, v in node.kwargs.items()}
+                created = [(i, bid) for i, bid in enumerate(g.node_buffers[node.name])
+                           if bid is not None and g.buffers[bid].node == node.name]
+                if not created:  # views and in-place ops run on the arena's tensors directly
+                    env[node.name] = op(*args, **kwargs)
+                    continue
+                single = meta is None or _is_meta(meta)
+                out_op = _out_overload(op) if single else None
+                if out_op is not None:
+                    dst = slot(created[0][1], meta)
+                    result = out_op(*args, **kwargs, out=dst)
+                    if dst.numel() and result.data_ptr() != dst.data_ptr():
+                        dst.copy_(result)
+                        moved += 1
+                    env[node.name] = dst
+                    continue
+                result = op(*args, **kwargs)  # no out= variant: compute, then move into the slot
+                moved += 1
+                if single:
+                    dst = slot(created[0][1], meta)
+                    dst.copy_(result)
+                    env[node.name] = dst
+                else:
+                    placed = list(result)
+                    metas = _metas(meta)
+                    for i, bid in created:
+                        dst = slot(bid, metas[i])
+                        dst.copy_(result[i])
+                        placed[i] = dst
+                    env[node.name] = tuple(placed) if isinstance(result, tuple) else placed
+            elif node.op == "output":
+                plan.moved_ops = moved
+                return _unflatten(g, _clone_tree(value(node.args[0])))
+    raise RuntimeError("the traced graph has no output")
+
+
+def _unflatten(g: Graph, out):
+    """The graph's flat outputs in the structure the traced call returned."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+    leaves = tree_flatten(list(out) if isinstance(out, (list, tuple)) else [out])[0]
+    return tree_unflatten(leaves, g.out_spec) if g.out_spec is not None else out
+
+
+def _clone_tree(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clone_tree(x) for x in v)
+    return v
