@@ -10,7 +10,10 @@ gradient) and turns it into buffers with lifetimes:
 - Aliasing comes from each op's schema (its alias annotations): an output annotated as an
   alias of an argument (``view``, ``t``, ``expand``, ``split``'s list, ``relu_``...) is the
   same buffer as that argument and extends its lifetime; an argument annotated as written
-  (``add_``, ``relu_``) is a use; outputs without annotation are new buffers.
+  (``add_``, ``relu_``) is a use; outputs without annotation are new buffers -- except
+  ``_unsafe_view``, a view whose schema says nothing (the tests compare every value's storage
+  at run time with these decisions). Ops whose output shape or value depends on the data
+  (``nonzero``, ``item``) are refused: a plan would hold only for the traced inputs.
 - Graph inputs and outputs live for the whole run. Parameters and module buffers are not
   activations: their bytes are reported apart (``param_bytes``) and never planned.
 
@@ -118,10 +121,17 @@ def _storage_bytes(meta) -> int:
     return span * torch.empty((), dtype=meta.dtype).element_size()
 
 
+# Ops whose result shares its input's storage although their schema carries no alias
+# annotation (found by comparing storages at run time): the first argument is the base.
+_UNANNOTATED_VIEWS = {"aten::_unsafe_view"}
+
+
 def _alias_sources(op, node: torch.fx.Node) -> Tuple[List[Optional[int]], List[int]]:
     """For each return of ``op``: the index of the argument it aliases (or None); and the
     indices of the arguments it writes."""
     schema = op._schema
+    if schema.name in _UNANNOTATED_VIEWS:
+        return [0], []
     args = list(node.args) + [None] * (len(schema.arguments) - len(node.args))
     for i, a in enumerate(schema.arguments):
         if a.name in node.kwargs:
@@ -234,6 +244,10 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             use(source, step)
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             op = node.target
+            tags = set(getattr(op, "tags", ()))
+            if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+                raise UnsupportedGraph(f"unsupported op {op} (node {node.name}): its output depends on the "
+                                       "input values, so a plan made for these inputs would not hold for others")
             ops[str(op)] = ops.get(str(op), 0) + 1
             sources, _written = _alias_sources(op, node)  # written arguments are uses
             args = _schema_args(op, node)
@@ -338,6 +352,7 @@ class ModulePlan:
     alignment: int
     strategy: str
     moved_ops: int = 0  # ops of the last run that computed outside their slot and were copied in
+    placed_buffers: int = 0  # buffers of the last run found at their planned offset in the arena
     state: Optional[Callable[[], list]] = field(default=None, repr=False)  # parameters, module buffers
 
     def report(self) -> str:
@@ -422,6 +437,21 @@ def _planned_run(plan: ModulePlan, inputs):
             return type(a)(value(v) for v in a)
         return a
 
+    placed = 0
+
+    def check_placed(node_name: str):
+        """Every buffer the node created sits at its planned offset in the arena."""
+        nonlocal placed
+        value = env[node_name]
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        for i, bid in enumerate(g.node_buffers[node_name]):
+            if bid is None or g.buffers[bid].node != node_name or g.buffers[bid].nbytes == 0:
+                continue
+            if values[i].storage().data_ptr() + values[i].storage_offset() * values[i].element_size() \
+                    != arena.data_ptr() + int(plan.offsets[bid]):
+                raise RuntimeError(f"buffer {g.buffers[bid].name} is not at its planned offset")
+            placed += 1
+
     placeholder_index = 0
     with torch.no_grad():  # the graph holds the backward ops itself
         for node in g.module.graph.nodes:
@@ -433,6 +463,7 @@ def _planned_run(plan: ModulePlan, inputs):
                     dst = slot(g.node_buffers[node.name][0], meta)
                     dst.copy_(inputs[placeholder_index - g.n_state])
                     env[node.name] = dst
+                    check_placed(node.name)
                 placeholder_index += 1
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node.name] = env[node.args[0].name][node.args[1]]
@@ -454,6 +485,7 @@ def _planned_run(plan: ModulePlan, inputs):
                         dst.copy_(result)
                         moved += 1
                     env[node.name] = dst
+                    check_placed(node.name)
                     continue
                 result = op(*args, **kwargs)  # no out= variant: compute, then move into the slot
                 moved += 1
@@ -462,15 +494,17 @@ def _planned_run(plan: ModulePlan, inputs):
                     dst.copy_(result)
                     env[node.name] = dst
                 else:
-                    placed = list(result)
+                    placed_values = list(result)
                     metas = _metas(meta)
                     for i, bid in created:
                         dst = slot(bid, metas[i])
                         dst.copy_(result[i])
-                        placed[i] = dst
-                    env[node.name] = tuple(placed) if isinstance(result, tuple) else placed
+                        placed_values[i] = dst
+                    env[node.name] = tuple(placed_values) if isinstance(result, tuple) else placed_values
+                check_placed(node.name)
             elif node.op == "output":
                 plan.moved_ops = moved
+                plan.placed_buffers = placed
                 return _unflatten(g, _clone_tree(value(node.args[0])))
     raise RuntimeError("the traced graph has no output")
 

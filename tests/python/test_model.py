@@ -1,0 +1,189 @@
+"""tensormem.torch.trace / plan_module / ModulePlan.run on real PyTorch modules.
+
+Oracles: the storages the graph's values really use (one run of the traced graph, values
+dropped after their last use as eager code drops them) decide aliasing and lifetimes; eager
+PyTorch decides outputs and gradients."""
+
+import operator
+
+import pytest
+import torch
+import torchvision
+
+from tensormem.torch import UnsupportedGraph, plan_module, trace
+
+
+def storage_of(t):
+    return t.storage().data_ptr() if isinstance(t, torch.Tensor) and t.numel() else None
+
+
+def observe(graph, module, inputs):
+    """Runs the traced graph node by node, dropping each value after its last user. Returns
+    {(node, index): storage} of every tensor value and, per step, the storages referenced."""
+    gm = graph.module
+    nodes = list(gm.graph.nodes)
+    last_user = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_user[a.name] = i
+    state = [*dict(module.named_parameters()).values(), *dict(module.named_buffers()).values()]
+    feed = iter([*state, *inputs])
+    env, storages, alive = {}, {}, []
+    keep = []  # every value stays referenced here, so no address is reused by a later tensor
+    with torch.no_grad():
+        for i, n in enumerate(nodes):
+            if n.op == "placeholder":
+                env[n.name] = next(feed)
+            elif n.op == "output":
+                pass
+            else:
+                args = torch.fx.node.map_arg(n.args, lambda a: env[a.name])
+                kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: env[a.name])
+                env[n.name] = n.target(*args, **kwargs)
+            value = env.get(n.name)
+            keep.append(value)
+            values = list(value) if isinstance(value, (list, tuple)) else [value]
+            for k, v in enumerate(values):
+                storages[(n.name, k)] = storage_of(v)
+            # Storages referenced at this step by single tensor values (a tuple of outputs is
+            # unpacked by getitem nodes, which are values of their own).
+            alive.append({storage_of(v) for v in env.values() if isinstance(v, torch.Tensor)} - {None})
+            for name in [k for k in env if last_user.get(k, -1) <= i and k != n.name or
+                         (k == n.name and last_user.get(k, -1) < i)]:
+                del env[name]
+    return storages, alive
+
+
+def check_against_runtime(module, *inputs, training=False):
+    graph = trace(module, *inputs, training=training)
+    storages, alive = observe(graph, module, inputs)
+    state_storages = {storage_of(t) for t in [*module.parameters(), *module.buffers()]}
+    by_buffer = {}
+    for node, bids in graph.node_buffers.items():
+        for k, bid in enumerate(bids):
+            s = storages.get((node, k))
+            if s is None:
+                continue
+            if bid is None:  # a parameter, a module buffer, or a view of one
+                assert s in state_storages, f"{node}[{k}] is not planned but its storage is not a parameter's"
+                continue
+            by_buffer.setdefault(bid, set()).add(s)
+    owners = {}
+    for bid, ss in by_buffer.items():
+        assert len(ss) == 1, f"buffer {graph.buffers[bid].name}: its values use {len(ss)} storages"
+        s = ss.pop()
+        assert s not in owners, f"buffers {graph.buffers[owners.get(s)].name} and {graph.buffers[bid].name} share a storage"
+        owners[s] = bid
+        b = graph.buffers[bid]
+        steps = [i for i, live in enumerate(alive) if s in live]
+        if b.kind == "activation":
+            node_index = [i for i, n in enumerate(graph.module.graph.nodes) if n.name == b.node][0]
+            single = len(graph.node_buffers[b.node]) == 1
+            assert steps[-1] == b.upper - 1, f"{b.name}: last alive at step {steps[-1]}, planned until {b.upper}"
+            assert (steps[0] == b.lower) if single else (steps[0] >= b.lower), f"{b.name}: first alive {steps[0]}"
+            assert node_index == b.lower
+        else:  # inputs and outputs stay to the end
+            assert b.lower <= steps[0] and steps[-1] <= b.upper - 1
+            assert steps[-1] == len(alive) - 1 or b.kind == "input"  # outputs: held by the output node
+    return graph
+
+
+class AliasNet(torch.nn.Module):
+    """In-place ReLU, view chains, split/chunk pieces, a multi-output op, an output view."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 32)
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.relu(self.lin(x))                    # relu_ writes the linear's output
+        v = h.view(4, 2, 32).transpose(1, 2).unsqueeze(0)  # a chain of views
+        a, b = torch.split(h, 4)                     # list of views
+        c = torch.chunk(h, 2, dim=1)[1]
+        a.add_(1.0)                                  # in-place through a view of h
+        vals, idx = torch.topk(c, 3, dim=1)          # two fresh outputs
+        out = torch.cat([a, b], dim=1) * v.sum()
+        return out, vals, idx, out[:, :5]            # an output that views another
+
+
+def test_aliases_and_lifetimes_match_the_runtime_storages():
+    torch.manual_seed(0)
+    graph = check_against_runtime(AliasNet(), torch.randn(8, 16))
+    views = sum(b.aliases for b in graph.buffers)
+    assert views >= 6  # relu_, view, transpose, unsqueeze, split, chunk, add_, slice...
+    assert any(op.startswith("aten.relu_") for op in graph.ops)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_torchvision_and_transformer_lifetimes(training):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    for module, x in ((torchvision.models.resnet18(weights=None).eval(), torch.randn(1, 3, 32, 32)),
+                      (torch.nn.TransformerEncoder(layer, 2).eval(), torch.randn(2, 8, 32))):
+        check_against_runtime(module, x, training=training)
+
+
+def planned_equals_eager(module, x, training):
+    plan = plan_module(module, x, training=training, time_limit=2)
+    assert plan.arena_bytes >= plan.lower_bound > 0
+    assert plan.arena_bytes <= plan.online_best_fit
+    out = plan.run(x)
+    if training:
+        loss = module(x).float().sum()
+        grads = torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad])
+        assert torch.equal(out[0], loss.detach())
+        assert len(out[1]) == len(grads)
+        for a, b in zip(out[1], grads):
+            assert torch.equal(a, b)  # bitwise: the same kernels on the same values
+    else:
+        with torch.no_grad():
+            assert torch.equal(out, module(x))
+    # Every buffer with bytes was found at its planned offset inside the one arena tensor.
+    assert plan.placed_buffers == sum(1 for b in plan.graph.buffers if b.nbytes)
+    assert "planned arena" in plan.report() and "eager PyTorch peak" in plan.report()
+    return plan
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_planned_execution_equals_eager(training):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    cases = [
+        (torchvision.models.resnet18(weights=None).eval(), torch.randn(2, 3, 32, 32)),
+        (torchvision.models.mobilenet_v3_small(weights=None).eval(), torch.randn(2, 3, 32, 32)),
+        (torch.nn.TransformerEncoder(layer, 2).eval(), torch.randn(2, 8, 32)),
+    ]
+    for module, x in cases:
+        plan = planned_equals_eager(module, x, training)
+        assert plan.moved_ops >= 0
+
+
+def test_to_trace_reads_back(tmp_path):
+    import tensormem
+    graph = trace(torchvision.models.mobilenet_v3_small(weights=None).eval(), torch.randn(1, 3, 32, 32))
+    path = tmp_path / "m.csv"
+    graph.to_trace(str(path))
+    lower, upper, size = graph.arrays()
+    back = tensormem.read_trace(str(path))
+    assert list(back["lower"]) == list(lower) and list(back["upper"]) == list(upper)
+    assert list(back["size"]) == list(size)
+    assert tensormem.lower_bound(lower, upper, size) == tensormem.lower_bound(back["lower"], back["upper"], back["size"])
+
+
+def test_misuse_gives_clear_errors():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow
+                return x * 2
+            return x - 1
+
+    with pytest.raises(UnsupportedGraph, match="Branchy.*data-dependent control flow"):
+        trace(Branchy(), torch.randn(4))
+
+    class Nonzero(torch.nn.Module):
+        def forward(self, x):
+            return torch.nonzero(x > 0)  # output shape depends on the values
+
+    with pytest.raises(UnsupportedGraph, match="aten.nonzero.default"):
+        trace(Nonzero(), torch.randn(4))
