@@ -297,8 +297,9 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
 
 def _eager_peak(module, inputs, training: bool, loss_fn) -> int:
     """Highest live bytes during one eager call, from torch.profiler's CPU memory records:
-    each op's own allocations (at its start) and the ``[memory]`` release events, summed in
-    time order (sizes only: no addresses needed)."""
+    each op's own net allocation (from its start; a net release at its end) and the
+    ``[memory]`` release events, summed in time order (sizes only: no addresses needed).
+    Temporaries an op allocates and frees itself cancel out, so the figure can only be low."""
     from torch.profiler import ProfilerActivity, profile
 
     def call():
@@ -314,8 +315,14 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> int:
         else:
             with torch.no_grad():
                 call()
-    records = [(e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-               for e in prof.events() if e.name == "[memory]" or e.self_cpu_memory_usage > 0]
+    records = []
+    for e in prof.events():
+        if e.name == "[memory]":  # a release outside any op
+            records.append((e.time_range.start, e.cpu_memory_usage))
+        elif e.self_cpu_memory_usage > 0:  # an op's own net allocation, from its start
+            records.append((e.time_range.start, e.self_cpu_memory_usage))
+        elif e.self_cpu_memory_usage < 0:  # an op's own net release, at its end
+            records.append((e.time_range.end, e.self_cpu_memory_usage))
     live = peak = 0
     for _start, delta in sorted(records):
         live += delta
@@ -522,3 +529,70 @@ def _clone_tree(v):
     if isinstance(v, (list, tuple)):
         return type(v)(_clone_tree(x) for x in v)
     return v
+
+
+# ----------------------------------------------------------------------------- command line
+
+def _example_model(name: str, batch: int, sequence: int, layers: int):
+    """A torchvision model by name (weights=None) with a 224 x 224 batch, or "gpt": a
+    GPT-style stack of pre-norm transformer blocks (hidden 768, 12 heads) over token ids."""
+    if name == "gpt":
+        class GPT(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(50257, 768)
+                layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu",
+                                                         batch_first=True, norm_first=True)
+                self.blocks = torch.nn.TransformerEncoder(layer, layers)
+                self.head = torch.nn.Linear(768, 50257, bias=False)
+
+            def forward(self, ids):
+                return self.head(self.blocks(self.embed(ids)))
+        return GPT().eval(), torch.randint(0, 50257, (batch, sequence))
+    import torchvision
+    try:
+        model = torchvision.models.get_model(name, weights=None)
+    except (KeyError, ValueError, AttributeError) as e:
+        raise SystemExit(f"unknown model '{name}': a torchvision model name (resnet50, vit_b_16...) or gpt") from e
+    return model.eval(), torch.randn(batch, 3, 224, 224)
+
+
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python3 -m tensormem.torch",
+                                     description="Plan the activations of a PyTorch model in one arena.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="trace a model, plan it, print the report")
+    p.add_argument("model", help="torchvision model name (resnet50, mobilenet_v3_large, vit_b_16...) or gpt")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--training", action="store_true", help="a training step: forward, loss, backward")
+    p.add_argument("--time-limit", type=float, default=2.0, help="planner search budget, seconds (default 2)")
+    p.add_argument("--sequence", type=int, default=128, help="gpt: tokens per sequence (default 128)")
+    p.add_argument("--layers", type=int, default=12, help="gpt: transformer blocks (default 12)")
+    p.add_argument("--svg", help="draw the plan: SVG, or an interactive page if the name ends in .html")
+    p.add_argument("--trace", help="write the buffers as a trace CSV (for tensormem plan / replay)")
+    p.add_argument("--run", action="store_true", help="also run the plan and compare with eager PyTorch")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model, x = _example_model(args.model, args.batch, args.sequence, args.layers)
+    t0 = time.perf_counter()
+    plan = plan_module(model, x, training=args.training, time_limit=args.time_limit)
+    seconds = time.perf_counter() - t0
+    print(f"{args.model}, batch {args.batch}: traced, measured and planned in {seconds:.1f} s")
+    print(plan.report(), end="")
+    if args.trace:
+        plan.graph.to_trace(args.trace)
+    if args.svg:
+        lower, upper, size = plan.graph.arrays()
+        _tensormem.write_plan_picture(args.svg, lower, upper, size, plan.offsets.astype(np.uint64), plan.arena_bytes,
+                                      plan.lower_bound, f"{args.model} batch {args.batch}",
+                                      [b.name for b in plan.graph.buffers])
+    if args.run:
+        out = plan.run(x)
+        with torch.no_grad():
+            ref = model(x) if not args.training else None
+        same = "not compared (training)" if ref is None else ("bitwise equal" if torch.equal(out, ref) else
+                                                             "DIFFERENT")
+        print(f"planned run: {plan.placed_buffers} buffers at their offsets, {plan.moved_ops} ops moved into "
+              f"their slot; output {same}")
+    return 0

@@ -304,3 +304,11 @@ class AsyncTensorSwapper:
 
     def timer(self, name: str) -> float:
         return self._timers[name]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from tensormem.model import main
+
+    sys.exit(main())

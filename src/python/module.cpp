@@ -27,6 +27,7 @@
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 #include "tensormem/trace/arena_svg.hpp"
+#include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
 namespace py = pybind11;
@@ -441,6 +442,26 @@ PYBIND11_MODULE(_tensormem, m) {
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
      py::arg("alignment") = 1, py::arg("seed") = 1,
      "Plans buffers with half-open lifetimes [lower, upper) in one arena.");
+
+  m.def("write_plan_picture", [](const std::string& path, const py::handle& lower, const py::handle& upper,
+                                 const py::handle& size, const py::handle& offsets, std::uint64_t arena_bytes,
+                                 std::uint64_t lower_bound, const std::string& title, const py::object& ids) {
+    auto buffers = buffers_from(lower, upper, size);
+    if (!ids.is_none()) {
+      const auto names = ids.cast<std::vector<std::string>>();
+      if (names.size() != buffers.size()) throw std::invalid_argument("ids: one per buffer");
+      for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].id = names[i];
+    }
+    const std::vector<std::uint64_t> off = unsigned_array(offsets, "offsets");
+    if (off.size() != buffers.size()) throw std::invalid_argument("offsets: one per buffer");
+    if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".html") == 0) {
+      trace::write_plan_html(path, buffers, off, arena_bytes, lower_bound, title);
+    } else {
+      trace::write_plan_svg(path, buffers, off, arena_bytes, lower_bound);
+    }
+  }, py::arg("path"), py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("offsets"), py::arg("arena_bytes"),
+     py::arg("lower_bound"), py::arg("title") = "plan", py::arg("ids") = py::none(),
+     "Draws a plan: an interactive page when the path ends in .html, else an SVG picture.");
 
   m.def("validate", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
                        const py::handle& offsets, std::uint64_t arena_bytes, std::uint64_t alignment) {

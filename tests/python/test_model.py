@@ -187,3 +187,24 @@ def test_misuse_gives_clear_errors():
 
     with pytest.raises(UnsupportedGraph, match="aten.nonzero.default"):
         trace(Nonzero(), torch.randn(4))
+
+
+def test_command_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import tensormem
+    page, csv = tmp_path / "plan.html", tmp_path / "plan.csv"
+    r = subprocess.run([sys.executable, "-m", "tensormem.torch", "plan", "mobilenet_v3_small", "--batch", "1",
+                        "--time-limit", "1", "--svg", str(page), "--trace", str(csv), "--run"],
+                       capture_output=True, text=True, env=os.environ, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for line in ("mobilenet_v3_small, batch 1", "eager PyTorch peak", "planned arena", "lower bound",
+                 "output bitwise equal"):
+        assert line in r.stdout, r.stdout
+    assert "<canvas" in page.read_text()
+    assert len(tensormem.read_trace(str(csv))["size"]) > 100
+    bad = subprocess.run([sys.executable, "-m", "tensormem.torch", "plan", "no_such_model"],
+                         capture_output=True, text=True, env=os.environ, timeout=120)
+    assert bad.returncode != 0 and "unknown model 'no_such_model'" in bad.stderr

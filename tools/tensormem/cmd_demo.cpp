@@ -247,6 +247,8 @@ void run_demo(const demo_options& o) {
                            swapped.stats.checksums ? "verified" : "off", swapped.stats.write_gbps(),
                            swapped.stats.read_gbps(), swapped.verified ? "intact" : "CHANGED");
   if (!swapped.stats.fallback.empty()) std::cout << "  fallback: " << swapped.stats.fallback << '\n';
+  std::cout << "\nYour own PyTorch model: python3 -m tensormem.torch plan resnet50 --batch 32 "
+               "(torchvision names or gpt; --training, --svg, --run)\n";
 }
 
 }  // namespace
