@@ -12,6 +12,7 @@ from ._tensormem import (  # noqa: F401
     BestFitAllocator,
     ContiguousArena,
     MemoryView,
+    OperatorGraph,
     PinnedBuffer,
     PinnedPool,
     TensorSwapper,
@@ -19,13 +20,15 @@ from ._tensormem import (  # noqa: F401
     __version__,
     cuda_built,
     cuda_unavailable_reason,
+    derive_lifetimes,
     lower_bound,
+    make_transformer_step,
     plan,
     read_trace,
     validate,
 )
 
 __all__ = [
-    "GROWING", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "PinnedBuffer",
+    "GROWING", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "OperatorGraph", "derive_lifetimes", "make_transformer_step", "PinnedBuffer",
     "PinnedPool", "TensorSwapper", "TlsfAllocator", "__version__", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
 ]

@@ -79,6 +79,25 @@ class Graph:
         size = np.array([b.nbytes for b in self.buffers], dtype=np.uint64)
         return lower, upper, size
 
+    def to_operator_graph(self):
+        """The graph as tensormem's C++ OperatorGraph: one tensor per buffer (parameters are
+        left out), one op per aten node, reading the buffers of its tensor arguments (a view
+        reads its base) and producing the buffers it creates; ``derive_lifetimes`` of it
+        gives the same lower bound as these buffers."""
+        g = _tensormem.OperatorGraph()
+        for b in self.buffers:  # outputs are activations read by a last "output" op
+            g.add_tensor(b.name, b.nbytes, "input" if b.kind == "input" else "activation")
+        for node in self.module.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem:
+                continue
+            reads = sorted({bid for a in node.all_input_nodes for bid in self.node_buffers.get(a.name, [])
+                            if bid is not None})
+            made = [bid for bid in self.node_buffers[node.name] if bid is not None and self.buffers[bid].node == node.name]
+            reads = [bid for bid in reads if bid not in made]
+            g.add_op(str(node.target), reads, made)
+        g.add_op("output", [b.id for b in self.buffers if b.kind == "output"], [])
+        return g
+
     def to_trace(self, path: str) -> None:
         """Writes the buffers as a trace CSV (``id,lower,upper,size``) for ``tensormem plan``."""
         with open(path, "w", encoding="utf-8") as f:

@@ -19,8 +19,10 @@
 
 #include "tensormem/arena/contiguous_arena.hpp"
 #include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/graph.hpp"
 #include "tensormem/core/planner.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
+#include "tensormem/core/transformer_step.hpp"
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/io/file_io.hpp"
@@ -442,6 +444,65 @@ PYBIND11_MODULE(_tensormem, m) {
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
      py::arg("alignment") = 1, py::arg("seed") = 1,
      "Plans buffers with half-open lifetimes [lower, upper) in one arena.");
+
+  // The C++ graph front end: operators over tensors of known sizes, their lifetimes.
+  py::class_<core::graph>(m, "OperatorGraph", "Operators in execution order over tensors of known sizes.")
+      .def(py::init<>())
+      .def("add_tensor", [](core::graph& g, std::string name, std::uint64_t bytes, const std::string& role) {
+             static const std::map<std::string, core::tensor_role> roles = {
+                 {"activation", core::tensor_role::activation}, {"weight", core::tensor_role::weight},
+                 {"input", core::tensor_role::graph_input}, {"output", core::tensor_role::graph_output}};
+             const auto it = roles.find(role);
+             if (it == roles.end()) {
+               throw std::invalid_argument("role must be activation, weight, input or output, not '" + role + "'");
+             }
+             return g.add_tensor(std::move(name), bytes, it->second);
+           }, py::arg("name"), py::arg("bytes"), py::arg("role") = "activation", "Adds a tensor; returns its index.")
+      .def("add_op", &core::graph::add_op, py::arg("name"), py::arg("inputs"), py::arg("outputs"),
+           "Appends an op (tensor indices in and out) that runs after every op added before it.")
+      .def_property_readonly("tensors", [](const core::graph& g) {
+        py::list out;
+        static const char* names[] = {"activation", "weight", "input", "output"};
+        for (const core::graph_tensor& t : g.tensors()) {
+          out.append(py::make_tuple(t.name, t.bytes, names[static_cast<int>(t.role)]));
+        }
+        return out;
+      })
+      .def_property_readonly("ops", [](const core::graph& g) {
+        py::list out;
+        for (const core::graph_op& o : g.ops()) out.append(py::make_tuple(o.name, o.inputs, o.outputs));
+        return out;
+      });
+  m.def("derive_lifetimes", [](const core::graph& g, std::uint64_t weight_alignment) {
+    const core::graph_lifetimes life = core::derive_lifetimes(g, weight_alignment);
+    const auto n = static_cast<py::ssize_t>(life.buffers.size());
+    py::array_t<std::uint64_t> lower(n), upper(n), size(n);
+    py::list ids;
+    for (py::ssize_t i = 0; i < n; ++i) {
+      const core::buffer& b = life.buffers[static_cast<std::size_t>(i)];
+      lower.mutable_at(i) = b.lower;
+      upper.mutable_at(i) = b.upper;
+      size.mutable_at(i) = b.bytes;
+      ids.append(b.id);
+    }
+    py::dict d;
+    d["id"] = ids;
+    d["lower"] = lower;
+    d["upper"] = upper;
+    d["size"] = size;
+    d["tensor_of"] = life.tensor_of;
+    d["weight_bytes"] = life.weight_bytes;
+    d["steps"] = life.steps;
+    return d;
+  }, py::arg("graph"), py::arg("weight_alignment") = 256,
+     "Buffer lifetimes of a graph run (activations freed after their last consumer).");
+  m.def("make_transformer_step", [](std::uint32_t layers, std::uint64_t hidden, std::uint64_t heads,
+                                     std::uint64_t sequence, std::uint64_t batch, std::uint64_t vocabulary,
+                                     std::uint64_t dtype_bytes) {
+    return core::make_transformer_step({layers, hidden, heads, sequence, batch, vocabulary, dtype_bytes});
+  }, py::arg("layers") = 12, py::arg("hidden") = 768, py::arg("heads") = 12, py::arg("sequence") = 1024,
+     py::arg("batch") = 8, py::arg("vocabulary") = 50257, py::arg("dtype_bytes") = 2,
+     "The demo's model: one training step of a GPT-style transformer, as an OperatorGraph.");
 
   m.def("write_plan_picture", [](const std::string& path, const py::handle& lower, const py::handle& upper,
                                  const py::handle& size, const py::handle& offsets, std::uint64_t arena_bytes,

@@ -208,3 +208,36 @@ def test_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tensormem.torch", "plan", "no_such_model"],
                          capture_output=True, text=True, env=os.environ, timeout=120)
     assert bad.returncode != 0 and "unknown model 'no_such_model'" in bad.stderr
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_cpp_graph_front_end_derives_the_same_lower_bound(training):
+    import tensormem
+    torch.manual_seed(0)
+    for module, x in ((torchvision.models.mobilenet_v3_small(weights=None).eval(), torch.randn(1, 3, 32, 32)),
+                      (torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0,
+                                                                                    batch_first=True), 2).eval(),
+                       torch.randn(2, 8, 32))):
+        graph = trace(module, x, training=training)
+        life = tensormem.derive_lifetimes(graph.to_operator_graph())
+        assert len(life["size"]) == len(graph.buffers)
+        assert tensormem.lower_bound(*graph.arrays()) == \
+            tensormem.lower_bound(life["lower"], life["upper"], life["size"])
+
+
+def test_operator_graph_and_the_transformer_step():
+    import tensormem
+    g = tensormem.make_transformer_step(layers=2, hidden=64, heads=4, sequence=16, batch=2, vocabulary=100)
+    assert any(role == "weight" for _name, _bytes, role in g.tensors)
+    life = tensormem.derive_lifetimes(g)
+    r = tensormem.plan(life["lower"], life["upper"], life["size"], time_limit=1)
+    assert r["arena_bytes"] == r["lower_bound"] and life["weight_bytes"] > 0 and life["steps"] == len(g.ops)
+    h = tensormem.OperatorGraph()
+    a = h.add_tensor("a", 100, "input")
+    b = h.add_tensor("b", 50)
+    h.add_op("f", [a], [b])
+    assert tensormem.derive_lifetimes(h)["steps"] == 1
+    with pytest.raises(ValueError, match="role must be"):
+        h.add_tensor("c", 1, "scratch")
+    with pytest.raises(ValueError):
+        h.add_op("g", [7], [])
