@@ -486,8 +486,14 @@ def _planned_run(plan: ModulePlan, inputs):
                 if placeholder_index < g.n_state:
                     env[node.name] = module_state[placeholder_index]
                 else:
+                    k = placeholder_index - g.n_state
+                    x = inputs[k]
+                    if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(meta.shape) or x.dtype != meta.dtype:
+                        got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                        raise ValueError(f"ModulePlan.run: input {k} is {got}; the plan was made for "
+                                         f"{tuple(meta.shape)} {meta.dtype}")
                     dst = slot(g.node_buffers[node.name][0], meta)
-                    dst.copy_(inputs[placeholder_index - g.n_state])
+                    dst.copy_(x)
                     env[node.name] = dst
                     check_placed(node.name)
                 placeholder_index += 1

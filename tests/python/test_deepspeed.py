@@ -189,6 +189,9 @@ def test_errors_name_the_path_and_errno(tmp_path):
         h.pread(t, short, False)  # 'async' missing
     with pytest.raises(TypeError):
         h.async_pwrite(np.ones(4), short)
+    with pytest.raises((TypeError, OverflowError, ValueError)):
+        h.async_pwrite(t, short, -4096)  # a negative offset is refused, nothing queued
+    assert h.wait() == 0
 
 
 ENOSPC_SCRIPT = textwrap.dedent("""

@@ -241,3 +241,17 @@ def test_operator_graph_and_the_transformer_step():
         h.add_tensor("c", 1, "scratch")
     with pytest.raises(ValueError):
         h.add_op("g", [7], [])
+
+
+def test_run_refuses_inputs_the_plan_was_not_made_for():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval()
+    plan = plan_module(model, torch.randn(2, 8), time_limit=0.5)
+    with pytest.raises(ValueError, match=r"input 0 is \(1, 8\).*made for \(2, 8\)"):
+        plan.run(torch.randn(1, 8))  # copy_ would broadcast it silently
+    with pytest.raises(ValueError, match="torch.float64"):
+        plan.run(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2 inputs given"):
+        plan.run(torch.randn(2, 8), torch.randn(2, 8))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(plan.run(x), model(x))
