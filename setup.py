@@ -47,13 +47,18 @@ class CMakeBuild(build_ext):
         configure += shlex.split(os.environ.get("TENSORMEM_CMAKE_ARGS", ""))
         subprocess.run(configure, check=True)
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 1))
-        subprocess.run(["cmake", "--build", str(build_dir), "--target", "_tensormem", "-j", jobs], check=True)
-        built = list((build_dir / "python" / "tensormem").glob("_tensormem*.so"))
-        if len(built) != 1:
-            raise RuntimeError(f"expected one _tensormem module in {build_dir}, found {built}")
+        targets = ["_tensormem"]
+        cache = (build_dir / "CMakeCache.txt").read_text(encoding="utf-8")
+        if re.search(r"^TENSORMEM_C10_LIBRARY:FILEPATH=/", cache, re.M):
+            targets.append("_tensormem_torch")  # PyTorch's allocator hook, where libc10 is there
+        subprocess.run(["cmake", "--build", str(build_dir), "--target", *targets, "-j", jobs], check=True)
         target = pathlib.Path(self.get_ext_fullpath(ext.name))
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(built[0], target)
+        for name in targets:
+            built = list((build_dir / "python" / "tensormem").glob(name + ".*.so"))
+            if len(built) != 1:
+                raise RuntimeError(f"expected one {name} module in {build_dir}, found {built}")
+            shutil.copyfile(built[0], target.parent / built[0].name)
 
 
 setup(

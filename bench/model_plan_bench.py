@@ -1,6 +1,7 @@
 """Planned arenas of torchvision models next to eager PyTorch (tensormem.torch.plan_module).
 
-For each model and case: eager peak (torch.profiler memory records), online best fit
+For each model and case: eager peak (PyTorch's allocator hook where tensormem has it,
+else torch.profiler's memory records), online best fit
 (tensormem's best_fit_allocator replaying the buffers), the planned arena, the lower bound,
 and the planner's seconds. Prints a markdown table.
 
@@ -23,6 +24,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="*", default=MODELS)
     parser.add_argument("--time-limit", type=float, default=2.0)
+    parser.add_argument("--skip", nargs="*", default=[], help="MODEL:BATCH cases to leave out")
     args = parser.parse_args()
     torch.manual_seed(0)
     print("| model | case | buffers | eager peak MiB | online best fit MiB | planned arena MiB | lower bound MiB "
@@ -32,6 +34,8 @@ def main():
     for name in args.models:
         model = torchvision.models.get_model(name, weights=None).eval()
         for case, batch, training in CASES:
+            if f"{name}:{batch}" in args.skip:
+                continue
             x = torch.randn(batch, 3, 224, 224)
             t0 = time.perf_counter()
             p = plan_module(model, x, training=training, time_limit=args.time_limit)

@@ -314,11 +314,13 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
 
 # ----------------------------------------------------------------------------- planning
 
-def _eager_peak(module, inputs, training: bool, loss_fn) -> int:
-    """Highest live bytes during one eager call, from torch.profiler's CPU memory records:
-    each op's own net allocation (from its start; a net release at its end) and the
-    ``[memory]`` release events, summed in time order (sizes only: no addresses needed).
-    Temporaries an op allocates and frees itself cancel out, so the figure can only be low."""
+def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
+    """Highest live bytes of CPU tensor memory during one eager call, and how it was measured:
+    exactly, through PyTorch's allocator hook (``capture``) where tensormem was built with it;
+    otherwise from torch.profiler's memory records (each op's own net allocation from its
+    start, a net release at its end, and the ``[memory]`` release events, summed in time
+    order), where temporaries an op allocates and frees itself cancel out, so the figure can
+    only be low."""
     from torch.profiler import ProfilerActivity, profile
 
     def call():
@@ -328,12 +330,26 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> int:
             loss = loss_fn(out) if loss_fn else sum(t.float().sum() for t in tensors)
             torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad], allow_unused=True)
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    def run():
         if training:
             call()
         else:
             with torch.no_grad():
                 call()
+
+    try:  # exact: every allocation and free through PyTorch's allocator hook
+        hook = _hook()
+    except RuntimeError:
+        hook = None
+    if hook is not None:
+        hook.start_capture()
+        try:
+            run()
+        finally:
+            events = hook.stop_capture()
+        return Capture(events).peak, "allocator hook"
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
     records = []
     for e in prof.events():
         if e.name == "[memory]":  # a release outside any op
@@ -346,7 +362,7 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> int:
     for _start, delta in sorted(records):
         live += delta
         peak = max(peak, live)
-    return peak
+    return peak, "torch.profiler records, a lower estimate"
 
 
 def _online_best_fit(buffers: Sequence[Buffer], alignment: int) -> int:
@@ -373,6 +389,7 @@ class ModulePlan:
     arena_bytes: int
     lower_bound: int
     eager_peak: int
+    eager_method: str
     online_best_fit: int
     plan_seconds: float
     alignment: int
@@ -392,7 +409,7 @@ class ModulePlan:
         g = self.graph
         text = (f"{'training step' if g.training else 'inference'}: {len(g.buffers)} activation buffers over "
                 f"{g.steps} graph steps; parameters and module buffers {g.param_bytes / mib:.2f} MiB (not planned)\n")
-        text += row("eager PyTorch peak", self.eager_peak, "(torch.profiler memory events)")
+        text += row("eager PyTorch peak", self.eager_peak, f"({self.eager_method})")
         text += row("online best fit", self.online_best_fit, f"(alignment {self.alignment})")
         text += row("planned arena", self.arena_bytes, f"({self.strategy}, {self.plan_seconds:.2f} s)")
         text += row("lower bound", self.lower_bound, "(most bytes alive at one step)")
@@ -417,8 +434,9 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
     problem = _tensormem.validate(lower, upper, size, r["offsets"], r["arena_bytes"], alignment)
     if problem:
         raise RuntimeError(f"the planner produced an invalid plan: {problem}")
+    eager_peak, eager_method = _eager_peak(module, inputs, training, loss_fn)
     return ModulePlan(g, np.asarray(r["offsets"]), int(r["arena_bytes"]), int(r["lower_bound"]),
-                      _eager_peak(module, inputs, training, loss_fn), _online_best_fit(g.buffers, alignment),
+                      eager_peak, eager_method, _online_best_fit(g.buffers, alignment),
                       seconds, alignment, r["strategy"],
                       state=lambda: [*dict(module.named_parameters()).values(), *dict(module.named_buffers()).values()])
 
@@ -621,3 +639,101 @@ def main(argv=None) -> int:
         print(f"planned run: {plan.placed_buffers} buffers at their offsets, {plan.moved_ops} ops moved into "
               f"their slot; output {same}")
     return 0
+
+
+# ----------------------------------------------------------------------------- capture
+
+class Capture:
+    """What an eager call allocated: one buffer per CPU tensor allocation, in the order
+    PyTorch's allocator saw them (time = the index of the event); a buffer still alive when
+    the call returned lives to the end."""
+
+    def __init__(self, events):
+        self.events = len(events)
+        starts, self.lower, self.upper, self.size = {}, [], [], []
+        for t, (ident, nbytes, is_alloc) in enumerate(events):
+            if is_alloc:
+                starts[ident] = (len(self.lower), t)
+                self.lower.append(t)
+                self.upper.append(len(events))
+                self.size.append(int(nbytes))
+            elif ident in starts:
+                self.upper[starts[ident][0]] = t
+        live = peak = 0
+        for ident, nbytes, is_alloc in events:
+            if is_alloc:
+                live += nbytes
+            else:
+                live -= self.size[starts[ident][0]]
+            peak = max(peak, live)
+        self.peak = peak  # the eager call's highest live bytes, exactly
+
+    def arrays(self):
+        to = lambda v: np.array(v, dtype=np.uint64)  # noqa: E731
+        return to(self.lower), to(self.upper), to([max(s, 1) for s in self.size])
+
+    def to_trace(self, path: str) -> None:
+        """Writes the trace CSV that ``tensormem replay`` and ``tensormem plan`` read."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("id,lower,upper,size\n")
+            for i, (lo, up, sz) in enumerate(zip(self.lower, self.upper, self.size)):
+                f.write(f"t{i},{lo},{max(up, lo + 1)},{sz}\n")
+
+
+def _hook():
+    try:
+        from . import _tensormem_torch
+    except ImportError as e:
+        raise RuntimeError("tensormem was built without PyTorch's allocator hook (Debian's libtorch-dev "
+                           "provides the c10 headers it is built against)") from e
+    return _tensormem_torch
+
+
+def capture(fn: Callable, *args, **kwargs) -> Tuple[object, Capture]:
+    """Calls ``fn(*args, **kwargs)`` with every CPU tensor allocation and free recorded
+    through PyTorch's own allocator hook (``c10::SetCPUAllocator``); returns (fn's result,
+    the Capture). Only this process's CPU tensor memory is seen (not CUDA, not numpy)."""
+    hook = _hook()
+    hook.start_capture()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        events = hook.stop_capture()
+    return result, Capture(events)
+
+
+def savings(source, alignment: int = 64, time_limit: float = 5.0) -> str:
+    """What the buffers of a Capture (or a trace file) would need: the eager peak (a
+    Capture's), an online best fit and the O(1) allocator replaying them, and the static
+    plan, with the lower bound. Returns the table (and prints it)."""
+    if isinstance(source, Capture):
+        lower, upper, size = source.arrays()
+        eager = source.peak
+    else:
+        t = _tensormem.read_trace(str(source))
+        lower, upper, size, eager = t["lower"], t["upper"], t["size"], None
+    events = sorted([(int(u), 0, i) for i, u in enumerate(upper)] + [(int(lo), 1, i) for i, lo in enumerate(lower)])
+
+    def replay(allocator):
+        live = {}
+        for _t, is_alloc, i in events:
+            if is_alloc:
+                live[i] = allocator.allocate(int(size[i]))
+            else:
+                allocator.deallocate(live.pop(i))
+        return allocator.peak
+
+    best_fit = replay(_tensormem.BestFitAllocator(alignment=alignment))
+    o1 = replay(_tensormem.TlsfAllocator(alignment=alignment))
+    r = _tensormem.plan(lower, upper, size, time_limit=time_limit, alignment=alignment)
+    lb = int(r["lower_bound"])
+    mib = float(1 << 20)
+    rows = [("eager PyTorch peak", eager), ("online best fit", best_fit), ("online O(1) (TLSF)", o1),
+            ("static plan", int(r["arena_bytes"])), ("lower bound", lb)]
+    text = f"{len(size)} buffers, alignment {alignment}\n"
+    for name, value in rows:
+        if value is None:
+            continue
+        text += f"  {name:<22} {value / mib:10.2f} MiB  {value / lb if lb else float('nan'):7.3f} x LB\n"
+    print(text, end="")
+    return text

@@ -21,7 +21,8 @@ import torch
 import torch.utils.dlpack
 
 from . import _tensormem
-from .model import Buffer, Graph, ModulePlan, UnsupportedGraph, plan_module, trace  # noqa: F401
+from .model import (Buffer, Capture, Graph, ModulePlan, UnsupportedGraph, capture, plan_module,  # noqa: F401
+                    savings, trace)
 
 
 class AllocatorAssertion(AssertionError, ValueError):

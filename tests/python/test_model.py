@@ -255,3 +255,53 @@ def test_run_refuses_inputs_the_plan_was_not_made_for():
     x = torch.randn(2, 8)
     with torch.no_grad():
         assert torch.equal(plan.run(x), model(x))
+
+
+def hook_or_skip():
+    try:
+        from tensormem import _tensormem_torch  # noqa: F401
+    except ImportError:
+        pytest.skip("built without PyTorch's allocator hook (libtorch-dev)")
+
+
+def test_capture_records_every_cpu_allocation_and_free(tmp_path):
+    """An oracle made of known tensors: sizes, order, frees and the peak are exactly these."""
+    hook_or_skip()
+    from tensormem.torch import capture, savings
+
+    def work():
+        a = torch.empty(1000, dtype=torch.uint8)       # 1000 bytes
+        b = torch.empty(250, dtype=torch.float32)      # 1000 bytes
+        del a
+        c = torch.empty(4096, dtype=torch.uint8)       # peak: b + c = 5096
+        del c
+        return b                                        # alive when the call returns
+
+    result, cap = capture(work)
+    assert result.numel() == 250
+    assert cap.size == [1000, 1000, 4096] and cap.peak == 5096
+    assert cap.lower == [0, 1, 3] and cap.upper == [2, cap.events, 4] and cap.events == 5
+    path = tmp_path / "cap.csv"
+    cap.to_trace(str(path))
+    text = savings(str(path), alignment=1, time_limit=0.5)
+    assert "static plan" in text and "lower bound" in text
+    # Tensors made during the capture and freed after it are not recorded afterwards, and
+    # PyTorch has its allocator back.
+    del result
+    _, again = capture(lambda: torch.ones(10))
+    assert again.size == [40]
+
+
+def test_capture_matches_the_traced_plan_of_a_model():
+    hook_or_skip()
+    from tensormem.torch import capture, savings
+    model = torchvision.models.mobilenet_v3_small(weights=None).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        out, cap = capture(model, x)
+    assert out.shape == (1, 1000) and len(cap.size) > 50
+    plan = plan_module(model, x, time_limit=1)
+    assert plan.eager_method == "allocator hook" and plan.eager_peak == cap.peak
+    assert plan.lower_bound <= cap.peak + x.numel() * 4  # the plan's arena also holds the input
+    text = savings(cap, alignment=64, time_limit=1)
+    assert "eager PyTorch peak" in text

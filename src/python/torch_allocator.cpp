@@ -1,0 +1,119 @@
+// PyTorch's own hook for CPU memory (c10::SetCPUAllocator): a wrapping allocator that records
+// every allocation and free of CPU tensor memory while a capture runs. Built as its own
+// module (tensormem._tensormem_torch) against Debian's libc10, so that `import tensormem`
+// never needs libtorch.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <c10/core/CPUAllocator.h>
+
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// One record: (sequence number of the allocation, bytes, true for an allocation).
+using event = std::tuple<std::uint64_t, std::uint64_t, bool>;
+
+class recording_allocator final : public c10::Allocator {
+ public:
+  // The data pointer is also the context (PyTorch's raw_allocate requires it): the wrapped
+  // allocation is found again by its address when PyTorch frees it.
+  c10::DataPtr allocate(size_t n) const override {
+    c10::DataPtr inner = inner_->allocate(n);
+    void* data = inner.get();
+    if (data == nullptr) return inner;  // nothing to track (zero bytes)
+    const std::lock_guard lock(mutex_);
+    const std::uint64_t id = next_id_++;
+    if (active_) events_.emplace_back(id, n, true);
+    live_.emplace(data, entry{std::move(inner), id, session_});
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  // Starts recording: this allocator wraps the one PyTorch uses now.
+  void start() {
+    const std::lock_guard lock(mutex_);
+    if (active_) throw std::logic_error("a capture is already running");
+    c10::Allocator* current = c10::GetCPUAllocator();
+    if (current != this) inner_ = current;
+    events_.clear();
+    ++session_;
+    active_ = true;
+    c10::SetCPUAllocator(this, priority);
+    if (c10::GetCPUAllocator() != this) {
+      active_ = false;
+      throw std::runtime_error("PyTorch kept its CPU allocator (a higher-priority one is set)");
+    }
+  }
+
+  // Stops recording, gives PyTorch its allocator back and returns the events in order.
+  std::vector<event> stop() {
+    const std::lock_guard lock(mutex_);
+    if (!active_) throw std::logic_error("no capture is running");
+    active_ = false;
+    c10::SetCPUAllocator(inner_, priority);
+    return std::exchange(events_, {});
+  }
+
+  bool active() const {
+    const std::lock_guard lock(mutex_);
+    return active_;
+  }
+
+  static recording_allocator& instance() {
+    // Never destroyed: tensors allocated through it may outlive everything else.
+    static auto* a = new recording_allocator();
+    return *a;
+  }
+
+ private:
+  static constexpr std::uint8_t priority = 0;  // the default CPU allocator's priority
+
+  struct entry {
+    c10::DataPtr inner;  // frees the memory through the wrapped allocator
+    std::uint64_t id;
+    std::uint64_t session;
+  };
+
+  static void release(void* data) {
+    recording_allocator& self = instance();
+    c10::DataPtr inner;
+    {
+      const std::lock_guard lock(self.mutex_);
+      const auto it = self.live_.find(data);
+      if (it == self.live_.end()) return;  // cannot happen: every pointer handed out is listed
+      if (self.active_ && it->second.session == self.session_) self.events_.emplace_back(it->second.id, 0, false);
+      inner = std::move(it->second.inner);
+      self.live_.erase(it);
+    }
+    // `inner` frees the memory here, outside the lock.
+  }
+
+  mutable std::mutex mutex_;
+  mutable std::vector<event> events_;
+  mutable std::unordered_map<void*, entry> live_;
+  mutable std::uint64_t next_id_ = 0;
+  std::uint64_t session_ = 0;
+  bool active_ = false;
+  c10::Allocator* inner_ = nullptr;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_tensormem_torch, m) {
+  m.doc() = "tensormem's hook into PyTorch's CPU allocator (capture of allocations and frees)";
+  m.def("start_capture", [] { recording_allocator::instance().start(); },
+        "Records every CPU tensor allocation and free from now on.");
+  m.def("stop_capture", [] { return recording_allocator::instance().stop(); },
+        "Stops recording; returns [(id, bytes, is_allocation)] in order (frees carry 0 bytes).");
+  m.def("capturing", [] { return recording_allocator::instance().active(); });
+}
