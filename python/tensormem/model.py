@@ -68,6 +68,7 @@ class Graph:
     node_buffers: Dict[str, List[Optional[int]]] = field(default_factory=dict)  # node -> buffer per output
     ops: Dict[str, int] = field(default_factory=dict)
     out_spec: object = None  # pytree structure of the call's result
+    metas: Dict[str, list] = field(default_factory=dict)  # op node -> metadata per output
 
     @property
     def activation_bytes(self) -> int:
@@ -198,13 +199,17 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
         tensors = [t for t in _flat_tensors(out) if isinstance(t, torch.Tensor)]
         return sum(t.float().sum() for t in tensors)
 
+    from torch.utils._pytree import tree_flatten
+    structure = []  # the structure the traced call returns (the graph returns its leaves)
+
     def forward(state_values, *inputs):
         out = stateless.functional_call(module, state_values, inputs)
-        if not training:
-            return out
-        loss = loss_of(out)
-        grads = torch.autograd.grad(loss, [state_values[k] for k in grad_params], allow_unused=True)
-        return loss, [g for g in grads if g is not None]
+        if training:
+            loss = loss_of(out)
+            grads = torch.autograd.grad(loss, [state_values[k] for k in grad_params], allow_unused=True)
+            out = (loss, [g for g in grads if g is not None])
+        structure.append(tree_flatten(out)[1])
+        return out
 
     from functorch import make_fx
     try:
@@ -215,16 +220,8 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
                 gm = make_fx(forward)(state, *example_inputs)
     except Exception as e:  # data-dependent control flow, unsupported Python constructs
         raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
-    # Shapes, strides and dtypes of every value, multi-output ops included (make_fx records
-    # single tensors only): one run of the graph on the example inputs.
-    from torch.fx.passes.shape_prop import ShapeProp
-    from torch.utils._pytree import tree_flatten
-    with torch.no_grad():
-        ShapeProp(gm).propagate(*state.values(), *example_inputs)
-        # The structure the call returns (the graph returns its leaves).
-        spec = tree_flatten((0, [0] * len(grad_params)) if training else module(*example_inputs))[1]
     g = _analyse(gm, len(state), param_bytes, training)
-    g.out_spec = spec
+    g.out_spec = structure[-1]
     return g
 
 
@@ -247,6 +244,15 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                 for bid in node_buffers.get(v.name, []):
                     if bid is not None:
                         last_use[bid] = max(last_use.get(bid, step), step)
+
+    # make_fx records metadata of single tensors only: a multi-output op's outputs take the
+    # metadata of the getitem nodes that unpack them (an output nobody unpacks has none: the
+    # op's caller drops it at once, so it is not planned).
+    unpacked: Dict[str, Dict[int, object]] = {}
+    for node in nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            unpacked.setdefault(node.args[0].name, {})[node.args[1]] = node.meta.get("tensor_meta")
+    metas_of: Dict[str, list] = {}
 
     placeholders = 0
     for step, node in enumerate(nodes):
@@ -272,8 +278,13 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             args = _schema_args(op, node)
             for a in args:
                 use(a, step)
-            metas = _metas(meta)
             returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "List[Tensor]"
+            if meta is None and node.name in unpacked:
+                count = max(unpacked[node.name]) + 1 if returns_list else len(op._schema.returns)
+                metas = [unpacked[node.name].get(i) for i in range(count)]
+            else:
+                metas = _metas(meta)
+            metas_of[node.name] = metas
             out: List[Optional[int]] = []
             for i, r_meta in enumerate(metas):
                 source = sources[0] if returns_list else (sources[i] if i < len(sources) else None)
@@ -309,7 +320,7 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             b.upper = steps + 1
         else:
             b.upper = max(b.lower + 1, last_use.get(b.id, b.lower) + 1)
-    return Graph(gm, buffers, steps + 1, training, param_bytes, n_state, node_buffers, ops)
+    return Graph(gm, buffers, steps + 1, training, param_bytes, n_state, node_buffers, ops, metas=metas_of)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -526,7 +537,9 @@ def _planned_run(plan: ModulePlan, inputs):
                 if not created:  # views and in-place ops run on the arena's tensors directly
                     env[node.name] = op(*args, **kwargs)
                     continue
-                single = meta is None or _is_meta(meta)
+                metas = g.metas[node.name]
+                single = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor"
+                meta = metas[0] if single else None
                 out_op = _out_overload(op) if single else None
                 if out_op is not None:
                     dst = slot(created[0][1], meta)
@@ -545,7 +558,6 @@ def _planned_run(plan: ModulePlan, inputs):
                     env[node.name] = dst
                 else:
                     placed_values = list(result)
-                    metas = _metas(meta)
                     for i, bid in created:
                         dst = slot(bid, metas[i])
                         dst.copy_(result[i])
