@@ -146,30 +146,28 @@ def _storage_bytes(meta) -> int:
 _UNANNOTATED_VIEWS = {"aten::_unsafe_view"}
 
 
-def _alias_sources(op, node: torch.fx.Node) -> Tuple[List[Optional[int]], List[int]]:
-    """For each return of ``op``: the index of the argument it aliases (or None); and the
-    indices of the arguments it writes."""
+def _alias_sources(op) -> List[Optional[int]]:
+    """For each return of ``op``, the index of the argument whose buffer it is (a view or an
+    in-place result), or None for a new buffer. Written arguments need nothing more: they
+    are uses of their buffer like any argument."""
     schema = op._schema
     if schema.name in _UNANNOTATED_VIEWS:
-        return [0], []
-    args = list(node.args) + [None] * (len(schema.arguments) - len(node.args))
-    for i, a in enumerate(schema.arguments):
-        if a.name in node.kwargs:
-            args[i] = node.kwargs[a.name]
-    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        return [0]
     sources: List[Optional[int]] = []
     for r in schema.returns:
         ai = r.alias_info
         if ai is None:
             sources.append(None)
             continue
+        # A List[Tensor] return carries its alias set on the elements, where the schema
+        # object does not show it: then the one annotated argument is the base.
         sets = set(ai.before_set) | set(ai.after_set)
         candidates = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None
-                      and (sets & (set(a.alias_info.before_set) | set(a.alias_info.after_set)) if sets else True)]
+                      and (not sets or sets & (set(a.alias_info.before_set) | set(a.alias_info.after_set)))]
         if len(candidates) != 1:
             raise UnsupportedGraph(f"cannot tell which argument {schema.name} returns a view of")
         sources.append(candidates[0])
-    return sources, written
+    return sources
 
 
 def _schema_args(op, node: torch.fx.Node) -> list:
@@ -274,7 +272,7 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                 raise UnsupportedGraph(f"unsupported op {op} (node {node.name}): its output depends on the "
                                        "input values, so a plan made for these inputs would not hold for others")
             ops[str(op)] = ops.get(str(op), 0) + 1
-            sources, _written = _alias_sources(op, node)  # written arguments are uses
+            sources = _alias_sources(op)
             args = _schema_args(op, node)
             for a in args:
                 use(a, step)
