@@ -1,4 +1,5 @@
-// Online allocators side by side: exact best fit, the O(1) TLSF allocator and a first-fit
+// Online allocators side by side: exact best fit, the O(1) TLSF allocator, the OffsetAllocator
+// algorithm (offset_allocator_baseline.hpp) and a first-fit
 // std::map baseline, on (a) a random mix and (b) replays of the public traces.
 //
 //   build/bin/allocator_bench [--benchmark_filter=...]
@@ -9,7 +10,9 @@
 #include <benchmark/benchmark.h>
 
 #include "bench_support.hpp"
+#include "offset_allocator_baseline.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -81,8 +84,10 @@ class first_fit_map {
   std::map<std::uint64_t, std::uint64_t> free_;
 };
 
-/// The random mix: 55 % allocations and 45 % frees of a random live block while fewer than
-/// 4096 blocks are live, only frees at 4096; sizes log-uniform in [256 B, 16 MiB].
+/// W1, the random mix: each event allocates with probability 0.55 (always when nothing is
+/// live, never when 4,096 blocks are), else frees a uniformly random live block (the last
+/// live block takes its place); sizes ceil(2^U(8, 24)) rounded up to 256 bytes; mt19937_64
+/// seeded with 20240607, drawing the coin, then the size or the victim; 10 M events.
 struct mix_op {
   std::uint64_t bytes;   // 0 for a free
   std::uint32_t victim;  // index into the live list for a free
@@ -99,20 +104,23 @@ const mix_workload& random_mix() {
     constexpr std::size_t max_live = 4096;
     mix_workload m;
     m.ops.reserve(operations);
-    std::mt19937_64 rng(42);
+    std::mt19937_64 rng(20240607);
+    std::uniform_real_distribution<double> coin(0.0, 1.0);
     std::uniform_real_distribution<double> log_bytes(8.0, 24.0);
     std::vector<std::uint64_t> live;
     std::uint64_t live_bytes = 0;
     for (std::size_t i = 0; i < operations; ++i) {
-      const bool alloc = live.empty() || (live.size() < max_live && rng() % 100 < 55);
+      const bool heads = coin(rng) < 0.55;
+      const bool alloc = live.empty() || (live.size() < max_live && heads);
       if (alloc) {
-        const auto bytes = static_cast<std::uint64_t>(std::exp2(log_bytes(rng)));
+        const auto bytes = *core::align_up(static_cast<std::uint64_t>(std::ceil(std::exp2(log_bytes(rng)))), 256);
         m.ops.push_back({bytes, 0});
-        live.push_back(*core::align_up(bytes, 256));
-        live_bytes += live.back();
+        live.push_back(bytes);
+        live_bytes += bytes;
         m.lower_bound = std::max(m.lower_bound, live_bytes);
       } else {
-        const auto victim = static_cast<std::uint32_t>(rng() % live.size());
+        const auto victim = static_cast<std::uint32_t>(
+            std::uniform_int_distribution<std::size_t>(0, live.size() - 1)(rng));
         m.ops.push_back({0, victim});
         live_bytes -= live[victim];
         live[victim] = live.back();
@@ -124,46 +132,94 @@ const mix_workload& random_mix() {
   return w;
 }
 
+struct run_result {
+  double ns_per_op = 0;
+  std::uint64_t high_water = 0;
+};
+
+template <class Allocator>
+run_result run_mix(const mix_workload& w) {
+  Allocator a(core::growing, 256);
+  std::vector<core::allocation> live;
+  live.reserve(4096);
+  const auto start = std::chrono::steady_clock::now();
+  for (const mix_op& op : w.ops) {
+    if (op.bytes != 0) {
+      live.push_back(*a.allocate(op.bytes));
+    } else {
+      a.deallocate(live[op.victim]);
+      live[op.victim] = live.back();
+      live.pop_back();
+    }
+  }
+  const auto stop = std::chrono::steady_clock::now();
+  return {std::chrono::duration<double, std::nano>(stop - start).count() / static_cast<double>(w.ops.size()),
+          a.peak()};
+}
+
+template <class Allocator>
+run_result run_trace(const std::vector<core::buffer>& buffers) {
+  Allocator a(core::growing, 1);
+  const core::replay_result r = core::replay(buffers, a);
+  return {r.seconds * 1e9 / static_cast<double>(r.operations), r.high_water};
+}
+
 template <class Allocator>
 void bm_random_mix(benchmark::State& state) {
   const mix_workload& w = random_mix();
   for (auto _ : state) {
-    Allocator a(core::growing, 256);
-    std::vector<core::allocation> live;
-    live.reserve(4096);
-    const auto start = std::chrono::steady_clock::now();
-    for (const mix_op& op : w.ops) {
-      if (op.bytes != 0) {
-        live.push_back(*a.allocate(op.bytes));
-      } else {
-        a.deallocate(live[op.victim]);
-        live[op.victim] = live.back();
-        live.pop_back();
-      }
-    }
-    const auto stop = std::chrono::steady_clock::now();
-    state.SetIterationTime(std::chrono::duration<double>(stop - start).count());
-    state.counters["ns_per_op"] =
-        std::chrono::duration<double, std::nano>(stop - start).count() /
-        static_cast<double>(w.ops.size());
-    state.counters["high_water_over_lb"] =
-        static_cast<double>(a.peak()) / static_cast<double>(w.lower_bound);
+    const run_result r = run_mix<Allocator>(w);
+    state.SetIterationTime(r.ns_per_op * static_cast<double>(w.ops.size()) * 1e-9);
+    state.counters["ns_per_op"] = r.ns_per_op;
+    state.counters["high_water_over_lb"] = static_cast<double>(r.high_water) / static_cast<double>(w.lower_bound);
   }
 }
-
 
 template <class Allocator>
 void bm_trace(benchmark::State& state, const std::string& name) {
   const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
   const std::uint64_t lb = core::lower_bound(buffers);
   for (auto _ : state) {
-    Allocator a(core::growing, 1);
-    const core::replay_result r = core::replay(buffers, a);
-    state.SetIterationTime(r.seconds);
-    state.counters["ns_per_op"] = r.seconds * 1e9 / static_cast<double>(r.operations);
-    state.counters["high_water_over_lb"] =
-        static_cast<double>(r.high_water) / static_cast<double>(lb);
+    const run_result r = run_trace<Allocator>(buffers);
+    state.SetIterationTime(r.ns_per_op * 1e-9 * static_cast<double>(2 * buffers.size()));
+    state.counters["ns_per_op"] = r.ns_per_op;
+    state.counters["high_water_over_lb"] = static_cast<double>(r.high_water) / static_cast<double>(lb);
   }
+}
+
+// An allocator beside the OffsetAllocator baseline on the same stream in one process, runs
+// interleaved (baseline, allocator, baseline...), medians: the ratio of their ns per op
+// (above 1: slower than the baseline) and both high-water marks over the lower bound.
+template <class Allocator, class Run>
+void bm_versus_baseline(benchmark::State& state, Run run, std::uint64_t lower_bound) {
+  for (auto _ : state) {
+    std::vector<double> mine;
+    std::vector<double> base;
+    run_result last_mine;
+    run_result last_base;
+    for (int round = 0; round < 5; ++round) {
+      last_base = run.template operator()<tensormem::bench::offset_allocator_baseline>();
+      last_mine = run.template operator()<Allocator>();
+      base.push_back(last_base.ns_per_op);
+      mine.push_back(last_mine.ns_per_op);
+    }
+    std::sort(mine.begin(), mine.end());
+    std::sort(base.begin(), base.end());
+    state.SetIterationTime(mine[2] * 1e-9);
+    state.counters["ns_per_op"] = mine[2];
+    state.counters["baseline_ns_per_op"] = base[2];
+    state.counters["ratio_to_baseline"] = mine[2] / base[2];
+    state.counters["high_water_over_lb"] = static_cast<double>(last_mine.high_water) / static_cast<double>(lower_bound);
+    state.counters["baseline_high_water_over_lb"] =
+        static_cast<double>(last_base.high_water) / static_cast<double>(lower_bound);
+  }
+}
+
+const std::vector<std::string>& trace_names() {
+  static const std::vector<std::string> names = {
+      "minimalloc_A.csv", "minimalloc_B.csv", "minimalloc_C.csv", "minimalloc_D.csv", "minimalloc_E.csv",
+      "minimalloc_F.csv", "somas_resnet50.csv", "iopddl_G_1.csv", "iopddl_S_1.csv"};
+  return names;
 }
 
 void register_all() {
@@ -171,20 +227,29 @@ void register_all() {
       ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("random_mix/tlsf", bm_random_mix<core::tlsf_allocator>)
       ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("random_mix/offset_allocator_baseline",
+                               bm_random_mix<tensormem::bench::offset_allocator_baseline>)
+      ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("random_mix/first_fit_map", bm_random_mix<first_fit_map>)
       ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
-  for (const char* file : {"somas_resnet50.csv", "iopddl_G_1.csv", "iopddl_S_1.csv"}) {
-    const std::string name = file;
+  benchmark::RegisterBenchmark("versus_baseline/W1/tlsf", [](benchmark::State& state) {
+    const mix_workload& w = random_mix();
+    bm_versus_baseline<core::tlsf_allocator>(
+        state, []<class A>() { return run_mix<A>(random_mix()); }, w.lower_bound);
+  })->UseManualTime()->Iterations(1)->Unit(benchmark::kNanosecond);
+  for (const std::string& name : trace_names()) {
     const std::string stem = name.substr(0, name.find('.'));
-    benchmark::RegisterBenchmark(("trace/" + stem + "/best_fit").c_str(),
-                                 bm_trace<core::best_fit_allocator>, name)
+    benchmark::RegisterBenchmark(("trace/" + stem + "/best_fit").c_str(), bm_trace<core::best_fit_allocator>, name)
         ->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("trace/" + stem + "/tlsf").c_str(),
-                                 bm_trace<core::tlsf_allocator>, name)
+    benchmark::RegisterBenchmark(("trace/" + stem + "/tlsf").c_str(), bm_trace<core::tlsf_allocator>, name)
         ->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("trace/" + stem + "/first_fit_map").c_str(),
-                                 bm_trace<first_fit_map>, name)
+    benchmark::RegisterBenchmark(("trace/" + stem + "/first_fit_map").c_str(), bm_trace<first_fit_map>, name)
         ->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("versus_baseline/" + stem + "/tlsf").c_str(), [name](benchmark::State& state) {
+      const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
+      bm_versus_baseline<core::tlsf_allocator>(
+          state, [&buffers]<class A>() { return run_trace<A>(buffers); }, core::lower_bound(buffers));
+    })->UseManualTime()->Iterations(1)->Unit(benchmark::kNanosecond);
   }
 }
 
