@@ -307,3 +307,18 @@ def test_capture_matches_the_traced_plan_of_a_model():
     assert plan.lower_bound <= cap.peak + x.numel() * 4  # the plan's arena also holds the input
     text = savings(cap, alignment=64, time_limit=1)
     assert "eager PyTorch peak" in text
+
+
+def test_capture_inside_a_capture_is_refused():
+    hook_or_skip()
+    from tensormem.torch import capture
+
+    def inner():
+        with pytest.raises(RuntimeError, match="already running"):
+            capture(lambda: torch.ones(3))
+        return torch.ones(5)
+
+    out, cap = capture(inner)
+    assert out.numel() == 5 and 20 in cap.size
+    _, after = capture(lambda: torch.ones(2))  # the hook was handed back and works again
+    assert after.size == [8]
