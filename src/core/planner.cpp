@@ -111,7 +111,7 @@ class planner_run {
     // Skyline orders first: cheap, and often far better than the classic orders.
     for (const order_key& k : order_keys) {
       if (done() || !time_left()) return best_;
-      offer(detail::place_skyline(p_, keys_of(p_, k)), std::string("skyline ") + k.name);
+      offer(detail::place_skyline(p_, keys_of(p_, k), deadline_), std::string("skyline ") + k.name);
     }
     if (done()) return best_;
     if (p_.sections <= 4096) canonical_phase();
@@ -146,7 +146,7 @@ class planner_run {
   // the lowest capacity not yet given up and the best arena. At each target, preorder
   // heuristics take turns with node budgets that double each round.
   void canonical_phase() {
-    if (detail::overlap_pairs(p_) > 20'000'000) return;
+    if (detail::overlap_pairs(p_) > 20'000'000 || !time_left()) return;
     const detail::search_graph g = detail::make_search_graph(p_);
     std::uint64_t low = p_.lower_bound;
     while (time_left() && !done() && low < best_.arena) {
@@ -193,9 +193,9 @@ class planner_run {
       std::vector<double> key = keys_of(p_, k);
       for (double& v : key) v *= noise(rng_);
       if (round % 2 == 0) {
-        offer(detail::place_skyline(p_, key), std::string("perturbed skyline ") + k.name);
+        offer(detail::place_skyline(p_, key, deadline_), std::string("perturbed skyline ") + k.name);
       } else {
-        offer(detail::place_in_order(p_, order_by(p_, key), detail::fit::best, index),
+        offer(detail::place_in_order(p_, order_by(p_, key), detail::fit::best, index, deadline_),
               std::string("perturbed greedy ") + k.name);
       }
       report("perturbed greedy");

@@ -66,16 +66,20 @@ class occupancy_index {
 
 enum class fit { best, first };
 
+using clock = std::chrono::steady_clock;
+
 /// Classic greedy: places buffers in `order`, each in the best-fitting (or lowest) gap
-/// among the placed buffers that overlap it in time.
+/// among the placed buffers that overlap it in time. Past `deadline` (checked every 256
+/// buffers) it stops and returns an empty plan (no offsets), which the search ignores.
 candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32_t> order,
-                              fit policy, occupancy_index& index);
+                              fit policy, occupancy_index& index,
+                              clock::time_point deadline = clock::time_point::max());
 
 /// Skyline greedy: repeatedly places, at its lowest feasible offset, the buffer whose lowest
-/// feasible offset is smallest; ties go to the highest `priority`.
-candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority);
-
-using clock = std::chrono::steady_clock;
+/// feasible offset is smallest; ties go to the highest `priority`. Stops past `deadline`
+/// as place_in_order does.
+candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority,
+                             clock::time_point deadline = clock::time_point::max());
 
 /// Static data of the canonical search: members of each section (CSR), their total bytes,
 /// and for each buffer the buffers whose lifetimes overlap it (CSR).

@@ -145,14 +145,16 @@ void occupancy_index::collect(std::uint32_t lo, std::uint32_t hi, std::vector<ra
 }
 
 candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32_t> order,
-                              fit policy, occupancy_index& index) {
+                              fit policy, occupancy_index& index, clock::time_point deadline) {
   constexpr std::uint64_t unplaced = std::numeric_limits<std::uint64_t>::max();
   candidate_plan out;
   out.offsets.assign(p.size(), unplaced);
   index.clear();
   std::vector<occupancy_index::range> taken;
   std::uint64_t arena = 0;
+  std::size_t placed = 0;
   for (const std::uint32_t b : order) {
+    if ((++placed & 255U) == 0 && deadline != clock::time_point::max() && clock::now() >= deadline) return {};
     taken.clear();
     index.collect(p.lo[b], p.hi[b], taken);
     const std::uint64_t need = p.bytes[b];
@@ -233,7 +235,8 @@ class skyline {
 
 }  // namespace
 
-candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority) {
+candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority,
+                             clock::time_point deadline) {
   candidate_plan out;
   out.offsets.assign(p.size(), 0);
   skyline floors(std::max<std::uint32_t>(p.sections, 1));
@@ -272,7 +275,9 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
     heap[i] = moving;
   };
   std::uint64_t arena = 0;
+  std::size_t steps = 0;
   while (!heap.empty()) {
+    if ((++steps & 255U) == 0 && deadline != clock::time_point::max() && clock::now() >= deadline) return {};
     const std::uint32_t b = heap.front().buffer;
     const std::uint64_t lowest = floors.max(p.lo[b], p.hi[b]);
     if (lowest > heap.front().lowest) {

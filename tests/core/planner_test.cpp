@@ -76,6 +76,32 @@ TEST(planner, alignment_rounds_sizes_and_offsets) {
   EXPECT_EQ(r.arena_bytes, 768U);
 }
 
+// A placement past its deadline gives up (no offsets: the search ignores it); before the
+// deadline, or without one, it places every buffer. The planner keeps its time limit by this.
+TEST(planner_deadline, placements_give_up_past_the_deadline) {
+  std::mt19937_64 rng(3);
+  std::vector<buffer> b;
+  for (int i = 0; i < 2000; ++i) {
+    const std::uint64_t lower = rng() % 5000;
+    b.push_back({"b" + std::to_string(i), lower, lower + 1 + rng() % 300, 1 + rng() % 4096, {}});
+  }
+  const detail::plan_problem p = detail::make_problem(b, 1);
+  detail::occupancy_index index(p.sections);
+  std::vector<std::uint32_t> order(b.size());
+  std::iota(order.begin(), order.end(), 0U);
+  const std::vector<double> priority(b.size(), 1.0);
+  const auto past = detail::clock::now() - std::chrono::seconds(1);
+  const auto future = detail::clock::now() + std::chrono::hours(1);
+  EXPECT_TRUE(detail::place_in_order(p, order, detail::fit::best, index, past).offsets.empty());
+  EXPECT_TRUE(detail::place_skyline(p, priority, past).offsets.empty());
+  const auto a = detail::place_in_order(p, order, detail::fit::best, index, future);
+  const auto s = detail::place_skyline(p, priority, future);
+  EXPECT_EQ(a.offsets.size(), b.size());
+  EXPECT_EQ(s.offsets.size(), b.size());
+  EXPECT_EQ(a.arena, detail::place_in_order(p, order, detail::fit::best, index).arena);
+  EXPECT_EQ(validate(b, s.offsets, s.arena, 1), "");
+}
+
 // Brute force: in any packing, sliding every buffer down in the order of its offset never
 // raises it, so the optimum is the best first-fit placement over all orders.
 std::uint64_t brute_force_optimum(const std::vector<buffer>& b) {
