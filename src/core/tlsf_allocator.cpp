@@ -127,7 +127,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
     unused_nodes_.reserve(want);
     nodes_.reserve(want);
   }
-  live_.reserve(live_.size() + 1);
+  if (indexed_) live_.reserve(live_.size() + 1);
 
   const unsigned down = floor_class(need);
   const unsigned up = ceil_class(need);
@@ -186,14 +186,16 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   node& x = nodes_[n];
   x.st = state::used;
   used_ += need;
-  live_.insert(x.offset, n);
+  ++live_count_;
+  if (indexed_) live_.insert(x.offset, n);
   return allocation{x.offset, need, n, x.generation, owner_};
 }
 
 // Frees node n (a used node) and merges it with free neighbours.
 void tlsf_allocator::release(std::uint32_t n) noexcept {
   node& x = nodes_[n];
-  live_.erase(x.offset);
+  if (indexed_) live_.erase(x.offset);
+  --live_count_;
   used_ -= x.bytes;
   ++x.generation;
   if (const std::uint32_t p = x.prev_phys; p != none && nodes_[p].st == state::free) {
@@ -244,9 +246,37 @@ void tlsf_allocator::deallocate(const allocation& a) {
   throw_free_error(name, status, a.offset, a.bytes, held);
 }
 
+// The offset index, from one walk of the address chain; kept current from then on.
+void tlsf_allocator::build_index() {
+  detail::offset_map index;
+  index.reserve(live_count_ + 1);
+  for (std::uint32_t n = head_; n != none; n = nodes_[n].next_phys) {
+    if (nodes_[n].st == state::used) index.insert(nodes_[n].offset, n);
+  }
+  live_ = std::move(index);
+  indexed_ = true;
+}
+
+// The used node at `offset`: through the index, or (when it could not be built for lack of
+// memory) by walking the blocks.
+std::uint32_t tlsf_allocator::find_live(std::uint64_t offset) const noexcept {
+  if (indexed_) return live_.find(offset);
+  for (std::uint32_t n = head_; n != none; n = nodes_[n].next_phys) {
+    if (nodes_[n].offset == offset) return nodes_[n].st == state::used ? n : detail::offset_map::not_found;
+    if (nodes_[n].offset > offset) break;
+  }
+  return detail::offset_map::not_found;
+}
+
 free_status tlsf_allocator::try_free(std::uint64_t offset, std::uint64_t bytes) noexcept {
   if (bytes == 0 && offset == 0) return free_status::ok;
-  const std::uint32_t n = live_.find(offset);
+  if (!indexed_) {
+    try {
+      build_index();
+    } catch (...) {  // no memory for the index: this call walks the blocks instead
+    }
+  }
+  const std::uint32_t n = find_live(offset);
   if (n == detail::offset_map::not_found) return free_status::not_allocated;
   const auto aligned = align_up(bytes, alignment_);
   if (!aligned || *aligned != nodes_[n].bytes) return free_status::size_mismatch;
@@ -257,7 +287,7 @@ free_status tlsf_allocator::try_free(std::uint64_t offset, std::uint64_t bytes) 
 void tlsf_allocator::free(std::uint64_t offset, std::uint64_t bytes) {
   const free_status status = try_free(offset, bytes);
   if (status == free_status::ok) return;
-  const std::uint32_t n = live_.find(offset);
+  const std::uint32_t n = find_live(offset);
   throw_free_error(name, status, offset, bytes,
                    n == detail::offset_map::not_found ? 0 : nodes_[n].bytes);
 }
@@ -266,7 +296,7 @@ allocator_stats tlsf_allocator::stats() const {
   allocator_stats s;
   s.used_bytes = used_;
   s.peak_bytes = peak_;
-  s.live_allocations = live_.size();
+  s.live_allocations = live_count_;
   const std::uint64_t end = capacity_ == growing ? peak_ : capacity_;
   s.free_bytes = end - used_;
   s.free_blocks = free_block_count_;
@@ -305,7 +335,7 @@ std::string tlsf_allocator::check_invariants() const {
     } else {
       ++used_count;
       used_sum += x.bytes;
-      if (live_.find(x.offset) != n) return "live map misses offset " + std::to_string(x.offset);
+      if (indexed_ && live_.find(x.offset) != n) return "live map misses offset " + std::to_string(x.offset);
     }
     prev_free = is_free;
     cursor = x.offset + x.bytes;
@@ -314,7 +344,8 @@ std::string tlsf_allocator::check_invariants() const {
   if (last != tail_) return "tail is not the last block";
   if (cursor != peak_) return "blocks end at " + std::to_string(cursor) + ", not at peak";
   if (used_sum != used_) return "used bytes differ from the sum of live blocks";
-  if (used_count != live_.size()) return "live map size differs from live blocks";
+  if (used_count != live_count_) return "live count differs from live blocks";
+  if (indexed_ && live_.size() != live_count_) return "live map size differs from live blocks";
   if (free_count != free_block_count_) return "free block count is wrong";
   std::size_t binned = 0;
   for (unsigned cls = 0; cls < bin_count; ++cls) {

@@ -33,7 +33,9 @@ namespace tensormem::core {
 /// The remainder of a split block goes back to its list. Block metadata lives in a node pool
 /// outside the managed range; nodes link to their address neighbours, so freeing merges with
 /// both sides in O(1). An allocation handle carries its node index, so `deallocate` never
-/// searches; `free(offset, bytes)` finds the node through a hash map.
+/// searches; `free(offset, bytes)` finds the node through a hash map of live offsets, built
+/// by its first call (one walk of the blocks) and kept from then on, so that callers who
+/// only use handles never pay for it.
 ///
 /// Complexity: O(1) per operation (at most 2 * scan_limit list steps, amortized O(1) for
 /// metadata growth).
@@ -124,7 +126,12 @@ class tlsf_allocator {
   std::array<std::uint32_t, bin_count> bin_heads_{};
   std::vector<node> nodes_;
   std::vector<std::uint32_t> unused_nodes_;
-  detail::offset_map live_;  // offset -> node of each live allocation
+  void build_index();
+  std::uint32_t find_live(std::uint64_t offset) const noexcept;
+
+  detail::offset_map live_;  // offset -> node of each live allocation, once indexed_
+  bool indexed_ = false;     // set by the first free(offset, bytes)
+  std::uint64_t live_count_ = 0;
 };
 
 }  // namespace tensormem::core
