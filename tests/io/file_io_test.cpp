@@ -274,35 +274,19 @@ TEST(file_io, threads_share_one_handle) {
 // that does not fit fails with ENOSPC at wait; the one that fits succeeds.
 TEST(file_io, a_full_disk_fails_the_write_with_enospc) {
   scratch_dir dir;
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    if (unshare(CLONE_NEWNS) != 0 || mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
-        mount("tmpfs", dir.path.c_str(), "tmpfs", 0, "size=1m") != 0) {
-      _exit(77);
-    }
-    bool ok = true;
-    {
-      file_io_options o;
-      o.engine = engine_kind::uring;
-      async_file_io io(o);
-      aligned_buffer small(256 << 10);
-      aligned_buffer big(4 << 20);
-      io.write(small.data, small.size, (dir.path / "fits").string(), 0);
-      io.write(big.data, big.size, (dir.path / "too-big").string(), 0);
-      const auto r = io.wait();
-      ok = r.completed == 2 && r.errors.size() == 1 && r.errors[0].error == ENOSPC &&
+  EXPECT_FULL_DISK_CHILD(swap::testing::in_small_tmpfs(dir.path, "size=1m", [&] {
+    file_io_options o;
+    o.engine = engine_kind::uring;
+    async_file_io io(o);
+    aligned_buffer small(256 << 10);
+    aligned_buffer big(4 << 20);
+    io.write(small.data, small.size, (dir.path / "fits").string(), 0);
+    io.write(big.data, big.size, (dir.path / "too-big").string(), 0);
+    const auto r = io.wait();
+    return r.completed == 2 && r.errors.size() == 1 && r.errors[0].error == ENOSPC &&
            r.errors[0].path == (dir.path / "too-big").string() &&
            r.errors[0].message.find("No space left") != std::string::npos;
-    }
-    umount(dir.path.c_str());
-    _exit(ok ? 0 : 1);
-  }
-  int status = 0;
-  waitpid(child, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status));
-  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot mount a tmpfs in a namespace here (needs root)";
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+  }));
 }
 
 TEST(file_io, options_are_checked) {

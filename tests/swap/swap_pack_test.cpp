@@ -263,38 +263,23 @@ TEST_P(pack_test, a_full_disk_fails_the_tensor_that_does_not_fit) {
   const io::engine_kind kind = GetParam();
   scratch_dir dir;
   ASSERT_FALSE(dir.path.empty());
-  const pid_t pid = fork();
-  if (pid == 0) {
-    if (unshare(CLONE_NEWNS) != 0 || mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
-        mount("tmpfs", dir.path.c_str(), "tmpfs", 0, "size=4m") != 0) {
-      _exit(77);
-    }
-    bool ok = false;
-    {
-      memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
-      tensor_swapper swapper(pool, {.engine = kind, .queue_depth = 8, .block_bytes = std::size_t{64} << 10,
-                                    .staging_buffers = 4, .pack_below = std::size_t{8} << 20});
-      const std::string a_path = dir.file("a");
-      const std::string big_path = dir.file("big");
-      auto a = pattern(std::size_t{1} << 20, 8);
-      const tensor_ref a_ref{a.data(), a.size()};
-      ok = swapper.wait(swapper.swap_out({&a_ref, 1}, {&a_path, 1})).at(0).error == 0;
-      auto big = pattern(std::size_t{6} << 20, 9);
-      const tensor_ref big_ref{big.data(), big.size()};
-      const auto r = swapper.wait(swapper.swap_out({&big_ref, 1}, {&big_path, 1}));
-      ok = ok && r.at(0).error == ENOSPC && r.at(0).message.find("cannot grow the pack") != std::string::npos;
-      std::vector<std::byte> back(a.size());
-      const tensor_ref back_ref{back.data(), back.size()};
-      ok = ok && swapper.wait(swapper.swap_in({&a_path, 1}, {&back_ref, 1})).at(0).error == 0 && back == a;
-    }
-    umount(dir.path.c_str());
-    _exit(ok ? 0 : 1);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status));
-  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot mount a tmpfs in a namespace here (needs root)";
-  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_FULL_DISK_CHILD(testing::in_small_tmpfs(dir.path, "size=4m", [&] {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+    tensor_swapper swapper(pool, {.engine = kind, .queue_depth = 8, .block_bytes = std::size_t{64} << 10,
+                                  .staging_buffers = 4, .pack_below = std::size_t{8} << 20});
+    const std::string a_path = dir.file("a");
+    const std::string big_path = dir.file("big");
+    auto a = pattern(std::size_t{1} << 20, 8);
+    const tensor_ref a_ref{a.data(), a.size()};
+    bool ok = swapper.wait(swapper.swap_out({&a_ref, 1}, {&a_path, 1})).at(0).error == 0;
+    auto big = pattern(std::size_t{6} << 20, 9);
+    const tensor_ref big_ref{big.data(), big.size()};
+    const auto r = swapper.wait(swapper.swap_out({&big_ref, 1}, {&big_path, 1}));
+    ok = ok && r.at(0).error == ENOSPC && r.at(0).message.find("cannot grow the pack") != std::string::npos;
+    std::vector<std::byte> back(a.size());
+    const tensor_ref back_ref{back.data(), back.size()};
+    return ok && swapper.wait(swapper.swap_in({&a_path, 1}, {&back_ref, 1})).at(0).error == 0 && back == a;
+  }));
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, pack_test,

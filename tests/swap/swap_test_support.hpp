@@ -1,8 +1,11 @@
 #pragma once
-// Helpers shared by the swapper tests: a scratch directory removed with its contents, and
-// reproducible tensor bytes.
+// Helpers shared by the swapper and file I/O tests: a scratch directory removed with its
+// contents, reproducible tensor bytes, an engine wrapper, and a full disk in a child process.
 
 #include <stdlib.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -54,4 +57,34 @@ class forwarding_engine : public io::io_engine {
   std::unique_ptr<io::io_engine> inner_;
 };
 
+/// Runs `body` in a child process with a tmpfs of `size` (mount option, e.g. "size=4m")
+/// mounted over `dir` in a private mount namespace (root only), so that a full disk can be
+/// tested. Returns 0 when `body` returned true, 1 when false, 77 when no tmpfs could be
+/// mounted here (the caller skips). Call it through EXPECT_FULL_DISK_CHILD below.
+template <class Body>
+int in_small_tmpfs(const std::filesystem::path& dir, const char* size, Body body) {
+  const pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {
+    if (unshare(CLONE_NEWNS) != 0 || mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        mount("tmpfs", dir.c_str(), "tmpfs", 0, size) != 0) {
+      _exit(77);
+    }
+    const bool ok = body();
+    umount(dir.c_str());
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
 }  // namespace tensormem::swap::testing
+
+/// Skips when the child could not mount its tmpfs, else expects it to have succeeded.
+#define EXPECT_FULL_DISK_CHILD(status)                                                        \
+  do {                                                                                         \
+    const int full_disk_status = (status);                                                     \
+    if (full_disk_status == 77) GTEST_SKIP() << "cannot mount a tmpfs in a namespace here (needs root)"; \
+    EXPECT_EQ(full_disk_status, 0);                                                            \
+  } while (false)
