@@ -4,7 +4,6 @@ Oracles: the storages the graph's values really use (one run of the traced graph
 dropped after their last use as eager code drops them) decide aliasing and lifetimes; eager
 PyTorch decides outputs and gradients."""
 
-import operator
 
 import pytest
 import torch
