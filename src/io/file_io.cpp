@@ -47,18 +47,18 @@ async_file_io::~async_file_io() {
   }
 }
 
-void async_file_io::read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
-                         bool validate) {
-  queue(false, static_cast<std::byte*>(buffer), bytes, path, file_offset, validate);
+std::uint64_t async_file_io::read(void* buffer, std::size_t bytes, const std::string& path,
+                                  std::uint64_t file_offset, bool validate) {
+  return queue(false, static_cast<std::byte*>(buffer), bytes, path, file_offset, validate);
 }
 
-void async_file_io::write(const void* buffer, std::size_t bytes, const std::string& path,
-                          std::uint64_t file_offset, bool validate) {
+std::uint64_t async_file_io::write(const void* buffer, std::size_t bytes, const std::string& path,
+                                   std::uint64_t file_offset, bool validate) {
   // The engines never write into a write's buffer.
-  queue(true, const_cast<std::byte*>(static_cast<const std::byte*>(buffer)), bytes, path, file_offset, validate);
+  return queue(true, const_cast<std::byte*>(static_cast<const std::byte*>(buffer)), bytes, path, file_offset, validate);
 }
 
-void async_file_io::queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
+std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
                           std::uint64_t file_offset, bool validate) {
   if (bytes != 0 && buffer == nullptr) throw std::invalid_argument("async_file_io: null buffer for " + path);
   if (file_offset > UINT64_MAX - bytes || file_offset + bytes > static_cast<std::uint64_t>(INT64_MAX)) {
@@ -96,12 +96,12 @@ void async_file_io::queue(bool write, std::byte* buffer, std::size_t bytes, cons
   }
   const std::uint64_t id = next_id_++;
   op& o = ops_[id];
-  o = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, 0, {}};
+  o = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, {}};
   ++unfinished_ops_;
   ++(direct ? stats_.direct_ops : stats_.buffered_ops);
   if (bytes == 0) {
     finish(o);
-    return;
+    return id;
   }
   std::vector<bool> woken(rings_.size(), false);
   for (std::uint64_t done = 0; done < bytes; done += block) {
@@ -123,6 +123,7 @@ void async_file_io::queue(bool write, std::byte* buffer, std::size_t bytes, cons
   for (std::size_t i = 0; i < rings_.size(); ++i) {
     if (woken[i]) rings_[i]->work.notify_one();
   }
+  return id;
 }
 
 // A ring's thread: hands queued requests to its engine and collects completions; the engine
@@ -169,13 +170,15 @@ void async_file_io::complete(const io_completion& c) {
 void async_file_io::finish(op& o) {
   ::close(o.fd);
   o.fd = -1;
+  o.finished = true;
   ++stats_.ops;
   if (o.error != 0) {
     ++stats_.failed;
   } else {
     (o.write ? stats_.bytes_written : stats_.bytes_read) += o.bytes;
   }
-  if (--unfinished_ops_ == 0) done_.notify_all();
+  --unfinished_ops_;
+  done_.notify_all();
 }
 
 async_file_io::wait_result async_file_io::wait() {
@@ -187,31 +190,54 @@ async_file_io::wait_result async_file_io::wait() {
   wait_result result;
   for (auto& [id, o] : finished) {
     ++result.completed;
-    if (o.error == 0 && o.validate && o.bytes != 0) {
-      // Read the range back through the page cache and compare with the buffer.
-      std::vector<std::byte> back(o.bytes);
-      const int fd = ::open(o.path.c_str(), O_RDONLY | O_CLOEXEC);
-      std::size_t got = 0;
-      while (fd >= 0 && got < o.bytes) {
-        const ssize_t n = ::pread(fd, back.data() + got, o.bytes - got, static_cast<off_t>(o.file_offset + got));
-        if (n <= 0) break;
-        got += static_cast<std::size_t>(n);
-      }
-      if (fd >= 0) ::close(fd);
-      if (got != o.bytes || std::memcmp(back.data(), o.buffer, o.bytes) != 0) {
-        {
-          const std::lock_guard stats_lock(mutex_);
-          ++stats_.failed;
-          (o.write ? stats_.bytes_written : stats_.bytes_read) -= o.bytes;
-        }
-        o.error = EBADMSG;
-        o.message = "validation of " + o.path + " failed: the file's " + std::to_string(o.bytes) +
-                    " bytes at offset " + std::to_string(o.file_offset) + " differ from the buffer";
-      }
-    }
+    check_validation(o);
     if (o.error != 0) result.errors.push_back({o.path, o.error, o.message});
   }
   return result;
+}
+
+file_io_error async_file_io::wait_for(std::uint64_t ticket) {
+  std::unique_lock lock(mutex_);
+  const auto unknown = [&] {
+    return std::invalid_argument("async_file_io::wait_for: unknown or already collected operation " +
+                                 std::to_string(ticket));
+  };
+  if (ops_.find(ticket) == ops_.end()) throw unknown();
+  // A concurrent wait() may collect the operation meanwhile: look it up again after each wake.
+  done_.wait(lock, [&] {
+    const auto it = ops_.find(ticket);
+    return it == ops_.end() || it->second.finished;
+  });
+  const auto it = ops_.find(ticket);
+  if (it == ops_.end()) throw unknown();
+  op o = std::move(it->second);
+  ops_.erase(it);
+  lock.unlock();
+  check_validation(o);
+  return o.error != 0 ? file_io_error{o.path, o.error, o.message} : file_io_error{};
+}
+
+// Reads a finished, validated operation's range back through the page cache and compares.
+void async_file_io::check_validation(op& o) {
+  if (o.error != 0 || !o.validate || o.bytes == 0) return;
+  std::vector<std::byte> back(o.bytes);
+  const int fd = ::open(o.path.c_str(), O_RDONLY | O_CLOEXEC);
+  std::size_t got = 0;
+  while (fd >= 0 && got < o.bytes) {
+    const ssize_t n = ::pread(fd, back.data() + got, o.bytes - got, static_cast<off_t>(o.file_offset + got));
+    if (n <= 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  if (fd >= 0) ::close(fd);
+  if (got == o.bytes && std::memcmp(back.data(), o.buffer, o.bytes) == 0) return;
+  {
+    const std::lock_guard stats_lock(mutex_);
+    ++stats_.failed;
+    (o.write ? stats_.bytes_written : stats_.bytes_read) -= o.bytes;
+  }
+  o.error = EBADMSG;
+  o.message = "validation of " + o.path + " failed: the file's " + std::to_string(o.bytes) +
+              " bytes at offset " + std::to_string(o.file_offset) + " differ from the buffer";
 }
 
 std::size_t async_file_io::pending() const {

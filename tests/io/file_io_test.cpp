@@ -220,6 +220,39 @@ TEST(file_io, a_short_read_fails_its_operation_alone) {
   EXPECT_EQ(std::memcmp(b.data, pattern(8192, 4).data(), 8192), 0);
 }
 
+// wait_for collects one operation by its ticket: its own result, the others left for wait;
+// a failed one reports its own error; unknown and collected tickets are refused.
+TEST(file_io, wait_for_collects_one_operation) {
+  scratch_dir dir;
+  const std::string good = (dir.path / "good").string();
+  const std::string shrinks = (dir.path / "shrinks").string();
+  write_plain(shrinks, pattern(16384, 5));
+  file_io_options o;
+  o.block_bytes = 4096;
+  o.make_engine = [&](unsigned qd) { return std::make_unique<truncating_engine>(make_thread_engine(qd, 2), shrinks); };
+  async_file_io io(o);
+  aligned_buffer a(16384), b(16384), c(16384);
+  std::memcpy(a.data, pattern(16384, 6).data(), 16384);
+  // The engine truncates `shrinks` to 6000 bytes at its first submission (the first read's).
+  const std::uint64_t bad = io.read(b.data, 16384, shrinks, 0);
+  const std::uint64_t r = io.read(c.data, 4096, shrinks, 0);
+  const std::uint64_t w = io.write(a.data, 16384, good, 0);
+  EXPECT_NE(w, bad);
+  const file_io_error fw = io.wait_for(w);
+  EXPECT_EQ(fw.error, 0) << fw.message;
+  EXPECT_TRUE(fw.path.empty());
+  EXPECT_EQ(file_bytes(good), pattern(16384, 6));
+  const file_io_error fb = io.wait_for(bad);
+  EXPECT_EQ(fb.error, EIO);
+  EXPECT_EQ(fb.path, shrinks);
+  EXPECT_THROW(io.wait_for(bad), std::invalid_argument);
+  EXPECT_THROW(io.wait_for(12345), std::invalid_argument);
+  EXPECT_EQ(io.pending(), 1U);
+  const auto rest = io.wait();  // only the third operation is left
+  EXPECT_EQ(rest.completed, 1U);
+  EXPECT_THROW(io.wait_for(r), std::invalid_argument);
+}
+
 // validate reads the range back and compares: a buffer changed after its write landed is
 // caught (the caller broke the contract; the file holds the old bytes).
 TEST(file_io, validation_catches_a_buffer_that_differs_from_the_file) {

@@ -79,12 +79,13 @@ class async_file_io {
   /// Queues a read of `bytes` at `file_offset` of `path` into `buffer` (which must stay valid
   /// until `wait` returns). Throws std::system_error naming the path when the file cannot be
   /// opened or is shorter than `file_offset + bytes`; nothing is queued then. With `validate`,
-  /// `wait` reads the range again through the page cache and compares.
-  void read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
-            bool validate = false);
-  /// Queues a write of `bytes` from `buffer` (valid and unchanged until `wait` returns).
-  void write(const void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
-             bool validate = false);
+  /// `wait` reads the range again through the page cache and compares. Returns the
+  /// operation's ticket for `wait_for`.
+  std::uint64_t read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
+                     bool validate = false);
+  /// Queues a write of `bytes` from `buffer` (valid and unchanged until it is collected).
+  std::uint64_t write(const void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
+                      bool validate = false);
 
   struct wait_result {
     std::size_t completed = 0;          ///< operations finished since the last wait
@@ -92,6 +93,10 @@ class async_file_io {
   };
   /// Blocks until every queued operation has finished.
   wait_result wait();
+  /// Blocks until the operation `ticket` has finished and collects it (a later `wait` does not
+  /// count it again): its error, or an empty `path` and `error == 0` when it succeeded. Throws
+  /// std::invalid_argument for a ticket that is unknown or already collected.
+  file_io_error wait_for(std::uint64_t ticket);
   /// Operations queued and not yet collected by `wait`.
   std::size_t pending() const;
   file_io_stats stats() const;
@@ -108,6 +113,7 @@ class async_file_io {
     std::size_t bytes = 0;
     std::uint64_t file_offset = 0;
     std::size_t unfinished = 0;  // requests not yet completed
+    bool finished = false;
     int error = 0;
     std::string message;
   };
@@ -118,8 +124,9 @@ class async_file_io {
     std::thread thread;
   };
 
-  void queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
-             std::uint64_t file_offset, bool validate);
+  std::uint64_t queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
+                      std::uint64_t file_offset, bool validate);
+  void check_validation(op& o);
   void run(ring& r);
   void complete(const io_completion& c);
   void finish(op& o);
