@@ -352,6 +352,8 @@ std::vector<core::buffer> buffers_from(const py::handle& lower, const py::handle
 
 }  // namespace
 
+void bind_offload(py::module_& m);  // offload_bindings.cpp
+
 PYBIND11_MODULE(_tensormem, m) {
   m.doc() = "tensormem: tensor memory planning, arenas, pinned memory and swapping";
   m.attr("__version__") = TENSORMEM_VERSION;
@@ -732,4 +734,5 @@ PYBIND11_MODULE(_tensormem, m) {
         d["fallback"] = st.fallback;
         return d;
       });
+  bind_offload(m);
 }

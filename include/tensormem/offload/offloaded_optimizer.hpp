@@ -1,0 +1,133 @@
+#pragma once
+// An optimizer whose state lives in a swap space: AdamW, Adam or SGD with momentum over fp32
+// parameters held by the caller, with the moments (and, by default, an fp32 master copy of
+// the parameters) on disk. The parameters are cut into sub-groups of about `group_bytes`;
+// a step streams the groups through a prefetch pipeline: group k+1 is read while group k is
+// updated (vectorized kernels) and group k-1 written back. Steps are atomic on disk: every
+// group's new state goes to the uncommitted generation and is committed only when all of
+// them are written; a failed step leaves the previous state committed and, with the master
+// copy offloaded, the parameters as they were before the step.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensormem/memory/pinned_pool.hpp"
+#include "tensormem/offload/optimizer_kernels.hpp"
+#include "tensormem/offload/prefetch_pipeline.hpp"
+#include "tensormem/offload/swap_space.hpp"
+
+namespace tensormem::offload {
+
+enum class optimizer_kind { adamw, adam, sgd };
+
+/// Hyperparameters of one parameter for one step (torch.optim's names and defaults).
+struct param_hyper {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double weight_decay = 0;
+  double momentum = 0, dampening = 0;
+  bool nesterov = false;
+};
+
+struct optimizer_options {
+  optimizer_kind kind = optimizer_kind::adamw;
+  bool offload_master = true;                      ///< keep an fp32 master copy on disk
+  std::uint64_t group_bytes = std::uint64_t{32} << 20;  ///< parameter bytes per sub-group
+  pipeline_options pipeline;                       ///< the pinned budget
+  swap_space_options swap;
+  std::string name = "opt";                        ///< prefix of the swap files
+  int simd = -1;                                   ///< a simd_level, or -1 for the best one
+};
+
+struct step_stats {
+  double seconds = 0;               ///< the whole step
+  double compute_seconds = 0;       ///< in the update kernels
+  double io_wait_seconds = 0;       ///< blocked on reads (acquire) and write-backs (finish)
+  /// Share of the step not spent waiting for I/O: 1 - io_wait / seconds.
+  double overlap_ratio = 0;
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
+  std::uint64_t pinned_bytes = 0;   ///< staging buffers held by the step
+  std::uint64_t pinned_high_water = 0;  ///< the pool's peak bytes in use since construction
+  std::uint64_t groups = 0;
+  std::uint64_t elements = 0;       ///< parameters updated
+};
+
+class offloaded_optimizer {
+ public:
+  /// One element range of a parameter inside a group's record.
+  struct piece {
+    std::size_t param = 0;
+    std::uint64_t param_offset = 0;  ///< first element in the parameter
+    std::uint64_t count = 0;
+    std::uint64_t group_offset = 0;  ///< first element in each field of the record
+  };
+  struct group {
+    std::size_t index = 0;
+    std::size_t tensor = 0;          ///< id in the swap space
+    std::uint64_t elements = 0;
+    std::uint64_t stride = 0;        ///< floats between the fields of the record (4096-byte multiple)
+    std::vector<piece> pieces;
+  };
+
+  /// `numels`: elements of each parameter. Throws std::invalid_argument for bad options.
+  offloaded_optimizer(std::vector<std::uint64_t> numels, optimizer_options options);
+  ~offloaded_optimizer();
+
+  /// Writes the first state: the master copy from `params`, the moments zero. Once, before
+  /// the first step (or `load` instead).
+  void initialize(std::span<const float* const> params);
+  /// One step. `grads[i]` null skips parameter i (its state and step count stay). Throws
+  /// offload_error naming the tensor that failed; see the class comment for what stays.
+  step_stats step(std::span<float* const> params, std::span<const float* const> grads,
+                  std::span<const param_hyper> hyper);
+
+  /// Fields of a record: "master" (when offloaded), then "exp_avg", "exp_avg_sq" (Adam) or
+  /// "momentum_buffer" (SGD).
+  const std::vector<std::string>& fields() const noexcept { return fields_; }
+  const std::vector<group>& groups() const noexcept { return groups_; }
+  const std::vector<std::uint64_t>& steps() const noexcept { return steps_; }
+  const std::vector<std::uint64_t>& numels() const noexcept { return numels_; }
+  simd_level simd() const noexcept { return simd_; }
+  bool initialized() const noexcept { return initialized_; }
+
+  /// Streams the committed records through `f`, one group at a time.
+  void visit(const std::function<void(const group&, const float* record)>& f);
+  /// Streams every record through `edit` and commits the edited state (all or nothing).
+  /// `steps` (if not empty) replaces the step counts with it.
+  void rewrite(const std::function<void(const group&, float* record)>& edit, std::vector<std::uint64_t> steps = {});
+  /// Writes a checkpoint file of the committed state (written to `path`.tmp and renamed, so an
+  /// interrupted save leaves the previous file). Never holds more than the pinned budget.
+  void save(const std::string& path);
+  /// Replaces the state with a checkpoint written by `save` for the same parameters and options.
+  void load(const std::string& path);
+
+  swap_space& space() noexcept { return *space_; }
+  memory::pinned_pool& pool() noexcept { return *pool_; }
+  const optimizer_options& options() const noexcept { return options_; }
+
+ private:
+  std::uint64_t record_bytes(const group& g) const;
+  void update_group(const group& g, float* record, std::span<float* const> params,
+                    std::span<const float* const> grads, std::span<const param_hyper> hyper, bool& dirty) const;
+  void roll_back(const std::vector<std::size_t>& groups, std::span<float* const> params);
+  void commit_all(const std::vector<std::size_t>& tensors);
+  std::vector<std::size_t> order() const;
+
+  std::vector<std::uint64_t> numels_;
+  optimizer_options options_;
+  simd_level simd_;
+  std::vector<std::string> fields_;
+  std::vector<group> groups_;
+  std::vector<std::uint64_t> steps_;
+  std::unique_ptr<memory::pinned_pool> pool_;
+  std::unique_ptr<swap_space> space_;
+  bool initialized_ = false;
+};
+
+}  // namespace tensormem::offload

@@ -1,0 +1,400 @@
+#include "tensormem/offload/offloaded_optimizer.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <system_error>
+
+namespace tensormem::offload {
+
+namespace {
+
+constexpr std::uint64_t page_floats = 1024;  // 4096 bytes
+constexpr char checkpoint_magic[8] = {'T', 'M', 'O', 'P', 'T', 'C', 'K', '1'};
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+
+// A file descriptor closed on every path.
+struct file {
+  int fd = -1;
+  std::string path;
+  file(const std::string& p, int flags) : fd(::open(p.c_str(), flags | O_CLOEXEC, 0600)), path(p) {
+    if (fd < 0) throw std::system_error(errno, std::generic_category(), "cannot open checkpoint " + p);
+  }
+  ~file() {
+    if (fd >= 0) ::close(fd);
+  }
+  file(const file&) = delete;
+  file& operator=(const file&) = delete;
+  void write_all(const void* data, std::size_t bytes, std::uint64_t offset) const {
+    const auto* p = static_cast<const char*>(data);
+    while (bytes != 0) {
+      const ssize_t n = ::pwrite(fd, p, bytes, static_cast<off_t>(offset));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        throw std::system_error(n < 0 ? errno : EIO, std::generic_category(), "cannot write checkpoint " + path);
+      }
+      p += n;
+      bytes -= static_cast<std::size_t>(n);
+      offset += static_cast<std::uint64_t>(n);
+    }
+  }
+  void read_all(void* data, std::size_t bytes, std::uint64_t offset) const {
+    auto* p = static_cast<char*>(data);
+    while (bytes != 0) {
+      const ssize_t n = ::pread(fd, p, bytes, static_cast<off_t>(offset));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw std::system_error(errno, std::generic_category(), "cannot read checkpoint " + path);
+      if (n == 0) throw std::runtime_error("checkpoint " + path + " is truncated");
+      p += n;
+      bytes -= static_cast<std::size_t>(n);
+      offset += static_cast<std::uint64_t>(n);
+    }
+  }
+};
+
+// The checkpoint header: magic, then u64 fields, then per parameter (numel, step).
+std::vector<std::uint64_t> header_words(const offloaded_optimizer& o) {
+  std::vector<std::uint64_t> w = {1,  // version
+                                  static_cast<std::uint64_t>(o.options().kind),
+                                  o.options().offload_master ? 1U : 0U,
+                                  o.fields().size(),
+                                  o.numels().size(),
+                                  o.groups().empty() ? 0 : o.groups().front().elements,
+                                  o.groups().size()};
+  for (std::size_t i = 0; i < o.numels().size(); ++i) {
+    w.push_back(o.numels()[i]);
+    w.push_back(o.steps()[i]);
+  }
+  return w;
+}
+
+std::uint64_t header_bytes(std::size_t params) { return round_up(8 + 8 * (7 + 2 * params), 4096); }
+
+}  // namespace
+
+offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, optimizer_options options)
+    : numels_(std::move(numels)), options_(std::move(options)), steps_(numels_.size(), 0) {
+  if (options_.simd < 0) {
+    simd_ = best_simd_level();
+  } else {
+    simd_ = static_cast<simd_level>(options_.simd);
+    if (options_.simd > static_cast<int>(simd_level::avx512) || !simd_supported(simd_)) {
+      throw std::invalid_argument("offloaded_optimizer: simd level " + std::to_string(options_.simd) +
+                                  " is not supported by this processor");
+    }
+  }
+  if (options_.offload_master) fields_.push_back("master");
+  if (options_.kind == optimizer_kind::sgd) {
+    fields_.push_back("momentum_buffer");
+  } else {
+    fields_.push_back("exp_avg");
+    fields_.push_back("exp_avg_sq");
+  }
+  if (options_.group_bytes < 4096) {
+    throw std::invalid_argument("offloaded_optimizer: group_bytes must be at least 4096, not " +
+                                std::to_string(options_.group_bytes));
+  }
+  const std::uint64_t group_elements = round_up(options_.group_bytes / 4, page_floats);
+  // Parameters laid end to end, cut into groups of group_elements.
+  for (std::size_t p = 0; p < numels_.size(); ++p) {
+    for (std::uint64_t at = 0; at < numels_[p];) {
+      if (groups_.empty() || groups_.back().elements == group_elements) {
+        groups_.push_back({groups_.size(), 0, 0, 0, {}});
+      }
+      group& g = groups_.back();
+      const std::uint64_t n = std::min(numels_[p] - at, group_elements - g.elements);
+      g.pieces.push_back({p, at, n, g.elements});
+      g.elements += n;
+      at += n;
+    }
+  }
+  std::uint64_t largest = 0;
+  for (group& g : groups_) {
+    g.stride = round_up(g.elements, page_floats);
+    largest = std::max(largest, record_bytes(g));
+  }
+  memory::pool_options pool;
+  pool.alignment = 4096;
+  pool.slab_bytes = std::max<std::uint64_t>(largest, 4096);
+  pool.max_locked_bytes = options_.pipeline.pinned_budget;
+  pool_ = std::make_unique<memory::pinned_pool>(pool);
+  space_ = std::make_unique<swap_space>(options_.swap);
+  for (group& g : groups_) {
+    g.tensor = space_->add(options_.name + ".group" + std::to_string(g.index), record_bytes(g));
+  }
+  if (groups_.size() > 1 && options_.pipeline.pinned_budget / std::max<std::uint64_t>(largest, 4096) < 2) {
+    throw std::invalid_argument("offloaded_optimizer: a pinned budget of " +
+                                std::to_string(options_.pipeline.pinned_budget) + " bytes holds fewer than two " +
+                                "sub-group records of " + std::to_string(largest) + " bytes; lower group_bytes");
+  }
+}
+
+offloaded_optimizer::~offloaded_optimizer() = default;
+
+std::uint64_t offloaded_optimizer::record_bytes(const group& g) const { return fields_.size() * g.stride * 4; }
+
+std::vector<std::size_t> offloaded_optimizer::order() const {
+  std::vector<std::size_t> o;
+  o.reserve(groups_.size());
+  for (const group& g : groups_) o.push_back(g.tensor);
+  return o;
+}
+
+void offloaded_optimizer::commit_all(const std::vector<std::size_t>& tensors) {
+  for (const std::size_t t : tensors) space_->commit(t);
+}
+
+// Fills every record with `fill` and writes it, two buffers alternating; commits when all
+// writes succeeded.
+namespace {
+template <class Fill>
+void write_every_record(const std::vector<offloaded_optimizer::group>& groups, swap_space& space,
+                        memory::pinned_pool& pool, std::uint64_t record_floats_max, Fill fill) {
+  std::byte* buffers[2] = {nullptr, nullptr};
+  swap_space::transfer pending[2];
+  const std::size_t bytes = std::max<std::uint64_t>(record_floats_max * 4, 4096);
+  const auto release = [&] {
+    for (auto& t : pending) {
+      try {
+        if (!t.tickets.empty()) space.finish(t);
+      } catch (const std::exception&) {  // already failing
+      }
+    }
+    for (std::byte* b : buffers) {
+      if (b != nullptr) pool.free(b);
+    }
+  };
+  try {
+    for (auto*& b : buffers) b = static_cast<std::byte*>(pool.allocate(bytes, 4096));
+    for (const auto& g : groups) {
+      const std::size_t k = g.index % 2;
+      if (!pending[k].tickets.empty()) space.finish(pending[k]);
+      fill(g, reinterpret_cast<float*>(buffers[k]));
+      pending[k] = space.write(g.tensor, buffers[k]);
+    }
+    for (auto& t : pending) {
+      if (!t.tickets.empty()) space.finish(t);
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  release();
+  for (const auto& g : groups) space.commit(g.tensor);
+}
+}  // namespace
+
+void offloaded_optimizer::initialize(std::span<const float* const> params) {
+  if (params.size() != numels_.size()) {
+    throw std::invalid_argument("offloaded_optimizer::initialize: " + std::to_string(params.size()) +
+                                " parameters, expected " + std::to_string(numels_.size()));
+  }
+  std::uint64_t largest = 0;
+  for (const group& g : groups_) largest = std::max(largest, record_bytes(g) / 4);
+  write_every_record(groups_, *space_, *pool_, largest, [&](const group& g, float* record) {
+    std::memset(record, 0, record_bytes(g));
+    if (!options_.offload_master) return;
+    for (const piece& p : g.pieces) {
+      std::memcpy(record + p.group_offset, params[p.param] + p.param_offset, p.count * 4);
+    }
+  });
+  std::fill(steps_.begin(), steps_.end(), 0);
+  initialized_ = true;
+}
+
+void offloaded_optimizer::update_group(const group& g, float* record, std::span<float* const> params,
+                                       std::span<const float* const> grads, std::span<const param_hyper> hyper,
+                                       bool& dirty) const {
+  float* master = options_.offload_master ? record : nullptr;
+  float* state = record + (options_.offload_master ? g.stride : 0);
+  for (const piece& p : g.pieces) {
+    if (grads[p.param] == nullptr) continue;
+    dirty = true;
+    const param_hyper& h = hyper[p.param];
+    const std::uint64_t step = steps_[p.param] + 1;
+    float* param = params[p.param] + p.param_offset;
+    const float* grad = grads[p.param] + p.param_offset;
+    float* mp = master != nullptr ? master + p.group_offset : nullptr;
+    if (options_.kind == optimizer_kind::sgd) {
+      sgd_update(param, grad, mp, state + p.group_offset, p.count,
+                 make_sgd_scalars(h.lr, h.momentum, h.dampening, h.weight_decay, h.nesterov, step), simd_);
+    } else {
+      adam_update(param, grad, mp, state + p.group_offset, state + g.stride + p.group_offset, p.count,
+                  make_adam_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                    options_.kind == optimizer_kind::adamw, step),
+                  simd_);
+    }
+  }
+}
+
+step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<const float* const> grads,
+                                     std::span<const param_hyper> hyper) {
+  if (!initialized_) throw std::logic_error("offloaded_optimizer::step before initialize or load");
+  if (params.size() != numels_.size() || grads.size() != numels_.size() || hyper.size() != numels_.size()) {
+    throw std::invalid_argument("offloaded_optimizer::step: " + std::to_string(params.size()) + " parameters, " +
+                                std::to_string(grads.size()) + " gradients, " + std::to_string(hyper.size()) +
+                                " hyperparameter sets; expected " + std::to_string(numels_.size()) + " of each");
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i] == nullptr && numels_[i] != 0) {
+      throw std::invalid_argument("offloaded_optimizer::step: parameter " + std::to_string(i) + " is null");
+    }
+  }
+  step_stats st;
+  const double start = now_seconds();
+  std::vector<std::size_t> updated;  // groups whose parameters changed in memory
+  std::vector<std::size_t> written;
+  pipeline_stats ps;
+  try {
+    prefetch_pipeline pipe(*space_, *pool_, order(), options_.pipeline);
+    for (const group& g : groups_) {
+      auto* record = reinterpret_cast<float*>(pipe.acquire(g.index));
+      const double t0 = now_seconds();
+      bool dirty = false;
+      update_group(g, record, params, grads, hyper, dirty);
+      st.compute_seconds += now_seconds() - t0;
+      if (dirty) updated.push_back(g.index);
+      pipe.release(g.index, dirty);
+    }
+    pipe.finish();
+    written = pipe.written();
+    ps = pipe.stats();
+  } catch (const std::exception& e) {
+    if (options_.offload_master) roll_back(updated, params);
+    throw;
+  }
+  commit_all(written);
+  for (std::size_t i = 0; i < numels_.size(); ++i) {
+    if (grads[i] != nullptr) {
+      ++steps_[i];
+      st.elements += numels_[i];
+    }
+  }
+  st.seconds = now_seconds() - start;
+  st.io_wait_seconds = ps.acquire_wait_seconds + ps.finish_wait_seconds;
+  st.overlap_ratio = st.seconds > 0 ? 1 - st.io_wait_seconds / st.seconds : 1;
+  st.bytes_read = ps.bytes_read;
+  st.bytes_written = ps.bytes_written;
+  st.pinned_bytes = ps.pinned_bytes;
+  st.pinned_high_water = pool_->stats().peak_in_use_bytes;
+  st.groups = groups_.size();
+  return st;
+}
+
+// The parameters of `groups` go back to the committed master copy (the previous step's).
+void offloaded_optimizer::roll_back(const std::vector<std::size_t>& groups, std::span<float* const> params) {
+  std::vector<std::size_t> tensors;
+  for (const std::size_t g : groups) tensors.push_back(groups_[g].tensor);
+  prefetch_pipeline pipe(*space_, *pool_, tensors, options_.pipeline);
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const group& g = groups_[groups[i]];
+    const auto* master = reinterpret_cast<const float*>(pipe.acquire(i));
+    for (const piece& p : g.pieces) {
+      std::memcpy(params[p.param] + p.param_offset, master + p.group_offset, p.count * 4);
+    }
+    pipe.release(i, false);
+  }
+}
+
+void offloaded_optimizer::visit(const std::function<void(const group&, const float* record)>& f) {
+  if (!initialized_) throw std::logic_error("offloaded_optimizer: no state before initialize or load");
+  prefetch_pipeline pipe(*space_, *pool_, order(), options_.pipeline);
+  for (const group& g : groups_) {
+    f(g, reinterpret_cast<const float*>(pipe.acquire(g.index)));
+    pipe.release(g.index, false);
+  }
+}
+
+void offloaded_optimizer::rewrite(const std::function<void(const group&, float* record)>& edit,
+                                  std::vector<std::uint64_t> steps) {
+  if (!initialized_) throw std::logic_error("offloaded_optimizer: no state before initialize or load");
+  if (!steps.empty() && steps.size() != numels_.size()) {
+    throw std::invalid_argument("offloaded_optimizer::rewrite: " + std::to_string(steps.size()) +
+                                " step counts for " + std::to_string(numels_.size()) + " parameters");
+  }
+  std::vector<std::size_t> written;
+  {
+    prefetch_pipeline pipe(*space_, *pool_, order(), options_.pipeline);
+    for (const group& g : groups_) {
+      edit(g, reinterpret_cast<float*>(pipe.acquire(g.index)));
+      pipe.release(g.index, true);
+    }
+    pipe.finish();
+    written = pipe.written();
+  }
+  commit_all(written);
+  if (!steps.empty()) steps_ = std::move(steps);
+}
+
+void offloaded_optimizer::save(const std::string& path) {
+  const std::string tmp = path + ".tmp";
+  {
+    const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+    const std::vector<std::uint64_t> words = header_words(*this);
+    std::vector<char> head(header_bytes(numels_.size()), 0);
+    std::memcpy(head.data(), checkpoint_magic, 8);
+    std::memcpy(head.data() + 8, words.data(), words.size() * 8);
+    out.write_all(head.data(), head.size(), 0);
+    std::uint64_t at = head.size();
+    visit([&](const group& g, const float* record) {
+      out.write_all(record, record_bytes(g), at);
+      at += record_bytes(g);
+    });
+    if (::fsync(out.fd) != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + tmp);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);
+  }
+}
+
+void offloaded_optimizer::load(const std::string& path) {
+  const file in(path, O_RDONLY);
+  std::vector<char> head(header_bytes(numels_.size()), 0);
+  char magic[8];
+  in.read_all(magic, 8, 0);
+  if (std::memcmp(magic, checkpoint_magic, 8) != 0) {
+    throw std::runtime_error("checkpoint " + path + " is not a tensormem optimizer checkpoint");
+  }
+  in.read_all(head.data(), head.size(), 0);
+  std::vector<std::uint64_t> expected = header_words(*this);
+  std::vector<std::uint64_t> words(expected.size());
+  std::memcpy(words.data(), head.data() + 8, words.size() * 8);
+  static const char* const names[] = {"version", "optimizer kind", "master copy", "fields", "parameters",
+                                      "group elements", "groups"};
+  for (std::size_t i = 0; i < 7; ++i) {
+    if (words[i] != expected[i]) {
+      throw std::runtime_error("checkpoint " + path + " does not match this optimizer: " + names[i] + " " +
+                               std::to_string(words[i]) + ", expected " + std::to_string(expected[i]));
+    }
+  }
+  std::vector<std::uint64_t> steps(numels_.size());
+  for (std::size_t p = 0; p < numels_.size(); ++p) {
+    if (words[7 + 2 * p] != numels_[p]) {
+      throw std::runtime_error("checkpoint " + path + " does not match this optimizer: parameter " +
+                               std::to_string(p) + " has " + std::to_string(words[7 + 2 * p]) +
+                               " elements, expected " + std::to_string(numels_[p]));
+    }
+    steps[p] = words[8 + 2 * p];
+  }
+  std::uint64_t largest = 0;
+  for (const group& g : groups_) largest = std::max(largest, record_bytes(g) / 4);
+  std::uint64_t at = head.size();
+  write_every_record(groups_, *space_, *pool_, largest, [&](const group& g, float* record) {
+    in.read_all(record, record_bytes(g), at);
+    at += record_bytes(g);
+  });
+  steps_ = std::move(steps);
+  initialized_ = true;
+}
+
+}  // namespace tensormem::offload

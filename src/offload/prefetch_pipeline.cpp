@@ -1,0 +1,211 @@
+#include "tensormem/offload/prefetch_pipeline.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace tensormem::offload {
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
+prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& pool, std::vector<std::size_t> order,
+                                     pipeline_options options)
+    : space_(space), pool_(pool), options_(options) {
+  std::uint64_t largest = 0;
+  items_.reserve(order.size());
+  for (const std::size_t t : order) {
+    largest = std::max(largest, space_.padded_bytes(t));  // throws for an unknown tensor
+    items_.push_back({t, state::waiting, nullptr, {}, nullptr});
+  }
+  if (!items_.empty()) {
+    const std::uint64_t fit = largest == 0 ? items_.size() : options_.pinned_budget / largest;
+    if (fit < 2 && items_.size() > 1) {
+      throw std::invalid_argument("prefetch_pipeline: a pinned budget of " + std::to_string(options_.pinned_budget) +
+                                  " bytes holds fewer than two staging buffers of " + std::to_string(largest) +
+                                  " bytes; raise the budget or make the tensors smaller");
+    }
+    if (fit < 1) {
+      throw std::invalid_argument("prefetch_pipeline: a pinned budget of " + std::to_string(options_.pinned_budget) +
+                                  " bytes cannot hold a tensor of " + std::to_string(largest) + " bytes");
+    }
+    const std::size_t count = static_cast<std::size_t>(std::min<std::uint64_t>(fit, items_.size()));
+    try {
+      for (std::size_t i = 0; i < count; ++i) {
+        buffers_.push_back(static_cast<std::byte*>(pool_.allocate(std::max<std::uint64_t>(largest, 4096), 4096)));
+      }
+    } catch (...) {
+      for (std::byte* b : buffers_) pool_.free(b);
+      throw;
+    }
+    free_ = buffers_;
+    stats_.buffers = buffers_.size();
+    stats_.pinned_bytes = buffers_.size() * std::max<std::uint64_t>(largest, 4096);
+  }
+  {
+    const std::lock_guard lock(mutex_);
+    pump();
+  }
+  collector_ = std::thread([this] { collect_writes(); });
+}
+
+prefetch_pipeline::~prefetch_pipeline() {
+  {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [this] { return writes_.empty(); });
+    stop_ = true;
+  }
+  changed_.notify_all();
+  collector_.join();
+  // Reads still in flight (the caller stopped early) must end before their buffers go back.
+  for (item& it : items_) {
+    if (it.s == state::reading) {
+      try {
+        space_.finish(it.io);
+      } catch (const std::exception&) {  // nobody asked for this tensor any more
+      }
+    }
+  }
+  for (std::byte* b : buffers_) pool_.free(b);
+}
+
+void prefetch_pipeline::pump() {
+  while (next_read_ < items_.size() && !free_.empty() &&
+         (options_.max_ahead == 0 || next_read_ < next_acquire_ + options_.max_ahead)) {
+    item& it = items_[next_read_];
+    it.buffer = free_.back();
+    free_.pop_back();
+    ++next_read_;
+    try {
+      it.io = space_.read(it.tensor, it.buffer);
+    } catch (...) {
+      it.error = std::current_exception();  // for whoever acquires this position
+    }
+    it.s = state::reading;
+  }
+}
+
+std::byte* prefetch_pipeline::acquire(std::size_t i) {
+  std::unique_lock lock(mutex_);
+  if (i != next_acquire_ || i >= items_.size()) {
+    throw std::logic_error("prefetch_pipeline: position " + std::to_string(i) + " acquired out of order (next is " +
+                           std::to_string(next_acquire_) + " of " + std::to_string(items_.size()) + ")");
+  }
+  item& it = items_[i];
+  const auto start = std::chrono::steady_clock::now();
+  if (it.s == state::waiting) {
+    if (writes_.empty() && free_.empty()) {
+      throw std::logic_error("prefetch_pipeline: every staging buffer is held by the caller; release one before "
+                             "acquiring position " + std::to_string(i));
+    }
+    changed_.wait(lock, [&] { return it.s != state::waiting; });
+  }
+  ++next_acquire_;
+  swap_space::transfer io = std::move(it.io);
+  std::exception_ptr failed = std::exchange(it.error, nullptr);
+  lock.unlock();
+  if (!failed) {
+    try {
+      space_.finish(io);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  lock.lock();
+  const double waited = seconds_since(start);
+  stats_.acquire_wait_seconds += waited;
+  if (waited > 100e-6) ++stats_.acquires_waited;
+  if (failed) {
+    it.s = state::done;
+    free_.push_back(it.buffer);
+    it.buffer = nullptr;
+    pump();
+    changed_.notify_all();
+    std::rethrow_exception(failed);
+  }
+  stats_.bytes_read += space_.padded_bytes(it.tensor);
+  it.s = state::acquired;
+  return it.buffer;
+}
+
+void prefetch_pipeline::release(std::size_t i, bool dirty) {
+  std::unique_lock lock(mutex_);
+  if (i >= items_.size() || items_[i].s != state::acquired) {
+    throw std::logic_error("prefetch_pipeline: position " + std::to_string(i) + " is not acquired");
+  }
+  item& it = items_[i];
+  if (dirty) {
+    try {
+      it.io = space_.write(it.tensor, it.buffer);
+    } catch (...) {
+      it.s = state::done;
+      free_.push_back(it.buffer);
+      it.buffer = nullptr;
+      pump();
+      if (!write_error_) write_error_ = std::current_exception();
+      changed_.notify_all();
+      return;  // reported by finish
+    }
+    it.s = state::writing;
+    writes_.push_back(i);
+  } else {
+    it.s = state::done;
+    free_.push_back(it.buffer);
+    it.buffer = nullptr;
+    pump();
+  }
+  changed_.notify_all();
+}
+
+// The background thread: waits for the oldest write-back, recycles its buffer, starts reads.
+void prefetch_pipeline::collect_writes() {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [this] { return stop_ || !writes_.empty(); });
+    if (writes_.empty()) return;  // stop_
+    item& it = items_[writes_.front()];
+    swap_space::transfer io = std::move(it.io);
+    lock.unlock();
+    std::exception_ptr failed;
+    try {
+      space_.finish(io);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    lock.lock();
+    if (failed) {
+      if (!write_error_) write_error_ = failed;
+    } else {
+      written_.push_back(it.tensor);
+      stats_.bytes_written += space_.padded_bytes(it.tensor);
+    }
+    it.s = state::done;
+    free_.push_back(it.buffer);
+    it.buffer = nullptr;
+    writes_.pop_front();
+    pump();
+    changed_.notify_all();
+  }
+}
+
+void prefetch_pipeline::finish() {
+  std::unique_lock lock(mutex_);
+  const auto start = std::chrono::steady_clock::now();
+  changed_.wait(lock, [this] { return writes_.empty(); });
+  stats_.finish_wait_seconds += seconds_since(start);
+  if (write_error_) std::rethrow_exception(std::exchange(write_error_, nullptr));
+}
+
+std::vector<std::size_t> prefetch_pipeline::written() const {
+  const std::lock_guard lock(mutex_);
+  return written_;
+}
+
+pipeline_stats prefetch_pipeline::stats() const {
+  const std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+}  // namespace tensormem::offload

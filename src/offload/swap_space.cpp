@@ -1,0 +1,278 @@
+#include "tensormem/offload/swap_space.hpp"
+
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <system_error>
+
+namespace tensormem::offload {
+
+namespace {
+
+constexpr std::uint64_t page = 4096;
+
+std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+
+bool portable_name(const std::string& name) {
+  if (name.empty() || name == "." || name == "..") return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+           c == '-';
+  });
+}
+
+// Stripe c of a tensor goes to folder (tensor + c) mod N, at (c / N) * stripe in that folder's
+// file: consecutive stripes on different devices, small tensors spread over the folders.
+template <class F>
+void for_each_stripe(std::size_t id, std::uint64_t padded, std::uint64_t stripe, std::size_t folders, F f) {
+  for (std::uint64_t c = 0, at = 0; at < padded; ++c, at += stripe) {
+    const std::size_t folder = (id + c) % folders;
+    f(folder, at, (c / folders) * stripe, std::min(stripe, padded - at));
+  }
+}
+
+}  // namespace
+
+swap_space::swap_space(swap_space_options options) : options_(std::move(options)), io_(options_.io) {
+  if (options_.folders.empty()) throw std::invalid_argument("swap_space: no folders");
+  if (options_.stripe_bytes == 0 || options_.stripe_bytes % page != 0) {
+    throw std::invalid_argument("swap_space: stripe_bytes must be a positive multiple of 4096, not " +
+                                std::to_string(options_.stripe_bytes));
+  }
+  if (!options_.capacity_bytes.empty() && options_.capacity_bytes.size() != options_.folders.size()) {
+    throw std::invalid_argument("swap_space: " + std::to_string(options_.capacity_bytes.size()) +
+                                " capacities for " + std::to_string(options_.folders.size()) + " folders");
+  }
+  for (const std::string& folder : options_.folders) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(folder, ec)) {
+      throw std::system_error(ENOENT, std::generic_category(), "swap folder " + folder + " is not a directory");
+    }
+    std::filesystem::path dir = std::filesystem::path(folder) / ("rank" + std::to_string(options_.rank));
+    if (std::find(dirs_.begin(), dirs_.end(), dir) != dirs_.end()) {
+      throw std::invalid_argument("swap_space: folder " + folder + " is listed twice");
+    }
+    std::filesystem::create_directory(dir, ec);  // kept afterwards: other spaces may share it
+    if (ec) throw std::system_error(ec, "cannot create " + dir.string());
+    dirs_.push_back(std::move(dir));
+  }
+  reserved_.assign(dirs_.size(), 0);
+}
+
+swap_space::~swap_space() {
+  io_.wait();
+  if (!options_.remove_files) return;
+  std::error_code ec;
+  for (std::size_t id = 0; id < entries_.size(); ++id) {
+    for (unsigned slot = 0; slot < 2; ++slot) {
+      for (std::size_t f = 0; f < dirs_.size(); ++f) std::filesystem::remove(path(id, slot, f), ec);
+    }
+  }
+}
+
+std::string swap_space::path(std::size_t id, unsigned slot, std::size_t folder) const {
+  std::string name;
+  {
+    const std::lock_guard lock(mutex_);
+    name = at(id).name;
+  }
+  return file_path(name, slot, folder);
+}
+
+std::string swap_space::file_path(const std::string& name, unsigned slot, std::size_t folder) const {
+  return (dirs_.at(folder) / (name + ".g" + std::to_string(slot))).string();
+}
+
+// Queues every stripe of a transfer. When queuing a stripe fails (the file cannot be opened),
+// the stripes already queued are waited for before the error is thrown: none is left running
+// on a buffer the caller may free.
+void swap_space::queue_stripes(transfer& t, std::byte* buffer, std::uint64_t padded, const std::string& name) {
+  try {
+    for_each_stripe(t.tensor, padded, options_.stripe_bytes, dirs_.size(),
+                    [&](std::size_t f, std::uint64_t at, std::uint64_t file_offset, std::uint64_t n) {
+                      const std::string file = file_path(name, t.slot, f);
+                      t.tickets.push_back(t.write ? io_.write(buffer + at, n, file, file_offset)
+                                                  : io_.read(buffer + at, n, file, file_offset));
+                    });
+  } catch (const std::system_error& e) {
+    for (const std::uint64_t ticket : t.tickets) io_.wait_for(ticket);
+    t.tickets.clear();
+    throw offload_error("swap " + std::string(t.write ? "write" : "read") + " of tensor " + name +
+                            " failed: " + e.what(),
+                        name, {}, e.code().value());
+  }
+}
+
+const swap_space::entry& swap_space::at(std::size_t id) const {
+  if (id >= entries_.size()) throw std::out_of_range("swap_space: unknown tensor " + std::to_string(id));
+  return entries_[id];
+}
+
+std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
+  if (!portable_name(name)) {
+    throw std::invalid_argument("swap_space: tensor name '" + name + "' must be letters, digits, '.', '_' or '-'");
+  }
+  if (bytes > (std::uint64_t{1} << 62)) {
+    throw std::invalid_argument("swap_space: tensor " + name + " of " + std::to_string(bytes) + " bytes is too large");
+  }
+  const std::lock_guard lock(mutex_);
+  for (const entry& e : entries_) {
+    if (e.name == name) throw std::invalid_argument("swap_space: tensor " + name + " is already registered");
+  }
+  entry e;
+  e.name = name;
+  e.bytes = bytes;
+  e.padded = round_up(bytes, page);
+  e.folder_share.assign(dirs_.size(), 0);
+  const std::size_t id = entries_.size();
+  for_each_stripe(id, e.padded, options_.stripe_bytes, dirs_.size(),
+                  [&](std::size_t f, std::uint64_t, std::uint64_t, std::uint64_t n) { e.folder_share[f] += n; });
+  for (std::size_t f = 0; f < dirs_.size(); ++f) {
+    const std::uint64_t cap = options_.capacity_bytes.empty() ? 0 : options_.capacity_bytes[f];
+    if (cap != 0 && reserved_[f] + 2 * e.folder_share[f] > cap) {
+      throw offload_error("swap folder " + options_.folders[f] + " is full: tensor " + name + " needs " +
+                              std::to_string(2 * e.folder_share[f]) + " bytes (two generations), " +
+                              std::to_string(cap - std::min(cap, reserved_[f])) + " of its capacity " +
+                              std::to_string(cap) + " are left",
+                          name, dirs_[f].string(), ENOSPC);
+    }
+  }
+  for (std::size_t f = 0; f < dirs_.size(); ++f) reserved_[f] += 2 * e.folder_share[f];
+  entries_.push_back(std::move(e));
+  return id;
+}
+
+std::size_t swap_space::size() const {
+  const std::lock_guard lock(mutex_);
+  return entries_.size();
+}
+const std::string& swap_space::name(std::size_t id) const {
+  const std::lock_guard lock(mutex_);
+  return at(id).name;
+}
+std::uint64_t swap_space::bytes(std::size_t id) const {
+  const std::lock_guard lock(mutex_);
+  return at(id).bytes;
+}
+std::uint64_t swap_space::padded_bytes(std::size_t id) const {
+  const std::lock_guard lock(mutex_);
+  return at(id).padded;
+}
+bool swap_space::committed(std::size_t id) const {
+  const std::lock_guard lock(mutex_);
+  return at(id).committed >= 0;
+}
+
+void swap_space::check_free_space(const entry& e, unsigned slot) const {
+  for (std::size_t f = 0; f < dirs_.size(); ++f) {
+    if (e.folder_share[f] == 0) continue;
+    struct statvfs st {};
+    if (::statvfs(dirs_[f].c_str(), &st) != 0) {
+      const int err = errno;
+      throw offload_error("cannot query the free space of " + dirs_[f].string() + ": " +
+                              std::generic_category().message(err),
+                          e.name, dirs_[f].string(), err);
+    }
+    const std::uint64_t free_bytes = static_cast<std::uint64_t>(st.f_bavail) * st.f_frsize;
+    if (free_bytes < e.folder_share[f]) {
+      throw offload_error("swap folder " + options_.folders[f] + " is full: writing tensor " + e.name + " needs " +
+                              std::to_string(e.folder_share[f]) + " bytes there, " + std::to_string(free_bytes) +
+                              " are free",
+                          e.name, file_path(e.name, slot, f), ENOSPC);
+    }
+  }
+}
+
+swap_space::transfer swap_space::read(std::size_t id, void* buffer) {
+  if (reinterpret_cast<std::uintptr_t>(buffer) % page != 0) {
+    throw std::invalid_argument("swap_space: buffers must be 4096-aligned");
+  }
+  transfer t;
+  std::uint64_t padded = 0;
+  std::string name;
+  {
+    const std::lock_guard lock(mutex_);
+    const entry& e = at(id);
+    if (e.committed < 0) {
+      throw offload_error("swap_space: tensor " + e.name + " has no committed generation to read", e.name);
+    }
+    t = {id, false, static_cast<unsigned>(e.committed), {}};
+    padded = e.padded;
+    name = e.name;
+  }
+  queue_stripes(t, static_cast<std::byte*>(buffer), padded, name);
+  return t;
+}
+
+swap_space::transfer swap_space::write(std::size_t id, const void* buffer) {
+  if (reinterpret_cast<std::uintptr_t>(buffer) % page != 0) {
+    throw std::invalid_argument("swap_space: buffers must be 4096-aligned");
+  }
+  transfer t;
+  std::uint64_t padded = 0;
+  std::string name;
+  {
+    const std::lock_guard lock(mutex_);
+    const entry& e = at(id);
+    t = {id, true, e.committed == 0 ? 1U : 0U, {}};
+    if (!e.created[t.slot]) check_free_space(e, t.slot);
+    padded = e.padded;
+    name = e.name;
+  }
+  // The engines never write into a write's buffer.
+  queue_stripes(t, const_cast<std::byte*>(static_cast<const std::byte*>(buffer)), padded, name);
+  return t;
+}
+
+void swap_space::finish(transfer& t) {
+  io::file_io_error first;
+  for (const std::uint64_t ticket : t.tickets) {
+    io::file_io_error e = io_.wait_for(ticket);
+    if (e.error != 0 && first.error == 0) first = std::move(e);
+  }
+  t.tickets.clear();
+  const std::lock_guard lock(mutex_);
+  entry& e = entries_.at(t.tensor);
+  if (first.error != 0) {
+    throw offload_error("swap " + std::string(t.write ? "write" : "read") + " of tensor " + e.name +
+                            " failed: " + first.message,
+                        e.name, first.path, first.error);
+  }
+  if (t.write) {
+    e.created[t.slot] = true;
+    e.written = static_cast<int>(t.slot);
+    bytes_written_ += e.padded;
+    ++writes_;
+  } else {
+    bytes_read_ += e.padded;
+    ++reads_;
+  }
+}
+
+void swap_space::commit(std::size_t id) {
+  const std::lock_guard lock(mutex_);
+  entry& e = entries_.at(id);
+  if (e.written < 0) throw std::logic_error("swap_space: tensor " + e.name + " has no finished write to commit");
+  e.committed = e.written;
+  e.written = -1;
+}
+
+swap_space_stats swap_space::stats() const {
+  swap_space_stats s;
+  s.io = io_.stats();
+  const std::lock_guard lock(mutex_);
+  s.bytes_read = bytes_read_;
+  s.bytes_written = bytes_written_;
+  s.reads = reads_;
+  s.writes = writes_;
+  s.folder_bytes.assign(dirs_.size(), 0);
+  for (const entry& e : entries_) {
+    for (std::size_t f = 0; f < dirs_.size(); ++f) {
+      s.folder_bytes[f] += e.folder_share[f] * ((e.created[0] ? 1U : 0U) + (e.created[1] ? 1U : 0U));
+    }
+  }
+  return s;
+}
+
+}  // namespace tensormem::offload

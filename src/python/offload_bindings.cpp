@@ -1,0 +1,212 @@
+// Python bindings of the offload layer (tensormem.offload builds the torch optimizers on them).
+
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tensormem/offload/offloaded_optimizer.hpp"
+
+namespace py = pybind11;
+using namespace tensormem;
+
+namespace {
+
+offload::optimizer_kind parse_kind(const std::string& kind) {
+  if (kind == "adamw") return offload::optimizer_kind::adamw;
+  if (kind == "adam") return offload::optimizer_kind::adam;
+  if (kind == "sgd") return offload::optimizer_kind::sgd;
+  throw std::invalid_argument("optimizer kind must be 'adamw', 'adam' or 'sgd', not '" + kind + "'");
+}
+
+int parse_simd(const std::string& simd) {
+  if (simd.empty() || simd == "auto") return -1;
+  if (simd == "scalar") return static_cast<int>(offload::simd_level::scalar);
+  if (simd == "avx2") return static_cast<int>(offload::simd_level::avx2);
+  if (simd == "avx512") return static_cast<int>(offload::simd_level::avx512);
+  throw std::invalid_argument("simd must be 'auto', 'scalar', 'avx2' or 'avx512', not '" + simd + "'");
+}
+
+template <class T>
+std::vector<T*> pointers(const std::vector<std::uintptr_t>& addresses) {
+  std::vector<T*> out;
+  out.reserve(addresses.size());
+  for (const std::uintptr_t a : addresses) out.push_back(reinterpret_cast<T*>(a));
+  return out;
+}
+
+py::dict to_dict(const offload::step_stats& s) {
+  py::dict d;
+  d["seconds"] = s.seconds;
+  d["compute_seconds"] = s.compute_seconds;
+  d["io_wait_seconds"] = s.io_wait_seconds;
+  d["overlap_ratio"] = s.overlap_ratio;
+  d["bytes_read"] = s.bytes_read;
+  d["bytes_written"] = s.bytes_written;
+  d["pinned_bytes"] = s.pinned_bytes;
+  d["pinned_high_water"] = s.pinned_high_water;
+  d["groups"] = s.groups;
+  d["elements"] = s.elements;
+  return d;
+}
+
+// A record as a float32 array (no copy), valid only inside the callback.
+py::array_t<float> record_array(const offload::offloaded_optimizer& o, const offload::offloaded_optimizer::group& g,
+                                const float* record) {
+  const auto fields = static_cast<py::ssize_t>(o.fields().size());
+  const auto stride = static_cast<py::ssize_t>(g.stride);
+  return py::array_t<float>({fields, stride}, {stride * 4, py::ssize_t{4}}, record, py::none());
+}
+
+}  // namespace
+
+void bind_offload(py::module_& m) {
+  static py::exception<offload::offload_error> offload_error_type(m, "OffloadError", PyExc_OSError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const offload::offload_error& e) {
+      py::object type = py::reinterpret_borrow<py::object>(offload_error_type.ptr());
+      py::object err = type(e.error(), e.what(), e.path().empty() ? py::object(py::none())
+                                                                  : py::object(py::str(e.path())));
+      err.attr("tensor") = e.tensor();
+      PyErr_SetObject(offload_error_type.ptr(), err.ptr());
+    }
+  });
+
+  m.def("simd_level", [] { return std::string(offload::to_string(offload::best_simd_level())); },
+        "The widest vector instruction set the optimizer kernels use on this processor.");
+
+  py::class_<offload::offloaded_optimizer>(m, "OffloadedOptimizer",
+                                           "Optimizer state in a striped swap space (see tensormem.offload).")
+      .def(py::init([](std::vector<std::uint64_t> numels, const std::string& kind, bool offload_master,
+                       std::uint64_t group_bytes, std::uint64_t pinned_budget, std::vector<std::string> swap_dirs,
+                       unsigned rank, std::size_t stripe_bytes, std::vector<std::uint64_t> capacity_bytes,
+                       const std::string& engine, unsigned rings, std::size_t block_bytes, const std::string& name,
+                       const std::string& simd) {
+             if (engine != "uring" && engine != "threads") {
+               throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + engine + "'");
+             }
+             offload::optimizer_options o;
+             o.kind = parse_kind(kind);
+             o.offload_master = offload_master;
+             o.group_bytes = group_bytes;
+             o.pipeline.pinned_budget = pinned_budget;
+             o.swap.folders = std::move(swap_dirs);
+             o.swap.rank = rank;
+             o.swap.stripe_bytes = stripe_bytes;
+             o.swap.capacity_bytes = std::move(capacity_bytes);
+             o.swap.io.engine = engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring;
+             o.swap.io.rings = rings;
+             o.swap.io.block_bytes = block_bytes;
+             o.name = name;
+             o.simd = parse_simd(simd);
+             return std::make_unique<offload::offloaded_optimizer>(std::move(numels), o);
+           }),
+           py::arg("numels"), py::arg("kind") = "adamw", py::arg("offload_master") = true,
+           py::arg("group_bytes") = std::uint64_t{32} << 20, py::arg("pinned_budget") = std::uint64_t{256} << 20,
+           py::arg("swap_dirs") = std::vector<std::string>{}, py::arg("rank") = 0,
+           py::arg("stripe_bytes") = std::size_t{8} << 20, py::arg("capacity_bytes") = std::vector<std::uint64_t>{},
+           py::arg("engine") = "uring", py::arg("rings") = 1, py::arg("block_bytes") = std::size_t{1} << 20,
+           py::arg("name") = "opt", py::arg("simd") = "auto")
+      .def("initialize", [](offload::offloaded_optimizer& o, const std::vector<std::uintptr_t>& params) {
+             const auto p = pointers<const float>(params);
+             py::gil_scoped_release release;
+             o.initialize(p);
+           }, py::arg("params"))
+      .def("step", [](offload::offloaded_optimizer& o, const std::vector<std::uintptr_t>& params,
+                      const std::vector<std::uintptr_t>& grads, const std::vector<py::dict>& hyper) {
+             std::vector<offload::param_hyper> h;
+             for (const py::dict& d : hyper) {
+               offload::param_hyper x;
+               x.lr = d["lr"].cast<double>();
+               x.weight_decay = d["weight_decay"].cast<double>();
+               if (d.contains("betas")) {
+                 const auto b = d["betas"].cast<std::pair<double, double>>();
+                 x.beta1 = b.first;
+                 x.beta2 = b.second;
+               }
+               if (d.contains("eps")) x.eps = d["eps"].cast<double>();
+               if (d.contains("momentum")) x.momentum = d["momentum"].cast<double>();
+               if (d.contains("dampening")) x.dampening = d["dampening"].cast<double>();
+               if (d.contains("nesterov")) x.nesterov = d["nesterov"].cast<bool>();
+               h.push_back(x);
+             }
+             const auto p = pointers<float>(params);
+             const auto g = pointers<const float>(grads);
+             offload::step_stats s;
+             {
+               py::gil_scoped_release release;
+               s = o.step(p, g, h);
+             }
+             return to_dict(s);
+           }, py::arg("params"), py::arg("grads"), py::arg("hyper"),
+           "One step; a gradient address of 0 skips that parameter. Returns the step's statistics.")
+      .def_property_readonly("fields", &offload::offloaded_optimizer::fields)
+      .def_property_readonly("steps", &offload::offloaded_optimizer::steps)
+      .def_property_readonly("numels", &offload::offloaded_optimizer::numels)
+      .def_property_readonly("initialized", &offload::offloaded_optimizer::initialized)
+      .def_property_readonly("simd", [](const offload::offloaded_optimizer& o) {
+        return std::string(offload::to_string(o.simd()));
+      })
+      .def_property_readonly("groups", [](const offload::offloaded_optimizer& o) {
+        py::list out;
+        for (const auto& g : o.groups()) {
+          py::list pieces;
+          for (const auto& p : g.pieces) pieces.append(py::make_tuple(p.param, p.param_offset, p.count, p.group_offset));
+          out.append(py::make_tuple(g.index, g.elements, g.stride, pieces));
+        }
+        return out;
+      }, "Per sub-group: (index, elements, stride, [(param, param_offset, count, group_offset)]).")
+      .def("visit", [](offload::offloaded_optimizer& o, const py::function& f) {
+             o.visit([&](const offload::offloaded_optimizer::group& g, const float* record) {
+               f(g.index, record_array(o, g, record));
+             });
+           }, py::arg("callback"),
+           "Calls callback(group, record) for each sub-group, one record in memory at a time; record is a "
+           "(fields, stride) float32 array valid only during the call.")
+      .def("rewrite", [](offload::offloaded_optimizer& o, const py::function& f, std::vector<std::uint64_t> steps) {
+             o.rewrite([&](const offload::offloaded_optimizer::group& g, float* record) {
+               f(g.index, record_array(o, g, record));
+             }, std::move(steps));
+           }, py::arg("callback"), py::arg("steps") = std::vector<std::uint64_t>{},
+           "Like visit, with a writable record; the edited state is committed when every record is written.")
+      .def("save", [](offload::offloaded_optimizer& o, const std::string& path) {
+             py::gil_scoped_release release;
+             o.save(path);
+           }, py::arg("path"))
+      .def("load", [](offload::offloaded_optimizer& o, const std::string& path) {
+             py::gil_scoped_release release;
+             o.load(path);
+           }, py::arg("path"))
+      .def("stats", [](offload::offloaded_optimizer& o) {
+        const offload::swap_space_stats s = o.space().stats();
+        const memory::pool_stats p = o.pool().stats();
+        py::dict d;
+        d["bytes_read"] = s.bytes_read;
+        d["bytes_written"] = s.bytes_written;
+        d["folder_bytes"] = s.folder_bytes;
+        d["engine"] = s.io.engine;
+        d["fallback"] = s.io.fallback;
+        d["direct_ops"] = s.io.direct_ops;
+        d["buffered_ops"] = s.io.buffered_ops;
+        d["pinned_slab_bytes"] = p.slab_bytes;
+        d["pinned_locked_bytes"] = p.locked_bytes;
+        d["pinned_peak_in_use"] = p.peak_in_use_bytes;
+        d["pinned_budget"] = o.options().pipeline.pinned_budget;
+        return d;
+      })
+      .def("paths", [](offload::offloaded_optimizer& o) {
+        std::vector<std::string> out;
+        for (const auto& g : o.groups()) {
+          for (unsigned slot = 0; slot < 2; ++slot) {
+            for (std::size_t f = 0; f < o.options().swap.folders.size(); ++f) out.push_back(o.space().path(g.tensor, slot, f));
+          }
+        }
+        return out;
+      }, "The swap files' paths (both generations, every folder).");
+}
