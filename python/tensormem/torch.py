@@ -21,6 +21,8 @@ import torch
 import torch.utils.dlpack
 
 from . import _tensormem
+from .offload import (OffloadError, OffloadedAdam, OffloadedAdamW, OffloadedSGD,  # noqa: F401
+                      ZeroOffloadedOptimizer)
 from .model import (Buffer, Capture, Graph, ModulePlan, UnsupportedGraph, capture, plan_module,  # noqa: F401
                     savings, trace)
 

@@ -132,7 +132,7 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
   for (group& g : groups_) {
     g.tensor = space_->add(options_.name + ".group" + std::to_string(g.index), record_bytes(g));
   }
-  if (groups_.size() > 1 && options_.pipeline.pinned_budget / std::max<std::uint64_t>(largest, 4096) < 2) {
+  if (options_.pipeline.pinned_budget / std::max<std::uint64_t>(largest, 4096) < 2) {
     throw std::invalid_argument("offloaded_optimizer: a pinned budget of " +
                                 std::to_string(options_.pipeline.pinned_budget) + " bytes holds fewer than two " +
                                 "sub-group records of " + std::to_string(largest) + " bytes; lower group_bytes");

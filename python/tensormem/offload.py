@@ -1,0 +1,307 @@
+"""Optimizers whose state lives on disk: ``OffloadedAdamW``, ``OffloadedAdam``, ``OffloadedSGD``.
+
+The moments (and, with ``offload_master=True``, an fp32 master copy of the parameters) live in
+a swap space striped over ``swap_dirs`` (one folder per device, files under ``rank<r>/``). A
+step streams sub-groups of about ``group_bytes`` parameter bytes through a prefetch pipeline
+that never holds more than ``pinned_budget`` bytes of page-locked staging memory: group k+1 is
+read while group k is updated by a vectorized C++ kernel and group k-1 is written back. The
+update performs the same fp32 operations in the same order as ``torch.optim``'s single-tensor
+(``foreach=False``) loops, fused multiply-adds where PyTorch's CPU kernels fuse them.
+
+Steps are atomic on disk: new state goes to a second generation of the files, committed only
+when every group is written. A failed step (a full folder, an I/O error) raises
+``OffloadError`` (an OSError with ``errno``, ``filename`` and ``tensor``) and leaves the
+previous state committed; with ``offload_master=True`` (the default) the parameters are put
+back to their values before the step, so the step can be retried.
+
+``ZeroOffloadedOptimizer`` wraps one of them for ``torch.distributed``: each rank owns whole
+parameters, gradients are reduced to their owner, the owner updates from its own swap folder
+and broadcasts the new values (ZeRO stage 2 at parameter granularity).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from . import _tensormem
+
+OffloadError = _tensormem.OffloadError
+simd_level = _tensormem.simd_level
+
+_names = itertools.count()
+
+
+def _default_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+class _OffloadedOptimizer(torch.optim.Optimizer):
+    _kind = "adamw"
+
+    def __init__(self, params, defaults, *, swap_dirs: Sequence[str], pinned_budget: int = 256 << 20,
+                 group_bytes: int = 32 << 20, offload_master: bool = True, rank: Optional[int] = None,
+                 stripe_bytes: int = 8 << 20, capacity_bytes: Optional[Sequence[int]] = None,
+                 engine: str = "uring", rings: int = 1, simd: str = "auto", progress: bool = False):
+        if isinstance(swap_dirs, (str, os.PathLike)):
+            swap_dirs = [swap_dirs]
+        if not swap_dirs:
+            raise ValueError("swap_dirs: give at least one folder")
+        super().__init__(params, defaults)
+        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        if len({id(p) for p in self._params}) != len(self._params):
+            raise ValueError("a parameter appears more than once")
+        for i, p in enumerate(self._params):
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError(f"parameter {i} must be a contiguous float32 CPU tensor, not "
+                                 f"{p.dtype} on {p.device}{'' if p.is_contiguous() else ' (non-contiguous)'}")
+        self.rank = _default_rank() if rank is None else int(rank)
+        self.progress = progress
+        self._core = _tensormem.OffloadedOptimizer(
+            [p.numel() for p in self._params], kind=self._kind, offload_master=offload_master,
+            group_bytes=int(group_bytes), pinned_budget=int(pinned_budget),
+            swap_dirs=[os.fspath(d) for d in swap_dirs], rank=self.rank, stripe_bytes=int(stripe_bytes),
+            capacity_bytes=list(capacity_bytes or []), engine=engine, rings=rings,
+            name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd)
+        with torch.no_grad():
+            self._core.initialize([p.data_ptr() for p in self._params])
+        self.last_stats: Dict[str, float] = {}
+        self.totals = {"steps": 0, "seconds": 0.0, "io_wait_seconds": 0.0, "bytes_read": 0, "bytes_written": 0}
+
+    # -- torch.optim.Optimizer ---------------------------------------------------------------
+    def _hyper(self, group) -> dict:
+        return {k: group[k] for k in ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
+                if k in group}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads, keep, hyper = [], [], []
+        for group in self.param_groups:
+            h = self._hyper(group)
+            for p in group["params"]:
+                hyper.append(h)
+                if p.grad is None:
+                    grads.append(0)
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("sparse gradients are not supported")
+                g = p.grad if p.grad.is_contiguous() and p.grad.dtype == torch.float32 else \
+                    p.grad.to(torch.float32).contiguous()
+                keep.append(g)
+                grads.append(g.data_ptr())
+        stats = self._core.step([p.data_ptr() for p in self._params], grads, hyper)
+        self.last_stats = stats
+        self.totals["steps"] += 1
+        for k in ("seconds", "io_wait_seconds", "bytes_read", "bytes_written"):
+            self.totals[k] += stats[k]
+        if self.progress:
+            print(self.progress_line(), file=sys.stderr, flush=True)
+        return loss
+
+    def progress_line(self) -> str:
+        s = self.last_stats
+        gbps = (s["bytes_read"] + s["bytes_written"]) / max(s["seconds"], 1e-9) / 1e9
+        return (f"[rank {self.rank}] step {self.totals['steps']}: {s['seconds']:.3f} s, "
+                f"read {s['bytes_read'] / 2**20:.1f} MiB, wrote {s['bytes_written'] / 2**20:.1f} MiB "
+                f"({gbps:.2f} GB/s), waited on I/O {s['io_wait_seconds']:.3f} s, overlap {s['overlap_ratio']:.2f}, "
+                f"pinned {s['pinned_bytes'] / 2**20:.0f} MiB (peak {s['pinned_high_water'] / 2**20:.0f} MiB)")
+
+    def io_stats(self) -> dict:
+        """The swap space and the pinned pool: bytes per folder, engine and fallbacks, pinned bytes."""
+        return dict(self._core.stats())
+
+    @property
+    def simd(self) -> str:
+        return self._core.simd
+
+    def swap_files(self) -> List[str]:
+        return list(self._core.paths())
+
+    # -- state, streamed ---------------------------------------------------------------------
+    def _state_fields(self) -> List[str]:
+        return [f for f in self._core.fields if f != "master"]
+
+    def state_dict(self) -> dict:
+        """torch.optim's format (per-parameter tensors, so the whole state is in memory): use
+        ``save_checkpoint`` for large models."""
+        fields = list(self._core.fields)
+        steps = self._core.steps
+        state = {i: {"step": torch.tensor(float(steps[i]))} for i in range(len(self._params)) if steps[i] > 0}
+        for i in state:
+            for f in self._state_fields():
+                state[i][f] = torch.empty_like(self._params[i], memory_format=torch.contiguous_format)
+        groups = {g[0]: g[3] for g in self._core.groups}
+
+        def take(index, record):
+            for (param, poff, count, goff) in groups[index]:
+                if param not in state:
+                    continue
+                for f in self._state_fields():
+                    dst = state[param][f].view(-1)[poff:poff + count]
+                    dst.copy_(torch.from_numpy(record[fields.index(f), goff:goff + count]))
+
+        self._core.visit(take)
+        if self._kind == "sgd":
+            for i in state:
+                if self.param_groups[0].get("momentum", 0) == 0:
+                    state[i]["momentum_buffer"] = None
+        param_groups = []
+        index = 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            param_groups.append(packed)
+        return {"state": state, "param_groups": param_groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups_in = state_dict["param_groups"]
+        if len(groups_in) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(groups_in, self.param_groups)):
+            raise ValueError("loaded state dict has a different number of parameter groups or parameters")
+        state = state_dict["state"]
+        for i, s in state.items():
+            for f in self._state_fields():
+                t = s.get(f)
+                if t is not None and t.numel() != self._params[i].numel():
+                    raise ValueError(f"state {f} of parameter {i} has {t.numel()} elements, "
+                                     f"expected {self._params[i].numel()}")
+        for g, saved in zip(self.param_groups, groups_in):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        fields = list(self._core.fields)
+        groups = {g[0]: g[3] for g in self._core.groups}
+
+        def put(index, record):
+            for (param, poff, count, goff) in groups[index]:
+                s = state.get(param, {})
+                if "master" in fields:
+                    record[fields.index("master"), goff:goff + count] = \
+                        self._params[param].detach().view(-1)[poff:poff + count].numpy()
+                for f in self._state_fields():
+                    t = s.get(f)
+                    row = record[fields.index(f), goff:goff + count]
+                    row[:] = 0 if t is None else t.detach().to(torch.float32).reshape(-1)[poff:poff + count].numpy()
+
+        steps = [int(float(state[i]["step"])) if i in state else 0 for i in range(len(self._params))]
+        self._core.rewrite(put, steps)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Streams the committed state to ``path`` (and the hyperparameters to ``path``.json),
+        never holding more than the pinned budget; the previous file survives an interrupted save."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        tmp = path + ".json.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"param_groups": groups}, f)
+        self._core.save(path)
+        os.replace(tmp, path + ".json")
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restores a checkpoint written by ``save_checkpoint`` for the same parameters and options."""
+        self._core.load(path)
+        try:
+            with open(path + ".json") as f:
+                groups = json.load(f)["param_groups"]
+        except FileNotFoundError:
+            return
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+
+
+def _check_unsupported(**flags):
+    for name, value in flags.items():
+        if value:
+            raise ValueError(f"{name}=True is not supported by the offloaded optimizers")
+
+
+class OffloadedAdamW(_OffloadedOptimizer):
+    """``torch.optim.AdamW`` with its state on disk (see the module documentation)."""
+    _kind = "adamw"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, **offload):
+        _check_unsupported(amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **offload)
+
+
+class OffloadedAdam(OffloadedAdamW):
+    """``torch.optim.Adam`` (L2 weight decay added to the gradient) with its state on disk."""
+    _kind = "adam"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, **offload):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **offload)
+
+
+class OffloadedSGD(_OffloadedOptimizer):
+    """``torch.optim.SGD`` with momentum, its momentum buffers on disk."""
+    _kind = "sgd"
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False, **offload):
+        _check_unsupported(maximize=maximize)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov needs a positive momentum and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov), **offload)
+
+
+class ZeroOffloadedOptimizer:
+    """ZeRO stage 2 at parameter granularity over ``torch.distributed`` (gloo or NCCL): each
+    rank owns whole parameters (largest first, to the least-loaded rank), gradients are
+    summed onto their owner (``reduce``) and averaged, the owner steps its offloaded optimizer
+    (swap files in ``<swap_dir>/rank<r>``) and broadcasts the new values to every rank."""
+
+    def __init__(self, params: Iterable[torch.Tensor], optimizer_class=OffloadedAdamW, group=None, **kwargs):
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroOffloadedOptimizer needs torch.distributed.init_process_group first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.params = list(params)
+        load = [0] * self.world
+        self.owner: List[int] = [0] * len(self.params)
+        for i in sorted(range(len(self.params)), key=lambda i: -self.params[i].numel()):
+            r = min(range(self.world), key=lambda r: (load[r], r))
+            self.owner[i] = r
+            load[r] += self.params[i].numel()
+        mine = [p for p, r in zip(self.params, self.owner) if r == self.rank]
+        self.local = optimizer_class(mine, rank=self.rank, **kwargs) if mine else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        import torch.distributed as dist
+        for p, r in zip(self.params, self.owner):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.reduce(p.grad, dst=r, group=self.group)
+            if r == self.rank:
+                p.grad.div_(self.world)
+        if self.local is not None:
+            self.local.step()
+        for p, r in zip(self.params, self.owner):
+            dist.broadcast(p.data, src=r, group=self.group)
+
+    @property
+    def last_stats(self) -> dict:
+        return self.local.last_stats if self.local is not None else {}

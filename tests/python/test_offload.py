@@ -1,0 +1,390 @@
+"""Offloaded optimizers (tensormem.offload): state on disk, steps equal to torch.optim's."""
+
+import copy
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tensormem.offload as off
+from tensormem.torch import OffloadedAdam, OffloadedAdamW, OffloadedSGD, OffloadError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(37, 300), torch.nn.GELU(), torch.nn.Linear(300, 11))
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0,
+                                                 batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(32, 7)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def batch(model, generator):
+    if isinstance(model, TinyTransformer):
+        return torch.randn(4, 9, 32, generator=generator)
+    return torch.randn(64, 37, generator=generator)
+
+
+def train_side_by_side(make_model, make_ref, make_ours, steps=20):
+    """Returns (exactly equal after every step, worst relative difference, our optimizer)."""
+    torch.manual_seed(0)
+    ref_model = make_model()
+    our_model = copy.deepcopy(ref_model)
+    ref = make_ref(ref_model.parameters())
+    ours = make_ours(our_model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    exact, worst = True, 0.0
+    for _ in range(steps):
+        x = batch(ref_model, gen)
+        for model, opt in ((ref_model, ref), (our_model, ours)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        for a, b in zip(ref_model.parameters(), our_model.parameters()):
+            exact = exact and torch.equal(a, b)
+            worst = max(worst, ((a - b).abs() / b.abs().clamp_min(1e-6)).max().item())
+    return exact, worst, ours
+
+
+def swap_dirs(tmp_path, n):
+    dirs = [tmp_path / f"dev{i}" for i in range(n)]
+    for d in dirs:
+        d.mkdir()
+    return [str(d) for d in dirs]
+
+
+BUDGET = 256 << 10  # small: many sub-groups, back-pressure on every step
+
+
+@pytest.mark.parametrize("folders", [1, 3])
+@pytest.mark.parametrize("make_model", [mlp, TinyTransformer], ids=["mlp", "transformer"])
+def test_adamw_equals_torch_adamw(tmp_path, folders, make_model):
+    dirs = swap_dirs(tmp_path, folders)
+    exact, worst, ours = train_side_by_side(
+        make_model,
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.05),
+        lambda p: OffloadedAdamW(p, lr=1e-3, weight_decay=0.05, swap_dirs=dirs, group_bytes=8 << 10,
+                                 pinned_budget=BUDGET))
+    assert worst <= 1e-6
+    # The kernels perform PyTorch's fp32 operations in its order (fused where its CPU kernels
+    # fuse): bit-exact with the vectorized PyTorch CPU kernels.
+    assert exact, f"largest relative difference {worst}"
+    stats = ours.io_stats()
+    assert stats["pinned_peak_in_use"] <= BUDGET and stats["pinned_slab_bytes"] <= BUDGET
+    assert ours.last_stats["pinned_high_water"] <= BUDGET
+    assert ours.last_stats["groups"] > 4 and ours.last_stats["bytes_read"] > 0
+    assert len(stats["folder_bytes"]) == folders and all(b > 0 for b in stats["folder_bytes"])
+    for d in dirs:
+        assert os.listdir(os.path.join(d, "rank0")), "every folder holds stripes"
+    assert ours.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name, ref, ours", [
+    ("adam", lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.05),
+     lambda p, **o: OffloadedAdam(p, lr=1e-3, weight_decay=0.05, **o)),
+    ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01),
+     lambda p, **o: OffloadedSGD(p, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01, **o)),
+    ("sgd-nesterov", lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True),
+     lambda p, **o: OffloadedSGD(p, lr=1e-2, momentum=0.9, nesterov=True, **o)),
+    ("adamw-no-master", lambda p: torch.optim.AdamW(p, lr=1e-3),
+     lambda p, **o: OffloadedAdamW(p, lr=1e-3, offload_master=False, **o)),
+])
+def test_other_optimizers_equal_torch(tmp_path, name, ref, ours):
+    dirs = swap_dirs(tmp_path, 2)
+    exact, worst, _ = train_side_by_side(
+        mlp, ref, lambda p: ours(p, swap_dirs=dirs, group_bytes=16 << 10, pinned_budget=BUDGET), steps=10)
+    assert exact and worst == 0.0, (name, worst)
+
+
+@pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
+def test_every_vector_level_gives_the_same_bits(tmp_path, simd):
+    if simd != "scalar" and off.simd_level() == "scalar" or (simd == "avx512" and off.simd_level() != "avx512"):
+        pytest.skip(f"this processor has no {simd}")
+    exact, worst, ours = train_side_by_side(
+        mlp, lambda p: torch.optim.AdamW(p, lr=1e-3),
+        lambda p: OffloadedAdamW(p, lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                                 pinned_budget=BUDGET, simd=simd), steps=5)
+    assert ours.simd == simd and exact, worst
+
+
+def test_param_groups_lr_changes_and_missing_grads(tmp_path):
+    torch.manual_seed(0)
+    a, b = mlp(), None
+    b = copy.deepcopy(a)
+
+    def groups(m):
+        return [{"params": list(m[0].parameters()), "lr": 1e-2},
+                {"params": list(m[2].parameters()), "weight_decay": 0.0}]
+
+    ref = torch.optim.AdamW(groups(a), lr=1e-3)
+    ours = OffloadedAdamW(groups(b), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=8 << 10,
+                          pinned_budget=BUDGET)
+    sched_ref = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    sched_ours = torch.optim.lr_scheduler.StepLR(ours, step_size=2, gamma=0.5)
+    for step in range(6):
+        x = torch.randn(8, 37)
+        for m, o, s in ((a, ref, sched_ref), (b, ours, sched_ours)):
+            o.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+            if step % 2 == 1:
+                m[0].bias.grad = None  # skipped: no state change, no step count
+            o.step()
+            s.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    sd = ours.state_dict()
+    ref_sd = ref.state_dict()
+    for i, st in ref_sd["state"].items():
+        assert float(st["step"]) == float(sd["state"][i]["step"])
+        assert torch.equal(st["exp_avg"], sd["state"][i]["exp_avg"])
+        assert torch.equal(st["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
+
+
+def test_state_dict_round_trip_into_a_new_optimizer(tmp_path):
+    torch.manual_seed(0)
+    m = mlp()
+    o = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                       pinned_budget=BUDGET)
+    ref_m = copy.deepcopy(m)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.randn(8, 37)
+        for mm, oo in ((m, o), (ref_m, ref)):
+            oo.zero_grad()
+            mm(x).sum().backward()
+            oo.step()
+    # torch's state dict loads into ours and ours into torch's.
+    o2 = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                        pinned_budget=BUDGET)
+    o2.load_state_dict(ref.state_dict())
+    ref2 = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
+    ref2.load_state_dict(o.state_dict())
+    x = torch.randn(8, 37)
+    for mm, oo in ((m, o2), (ref_m, ref2)):
+        oo.zero_grad()
+        mm(x).sum().backward()
+        oo.step()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref_m.parameters()))
+    with pytest.raises(ValueError):
+        o2.load_state_dict({"state": {}, "param_groups": []})
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, run_steps
+    from tensormem.torch import OffloadedAdamW
+    out, swap = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    m = mlp()
+    o = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10, pinned_budget=256 << 10)
+    run_steps(m, o, 0, 5)
+    torch.save(m.state_dict(), out + "/model.pt")
+    o.save_checkpoint(out + "/optim.tmck")
+    os.kill(os.getpid(), signal.SIGKILL)  # killed: nothing is cleaned up
+""")
+
+
+def run_steps(model, opt, first, last):
+    for step in range(first, last):
+        x = torch.randn(16, 37, generator=torch.Generator().manual_seed(100 + step))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+
+def test_kill_and_resume_from_a_streamed_checkpoint(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(RESUME_SCRIPT.format(here=HERE))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, str(script), str(tmp_path), str(swap)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    # The uninterrupted run, 6 steps.
+    torch.manual_seed(0)
+    ref_model = mlp()
+    ref = OffloadedAdamW(ref_model.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                         pinned_budget=BUDGET)
+    run_steps(ref_model, ref, 0, 6)
+    # The resumed run: a fresh process state, the killed run's files.
+    model = mlp()
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))
+    opt = OffloadedAdamW(model.parameters(), lr=5.0, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                         pinned_budget=BUDGET)
+    opt.load_checkpoint(str(tmp_path / "optim.tmck"))
+    assert opt.param_groups[0]["lr"] == 1e-3  # restored with the state
+    run_steps(model, opt, 5, 6)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    # A checkpoint of other parameters is refused, naming what differs.
+    other = OffloadedAdamW(torch.nn.Linear(3, 3).parameters(), swap_dirs=[str(tmp_path)])
+    with pytest.raises(RuntimeError, match="does not match this optimizer"):
+        other.load_checkpoint(str(tmp_path / "optim.tmck"))
+    (tmp_path / "junk").write_bytes(b"x" * 100)
+    with pytest.raises(RuntimeError, match="not a tensormem optimizer checkpoint"):
+        opt.load_checkpoint(str(tmp_path / "junk"))
+    with pytest.raises(OSError):
+        opt.load_checkpoint(str(tmp_path / "missing"))
+
+
+FULL_SCRIPT = textwrap.dedent("""
+    import copy, errno, os, sys, torch
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp
+    from tensormem.torch import OffloadedAdamW, OffloadError
+    d = sys.argv[1]
+    torch.manual_seed(0)
+    m = mlp()  # 14.4 k parameters: 3 fields x 57.6 KB per generation of state
+    before = [p.detach().clone() for p in m.parameters()]
+    o = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[d], group_bytes=8 << 10, pinned_budget=64 << 10)
+    filler = os.path.join(d, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)  # fills the folder, then leaves 64 KiB:
+    try:                                            # less than a second generation's room
+        while True:
+            os.write(fd, bytes(4096))
+    except OSError:
+        pass
+    os.close(fd)
+    os.truncate(filler, os.path.getsize(filler) - 64 * 1024)
+    x = torch.randn(8, 37)
+    m(x).sum().backward()
+    try:
+        o.step()
+        print("NO-ERROR")
+    except OffloadError as e:
+        ok = e.errno == errno.ENOSPC and e.tensor.startswith("adamw-") and d in str(e)
+        print("REPORTED" if ok else "WRONG %r %r %r" % (e, e.errno, e.tensor))
+    same = all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    print("PARAMS-RESTORED" if same else "PARAMS-CHANGED")
+    sd = o.state_dict()
+    print("STATE-PREVIOUS" if sd["state"] == {{}} else "STATE-CHANGED")
+    os.remove(filler)
+    ref_m = copy.deepcopy(m)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
+    ref_m(x).sum().backward()
+    o.step(); ref.step()
+    print("RETRY-EQUAL" if all(torch.equal(p, q) for p, q in zip(m.parameters(), ref_m.parameters())) else "RETRY-DIFF")
+""")
+
+
+def test_a_full_folder_mid_step_names_the_tensor_and_keeps_the_state(tmp_path):
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mount a small tmpfs")
+    script = tmp_path / "full.py"
+    script.write_text(FULL_SCRIPT.format(here=HERE))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = ["unshare", "-m", "sh", "-c",
+           f"mount -t tmpfs -o size=1m tmpfs {mnt} && {sys.executable} {script} {mnt}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if r.returncode != 0 and "mount" in r.stderr and "REPORTED" not in r.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    for word in ("REPORTED", "PARAMS-RESTORED", "STATE-PREVIOUS", "RETRY-EQUAL"):
+        assert word in r.stdout, (r.stdout, r.stderr)
+
+
+def test_misuse_is_refused(tmp_path):
+    d = [str(tmp_path)]
+    with pytest.raises(ValueError, match="float32"):
+        OffloadedAdamW([torch.zeros(4, dtype=torch.float64, requires_grad=True)], swap_dirs=d)
+    with pytest.raises(ValueError, match="contiguous"):
+        OffloadedAdamW([torch.zeros(4, 4).t()], swap_dirs=d)
+    with pytest.raises(ValueError, match="fewer than two"):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=d, group_bytes=64 << 10, pinned_budget=100 << 10)
+    with pytest.raises(OSError, match="not a directory"):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="at least one folder"):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=[])
+    with pytest.raises(ValueError, match="amsgrad"):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=d, amsgrad=True)
+    with pytest.raises(ValueError, match="simd"):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=d, simd="sse9")
+    with pytest.raises(OffloadError, match="capacity") as e:
+        OffloadedAdamW(mlp().parameters(), swap_dirs=d, capacity_bytes=[100 << 10], group_bytes=16 << 10,
+                       pinned_budget=BUDGET)
+    assert e.value.errno == errno.ENOSPC
+
+
+def test_files_are_removed_with_the_optimizer(tmp_path):
+    o = OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path)], group_bytes=16 << 10, pinned_budget=BUDGET)
+    files = o.swap_files()
+    assert any(os.path.exists(f) for f in files)
+    del o
+    import gc
+    gc.collect()
+    assert not any(os.path.exists(f) for f in files)
+
+
+ZERO_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, zero_batches
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    rank, world, store, swap, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    m = mlp()
+    opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, lr=1e-3, swap_dirs=[swap],
+                                 group_bytes=16 << 10, pinned_budget=256 << 10)
+    for xs in zero_batches(4, world):
+        opt.zero_grad()
+        m(xs[rank]).pow(2).mean().backward()
+        opt.step()
+    assert os.path.isdir(os.path.join(swap, "rank%d" % rank))
+    if rank == 0:
+        torch.save(m.state_dict(), out)
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def zero_batches(steps, world):
+    gen = torch.Generator().manual_seed(7)
+    return [[torch.randn(8, 37, generator=gen) for _ in range(world)] for _ in range(steps)]
+
+
+def test_two_gloo_ranks_equal_one_rank(tmp_path):
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    script = tmp_path / "zero.py"
+    script.write_text(ZERO_SCRIPT.format(here=HERE))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path / "store"), str(swap),
+                               str(tmp_path / "final.pt")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    # One rank: the gradient of each half batch, summed and halved as the reduction does.
+    torch.manual_seed(0)
+    m = mlp()
+    opt = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                         pinned_budget=BUDGET)
+    for xs in zero_batches(4, 2):
+        grads = []
+        for x in xs:
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        for p, g0, g1 in zip(m.parameters(), *grads):
+            p.grad = (g0 + g1) / 2
+        opt.step()
+    final = torch.load(tmp_path / "final.pt")
+    assert all(torch.equal(final[k], v) for k, v in m.state_dict().items())
