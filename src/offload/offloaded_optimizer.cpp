@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -93,6 +94,10 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
                                   " is not supported by this processor");
     }
   }
+  if (options_.name.empty()) {
+    static std::atomic<std::uint64_t> counter{0};
+    options_.name = "opt-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+  }
   if (options_.offload_master) fields_.push_back("master");
   if (options_.kind == optimizer_kind::sgd) {
     fields_.push_back("momentum_buffer");
@@ -154,15 +159,16 @@ void offloaded_optimizer::commit_all(const std::vector<std::size_t>& tensors) {
   for (const std::size_t t : tensors) space_->commit(t);
 }
 
-// Fills every record with `fill` and writes it, two buffers alternating; commits when all
-// writes succeeded.
+// Fills every record with `fill` and writes it, as many buffers in rotation as the budget
+// holds (at least two, checked at construction); commits when all writes succeeded.
 namespace {
 template <class Fill>
 void write_every_record(const std::vector<offloaded_optimizer::group>& groups, swap_space& space,
-                        memory::pinned_pool& pool, std::uint64_t record_floats_max, Fill fill) {
-  std::byte* buffers[2] = {nullptr, nullptr};
-  swap_space::transfer pending[2];
-  const std::size_t bytes = std::max<std::uint64_t>(record_floats_max * 4, 4096);
+                        memory::pinned_pool& pool, std::uint64_t largest_bytes, std::uint64_t budget, Fill fill) {
+  const std::size_t bytes = std::max<std::uint64_t>(largest_bytes, 4096);
+  const std::size_t count = static_cast<std::size_t>(std::clamp<std::uint64_t>(budget / bytes, 1, groups.size()));
+  std::vector<std::byte*> buffers;
+  std::vector<swap_space::transfer> pending(count);
   const auto release = [&] {
     for (auto& t : pending) {
       try {
@@ -170,14 +176,12 @@ void write_every_record(const std::vector<offloaded_optimizer::group>& groups, s
       } catch (const std::exception&) {  // already failing
       }
     }
-    for (std::byte* b : buffers) {
-      if (b != nullptr) pool.free(b);
-    }
+    for (std::byte* b : buffers) pool.free(b);
   };
   try {
-    for (auto*& b : buffers) b = static_cast<std::byte*>(pool.allocate(bytes, 4096));
+    for (std::size_t i = 0; i < count; ++i) buffers.push_back(static_cast<std::byte*>(pool.allocate(bytes, 4096)));
     for (const auto& g : groups) {
-      const std::size_t k = g.index % 2;
+      const std::size_t k = g.index % count;
       if (!pending[k].tickets.empty()) space.finish(pending[k]);
       fill(g, reinterpret_cast<float*>(buffers[k]));
       pending[k] = space.write(g.tensor, buffers[k]);
@@ -200,8 +204,9 @@ void offloaded_optimizer::initialize(std::span<const float* const> params) {
                                 " parameters, expected " + std::to_string(numels_.size()));
   }
   std::uint64_t largest = 0;
-  for (const group& g : groups_) largest = std::max(largest, record_bytes(g) / 4);
-  write_every_record(groups_, *space_, *pool_, largest, [&](const group& g, float* record) {
+  for (const group& g : groups_) largest = std::max(largest, record_bytes(g));
+  write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
+                     [&](const group& g, float* record) {
     std::memset(record, 0, record_bytes(g));
     if (!options_.offload_master) return;
     for (const piece& p : g.pieces) {
@@ -387,9 +392,10 @@ void offloaded_optimizer::load(const std::string& path) {
     steps[p] = words[8 + 2 * p];
   }
   std::uint64_t largest = 0;
-  for (const group& g : groups_) largest = std::max(largest, record_bytes(g) / 4);
+  for (const group& g : groups_) largest = std::max(largest, record_bytes(g));
   std::uint64_t at = head.size();
-  write_every_record(groups_, *space_, *pool_, largest, [&](const group& g, float* record) {
+  write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
+                     [&](const group& g, float* record) {
     in.read_all(record, record_bytes(g), at);
     at += record_bytes(g);
   });

@@ -21,28 +21,31 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
     items_.push_back({t, state::waiting, nullptr, {}, nullptr});
   }
   if (!items_.empty()) {
-    const std::uint64_t fit = largest == 0 ? items_.size() : options_.pinned_budget / largest;
+    // What one buffer costs the pool: its bytes rounded to the pool's granularity, plus the
+    // slack it keeps to align to 4096 when its own alignment is smaller.
+    const std::uint64_t bytes = std::max<std::uint64_t>(largest, 4096);
+    const std::uint64_t grain = pool_.options().alignment;
+    const std::uint64_t cost = (bytes + grain - 1) / grain * grain + (grain < 4096 ? 4096 - grain : 0);
+    const std::uint64_t fit = options_.pinned_budget / cost;
     if (fit < 2 && items_.size() > 1) {
       throw std::invalid_argument("prefetch_pipeline: a pinned budget of " + std::to_string(options_.pinned_budget) +
-                                  " bytes holds fewer than two staging buffers of " + std::to_string(largest) +
+                                  " bytes holds fewer than two staging buffers of " + std::to_string(cost) +
                                   " bytes; raise the budget or make the tensors smaller");
     }
     if (fit < 1) {
       throw std::invalid_argument("prefetch_pipeline: a pinned budget of " + std::to_string(options_.pinned_budget) +
-                                  " bytes cannot hold a tensor of " + std::to_string(largest) + " bytes");
+                                  " bytes cannot hold a staging buffer of " + std::to_string(cost) + " bytes");
     }
     const std::size_t count = static_cast<std::size_t>(std::min<std::uint64_t>(fit, items_.size()));
     try {
-      for (std::size_t i = 0; i < count; ++i) {
-        buffers_.push_back(static_cast<std::byte*>(pool_.allocate(std::max<std::uint64_t>(largest, 4096), 4096)));
-      }
+      for (std::size_t i = 0; i < count; ++i) buffers_.push_back(static_cast<std::byte*>(pool_.allocate(bytes, 4096)));
     } catch (...) {
       for (std::byte* b : buffers_) pool_.free(b);
       throw;
     }
     free_ = buffers_;
     stats_.buffers = buffers_.size();
-    stats_.pinned_bytes = buffers_.size() * std::max<std::uint64_t>(largest, 4096);
+    stats_.pinned_bytes = buffers_.size() * cost;
   }
   {
     const std::lock_guard lock(mutex_);

@@ -120,6 +120,18 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
   for (const entry& e : entries_) {
     if (e.name == name) throw std::invalid_argument("swap_space: tensor " + name + " is already registered");
   }
+  // Another space (or an earlier run that was killed) using these files would be clobbered.
+  for (unsigned slot = 0; slot < 2; ++slot) {
+    for (std::size_t f = 0; f < dirs_.size(); ++f) {
+      std::error_code ec;
+      const std::string file = file_path(name, slot, f);
+      if (std::filesystem::exists(file, ec)) {
+        throw offload_error("swap file " + file + " already exists: another swap space uses the name " + name +
+                                " in this folder, or an earlier run left it (remove it)",
+                            name, file, EEXIST);
+      }
+    }
+  }
   entry e;
   e.name = name;
   e.bytes = bytes;

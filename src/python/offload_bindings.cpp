@@ -81,6 +81,22 @@ void bind_offload(py::module_& m) {
   m.def("simd_level", [] { return std::string(offload::to_string(offload::best_simd_level())); },
         "The widest vector instruction set the optimizer kernels use on this processor.");
 
+  m.def("adam_update", [](std::uintptr_t param, std::uintptr_t grad, std::uintptr_t m_, std::uintptr_t v,
+                          std::size_t n, double lr, double beta1, double beta2, double eps, double weight_decay,
+                          bool decoupled, std::uint64_t step, const std::string& simd) {
+          const int level = parse_simd(simd);
+          const auto l = level < 0 ? offload::best_simd_level() : static_cast<offload::simd_level>(level);
+          if (!offload::simd_supported(l)) throw std::invalid_argument("this processor has no " + simd);
+          if (step == 0) throw std::invalid_argument("adam_update: step counts from 1");
+          py::gil_scoped_release release;
+          offload::adam_update(reinterpret_cast<float*>(param), reinterpret_cast<const float*>(grad), nullptr,
+                               reinterpret_cast<float*>(m_), reinterpret_cast<float*>(v), n,
+                               offload::make_adam_scalars(lr, beta1, beta2, eps, weight_decay, decoupled, step), l);
+        }, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("n"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("decoupled") = true, py::arg("step") = 1, py::arg("simd") = "auto",
+        "The in-memory Adam/AdamW kernel on float32 arrays given by address (for benchmarks).");
+
   py::class_<offload::offloaded_optimizer>(m, "OffloadedOptimizer",
                                            "Optimizer state in a striped swap space (see tensormem.offload).")
       .def(py::init([](std::vector<std::uint64_t> numels, const std::string& kind, bool offload_master,
@@ -112,7 +128,7 @@ void bind_offload(py::module_& m) {
            py::arg("swap_dirs") = std::vector<std::string>{}, py::arg("rank") = 0,
            py::arg("stripe_bytes") = std::size_t{8} << 20, py::arg("capacity_bytes") = std::vector<std::uint64_t>{},
            py::arg("engine") = "uring", py::arg("rings") = 1, py::arg("block_bytes") = std::size_t{1} << 20,
-           py::arg("name") = "opt", py::arg("simd") = "auto")
+           py::arg("name") = "", py::arg("simd") = "auto")
       .def("initialize", [](offload::offloaded_optimizer& o, const std::vector<std::uintptr_t>& params) {
              const auto p = pointers<const float>(params);
              py::gil_scoped_release release;

@@ -40,7 +40,8 @@ struct optimizer_options {
   std::uint64_t group_bytes = std::uint64_t{32} << 20;  ///< parameter bytes per sub-group
   pipeline_options pipeline;                       ///< the pinned budget
   swap_space_options swap;
-  std::string name = "opt";                        ///< prefix of the swap files
+  /// Prefix of the swap files; empty: "opt-<pid>-<n>", unique in this process.
+  std::string name;
   int simd = -1;                                   ///< a simd_level, or -1 for the best one
 };
 
@@ -82,7 +83,8 @@ class offloaded_optimizer {
   /// Writes the first state: the master copy from `params`, the moments zero. Once, before
   /// the first step (or `load` instead).
   void initialize(std::span<const float* const> params);
-  /// One step. `grads[i]` null skips parameter i (its state and step count stay). Throws
+  /// One step. `grads[i]` null skips parameter i (its state and step count stay; so does a
+  /// zero-element parameter's step count when its gradient pointer is null). Throws
   /// offload_error naming the tensor that failed; see the class comment for what stays.
   step_stats step(std::span<float* const> params, std::span<const float* const> grads,
                   std::span<const param_hyper> hyper);

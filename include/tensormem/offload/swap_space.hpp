@@ -70,7 +70,8 @@ class swap_space {
   swap_space& operator=(const swap_space&) = delete;
 
   /// Registers a tensor of `bytes` bytes (buffers for it are `padded_bytes(id)` long, 4096-aligned).
-  /// Throws offload_error naming the folder when its capacity would be exceeded, and
+  /// Throws offload_error naming the folder when its capacity would be exceeded or when a file
+  /// of that name exists already (EEXIST: never shares or clobbers another space's files), and
   /// std::invalid_argument for an empty, duplicate or non-portable name; nothing is added then.
   std::size_t add(const std::string& name, std::uint64_t bytes);
   std::size_t size() const;

@@ -1,0 +1,579 @@
+// The offload layer: kernels that agree bit for bit across instruction sets and with a double
+// oracle, a striped two-generation swap space, a prefetch pipeline that never exceeds its
+// budget, and an optimizer whose failed steps change nothing.
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <set>
+
+#include "tensormem/offload/offloaded_optimizer.hpp"
+#include "../swap/swap_test_support.hpp"
+
+namespace tensormem::offload {
+namespace {
+
+using swap::testing::pattern;
+using swap::testing::scratch_dir;
+
+std::vector<float> randoms(std::size_t n, std::uint64_t seed, float lo = -1, float hi = 1) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> d(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+std::vector<simd_level> supported_levels() {
+  std::vector<simd_level> out;
+  for (auto l : {simd_level::scalar, simd_level::avx2, simd_level::avx512}) {
+    if (simd_supported(l)) out.push_back(l);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------- kernels
+
+// Every level gives the same bits as the scalar loop, for lengths around the vector widths,
+// with and without a master copy; and the result is within 2e-6 relative of an AdamW step
+// computed in double.
+TEST(offload_kernels, adam_levels_agree_and_match_a_double_oracle) {
+  for (const bool decoupled : {true, false}) {
+    for (const std::size_t n : {0UL, 1UL, 7UL, 8UL, 15UL, 16UL, 17UL, 33UL, 1000UL, 4099UL}) {
+      for (const bool with_master : {false, true}) {
+        const auto p0 = randoms(n, 1), g = randoms(n, 2), m0 = randoms(n, 3, -0.1F, 0.1F),
+                   v0 = randoms(n, 4, 0, 0.01F);
+        const std::uint64_t step = 3;
+        const auto s = make_adam_scalars(1e-2, 0.9, 0.999, 1e-8, 0.1, decoupled, step);
+        std::vector<std::vector<float>> results;
+        for (const simd_level level : supported_levels()) {
+          auto p = p0, m = m0, v = v0;
+          std::vector<float> master = p0;
+          std::vector<float> param = with_master ? std::vector<float>(n, 123.0F) : p0;
+          adam_update(param.data(), g.data(), with_master ? master.data() : nullptr, m.data(), v.data(), n, s, level);
+          if (with_master) {
+            EXPECT_EQ(param, master);
+          }
+          param.insert(param.end(), m.begin(), m.end());
+          param.insert(param.end(), v.begin(), v.end());
+          results.push_back(param);
+        }
+        for (const auto& r : results) EXPECT_EQ(r, results.front()) << "n=" << n;
+        // The oracle, in double.
+        for (std::size_t i = 0; i < n; ++i) {
+          double x = p0[i], gi = g[i];
+          if (decoupled) {
+            x *= 1 - 1e-2 * 0.1;
+          } else {
+            gi += 0.1 * x;
+          }
+          const double m = 0.9 * m0[i] + 0.1 * gi, v = 0.999 * v0[i] + 0.001 * gi * gi;
+          const double denom = std::sqrt(v) / std::sqrt(1 - std::pow(0.999, 3)) + 1e-8;
+          x -= 1e-2 / (1 - std::pow(0.9, 3)) * m / denom;
+          const float got = results.front()[i];
+          EXPECT_NEAR(got, x, 2e-6 * std::max(1.0, std::fabs(x))) << "element " << i << " of " << n;
+          // Relative to the terms: their sum may cancel.
+          EXPECT_NEAR(results.front()[n + i], m, 1e-6 * (std::fabs(0.9 * m0[i]) + std::fabs(0.1 * gi)));
+        }
+      }
+    }
+  }
+}
+
+TEST(offload_kernels, sgd_levels_agree_and_match_a_double_oracle) {
+  for (const bool nesterov : {false, true}) {
+    for (const std::uint64_t step : {1UL, 2UL}) {
+      const std::size_t n = 1003;
+      const auto p0 = randoms(n, 5), g = randoms(n, 6), b0 = randoms(n, 7);
+      const auto s = make_sgd_scalars(0.05, 0.9, nesterov ? 0.0 : 0.2, 0.01, nesterov, step);
+      std::vector<std::vector<float>> results;
+      for (const simd_level level : supported_levels()) {
+        auto p = p0, b = b0;
+        sgd_update(p.data(), g.data(), nullptr, b.data(), n, s, level);
+        p.insert(p.end(), b.begin(), b.end());
+        results.push_back(p);
+      }
+      for (const auto& r : results) EXPECT_EQ(r, results.front());
+      for (std::size_t i = 0; i < n; ++i) {
+        double d = g[i] + 0.01 * p0[i];
+        const double b = step == 1 ? d : 0.9 * b0[i] + (nesterov ? 1.0 : 0.8) * d;
+        d = nesterov ? d + 0.9 * b : b;
+        const double x = p0[i] - 0.05 * d;
+        EXPECT_NEAR(results.front()[i], x, 1e-6 * std::max(1.0, std::fabs(x)));
+        EXPECT_NEAR(results.front()[n + i], b, 1e-6 * std::max(1.0, std::fabs(b)));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- swap space
+
+struct aligned_floats {
+  std::byte* data;
+  explicit aligned_floats(std::size_t bytes)
+      : data(static_cast<std::byte*>(std::aligned_alloc(4096, std::max<std::size_t>(4096, (bytes + 4095) / 4096 * 4096)))) {}
+  ~aligned_floats() { std::free(data); }
+  aligned_floats(const aligned_floats&) = delete;
+  aligned_floats& operator=(const aligned_floats&) = delete;
+};
+
+swap_space_options three_folders(const scratch_dir& dir) {
+  swap_space_options o;
+  for (const char* f : {"a", "b", "c"}) {
+    std::filesystem::create_directory(dir.path / f);
+    o.folders.push_back((dir.path / f).string());
+  }
+  o.stripe_bytes = 8192;
+  o.rank = 3;
+  return o;
+}
+
+TEST(offload_swap_space, round_trips_over_three_folders_with_two_generations) {
+  scratch_dir dir;
+  swap_space s(three_folders(dir));
+  const std::vector<std::uint64_t> sizes = {0, 1, 4096, 8192, 8193, 40000, 123457};
+  std::vector<std::size_t> ids;
+  for (std::size_t i = 0; i < sizes.size(); ++i) ids.push_back(s.add("t" + std::to_string(i), sizes[i]));
+  const auto write_generation = [&](std::uint64_t seed) {
+    for (const std::size_t id : ids) {
+      aligned_floats b(s.padded_bytes(id));
+      std::memcpy(b.data, pattern(s.padded_bytes(id), seed + id).data(), s.padded_bytes(id));
+      auto t = s.write(id, b.data);
+      s.finish(t);
+    }
+  };
+  const auto read_equals = [&](std::uint64_t seed) {
+    for (const std::size_t id : ids) {
+      aligned_floats b(s.padded_bytes(id));
+      auto t = s.read(id, b.data);
+      s.finish(t);
+      if (std::memcmp(b.data, pattern(s.padded_bytes(id), seed + id).data(), s.padded_bytes(id)) != 0) return false;
+    }
+    return true;
+  };
+  write_generation(100);
+  for (const std::size_t id : ids) s.commit(id);
+  EXPECT_TRUE(read_equals(100));
+  write_generation(200);  // not committed: reads still see the first generation
+  EXPECT_TRUE(read_equals(100));
+  for (const std::size_t id : ids) s.commit(id);
+  EXPECT_TRUE(read_equals(200));
+  write_generation(300);  // over the first generation's files
+  for (const std::size_t id : ids) s.commit(id);
+  EXPECT_TRUE(read_equals(300));
+  // Every folder holds stripes, under rank3/, and the bytes add up to both generations.
+  const auto st = s.stats();
+  std::uint64_t total = 0;
+  for (std::size_t f = 0; f < 3; ++f) {
+    EXPECT_GT(st.folder_bytes[f], 0U);
+    total += st.folder_bytes[f];
+    EXPECT_TRUE(std::filesystem::is_directory(dir.path / std::string(1, static_cast<char>('a' + f)) / "rank3"));
+  }
+  std::uint64_t padded = 0;
+  for (const std::size_t id : ids) padded += s.padded_bytes(id);
+  EXPECT_EQ(total, 2 * padded);
+  std::uint64_t on_disk = 0;
+  for (auto& e : std::filesystem::recursive_directory_iterator(dir.path)) {
+    if (e.is_regular_file()) on_disk += e.file_size();
+  }
+  EXPECT_EQ(on_disk, total);
+}
+
+TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
+  scratch_dir dir;
+  swap_space_options o = three_folders(dir);
+  {
+    swap_space_options bad = o;
+    bad.folders.clear();
+    EXPECT_THROW(swap_space{bad}, std::invalid_argument);
+    bad = o;
+    bad.stripe_bytes = 1000;
+    EXPECT_THROW(swap_space{bad}, std::invalid_argument);
+    bad = o;
+    bad.folders.push_back((dir.path / "missing").string());
+    EXPECT_THROW(swap_space{bad}, std::system_error);
+    bad = o;
+    bad.folders.push_back(o.folders[0]);
+    EXPECT_THROW(swap_space{bad}, std::invalid_argument);
+    bad = o;
+    bad.capacity_bytes = {1};
+    EXPECT_THROW(swap_space{bad}, std::invalid_argument);
+  }
+  o.capacity_bytes = {100000, 100000, 100000};
+  swap_space s(o);
+  EXPECT_THROW(s.add("", 10), std::invalid_argument);
+  EXPECT_THROW(s.add("a/b", 10), std::invalid_argument);
+  EXPECT_THROW(s.add("..", 10), std::invalid_argument);
+  const std::size_t id = s.add("x", 40000);
+  EXPECT_THROW(s.add("x", 10), std::invalid_argument);
+  {
+    std::ofstream(dir.path / "b" / "rank3" / "stale.g1") << "left by a killed run";
+    try {
+      s.add("stale", 10);
+      FAIL() << "an existing file was not noticed";
+    } catch (const offload_error& e) {
+      EXPECT_EQ(e.error(), EEXIST);
+      EXPECT_NE(e.path().find("stale.g1"), std::string::npos);
+    }
+  }
+  try {
+    s.add("big", 200000);  // two generations over three folders pass 100000 in one
+    FAIL() << "capacity not enforced";
+  } catch (const offload_error& e) {
+    EXPECT_EQ(e.tensor(), "big");
+    EXPECT_EQ(e.error(), ENOSPC);
+    EXPECT_NE(std::string(e.what()).find("is full"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(s.size(), 1U);
+  aligned_floats b(s.padded_bytes(id) + 4096);
+  EXPECT_THROW(s.read(id, b.data), offload_error);  // nothing committed yet
+  EXPECT_THROW(s.commit(id), std::logic_error);      // nothing written
+  EXPECT_THROW(s.write(id, b.data + 1), std::invalid_argument);
+  EXPECT_THROW(s.read(7, b.data), std::out_of_range);
+}
+
+// An engine that fails (ENOSPC) every write request to files whose name contains `needle`
+// while armed.
+class failing_writes final : public swap::testing::forwarding_engine {
+ public:
+  failing_writes(std::unique_ptr<io::io_engine> inner, std::string needle, std::shared_ptr<std::atomic<bool>> armed)
+      : forwarding_engine(std::move(inner)), needle_(std::move(needle)), armed_(std::move(armed)) {}
+  void submit(std::span<const io::io_request> requests) override {
+    for (const auto& r : requests) {
+      if (!r.write || !*armed_) continue;
+      char link[64];
+      std::snprintf(link, sizeof link, "/proc/self/fd/%d", r.fd);
+      char target[4096] = {};
+      if (::readlink(link, target, sizeof target - 1) > 0 && std::string(target).find(needle_) != std::string::npos) {
+        const std::lock_guard lock(mutex_);
+        failing_.insert(r.user_data);
+      }
+    }
+    inner_->submit(requests);
+  }
+  std::vector<io::io_completion> wait(std::size_t min_completions) override {
+    auto done = inner_->wait(min_completions);
+    const std::lock_guard lock(mutex_);
+    for (auto& c : done) {
+      if (failing_.count(c.user_data) != 0) c.result = -ENOSPC;
+    }
+    return done;
+  }
+
+ private:
+  std::string needle_;
+  std::shared_ptr<std::atomic<bool>> armed_;
+  std::mutex mutex_;
+  std::set<std::uint64_t> failing_;
+};
+
+io::file_io_options failing_io(const std::string& needle, std::shared_ptr<std::atomic<bool>> armed) {
+  io::file_io_options io;
+  io.make_engine = [needle, armed](unsigned qd) {
+    return std::make_unique<failing_writes>(io::make_thread_engine(qd, 2), needle, armed);
+  };
+  return io;
+}
+
+// ------------------------------------------------------------------------------ pipeline
+
+TEST(offload_pipeline, random_sizes_never_exceed_the_budget_and_land_every_write) {
+  scratch_dir dir;
+  swap_space s(three_folders(dir));
+  std::mt19937_64 rng(5);
+  std::vector<std::size_t> ids;
+  std::uint64_t largest = 0;
+  for (int i = 0; i < 40; ++i) {
+    ids.push_back(s.add("p" + std::to_string(i), 1 + rng() % 60000));
+    largest = std::max(largest, s.padded_bytes(ids.back()));
+  }
+  memory::pinned_pool pool({.alignment = 4096});
+  const auto fill_committed = [&](std::uint64_t seed) {
+    for (const std::size_t id : ids) {
+      aligned_floats b(s.padded_bytes(id));
+      std::memcpy(b.data, pattern(s.padded_bytes(id), seed + id).data(), s.padded_bytes(id));
+      auto t = s.write(id, b.data);
+      s.finish(t);
+      s.commit(id);
+    }
+  };
+  fill_committed(10);
+  const std::uint64_t budget = 3 * largest + 100;
+  std::vector<bool> dirty(ids.size());
+  {
+    prefetch_pipeline p(s, pool, ids, {budget, 0});
+    EXPECT_EQ(p.buffer_count(), 3U);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      std::byte* b = p.acquire(i);
+      const auto n = s.padded_bytes(ids[i]);
+      ASSERT_EQ(std::memcmp(b, pattern(n, 10 + ids[i]).data(), n), 0) << i;
+      EXPECT_LE(pool.stats().in_use_bytes, budget);
+      dirty[i] = rng() % 3 != 0;
+      if (dirty[i]) std::memcpy(b, pattern(n, 20 + ids[i]).data(), n);
+      p.release(i, dirty[i]);
+    }
+    p.finish();
+    const auto written = p.written();
+    EXPECT_EQ(written.size(), static_cast<std::size_t>(std::count(dirty.begin(), dirty.end(), true)));
+    for (const std::size_t id : written) s.commit(id);
+    EXPECT_LE(p.stats().pinned_bytes, budget);
+    EXPECT_GT(p.stats().bytes_written, 0U);
+  }
+  EXPECT_LE(pool.stats().peak_in_use_bytes, budget);
+  EXPECT_EQ(pool.stats().in_use_bytes, 0U);  // every buffer back
+  prefetch_pipeline again(s, pool, ids, {budget, 2});
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const auto n = s.padded_bytes(ids[i]);
+    std::byte* b = again.acquire(i);
+    EXPECT_EQ(std::memcmp(b, pattern(n, (dirty[i] ? 20 : 10) + ids[i]).data(), n), 0) << i;
+    again.release(i, false);
+  }
+  again.finish();
+}
+
+TEST(offload_pipeline, misuse_is_refused) {
+  scratch_dir dir;
+  swap_space s(three_folders(dir));
+  std::vector<std::size_t> ids;
+  for (int i = 0; i < 4; ++i) {
+    ids.push_back(s.add("m" + std::to_string(i), 8192));
+    aligned_floats b(8192);
+    auto t = s.write(ids.back(), b.data);
+    s.finish(t);
+    s.commit(ids.back());
+  }
+  memory::pinned_pool pool({.alignment = 4096});
+  EXPECT_THROW(prefetch_pipeline(s, pool, ids, {8192, 0}), std::invalid_argument);  // one buffer
+  EXPECT_THROW(prefetch_pipeline(s, pool, {99}, {1 << 20, 0}), std::out_of_range);
+  prefetch_pipeline p(s, pool, ids, {2 * 8192, 0});
+  EXPECT_THROW(p.acquire(1), std::logic_error);  // out of order
+  EXPECT_THROW(p.release(0, false), std::logic_error);  // not acquired
+  p.acquire(0);
+  p.acquire(1);
+  EXPECT_THROW(p.acquire(2), std::logic_error);  // both buffers held: would wait forever
+  p.release(0, true);
+  p.acquire(2);  // the write-back frees a buffer
+  p.release(1, false);
+  p.release(2, false);
+  p.acquire(3);
+  p.release(3, false);
+  p.finish();
+}
+
+TEST(offload_pipeline, a_failed_write_back_names_its_tensor_and_commits_nothing_for_it) {
+  scratch_dir dir;
+  auto armed = std::make_shared<std::atomic<bool>>(false);
+  swap_space_options o = three_folders(dir);
+  o.io = failing_io("w2.g", armed);
+  swap_space s(o);
+  std::vector<std::size_t> ids;
+  for (int i = 0; i < 5; ++i) {
+    ids.push_back(s.add("w" + std::to_string(i), 20000));
+    aligned_floats b(s.padded_bytes(ids.back()));
+    std::memset(b.data, 1, s.padded_bytes(ids.back()));
+    auto t = s.write(ids.back(), b.data);
+    s.finish(t);
+    s.commit(ids.back());
+  }
+  armed->store(true);
+  memory::pinned_pool pool({.alignment = 4096});
+  prefetch_pipeline p(s, pool, ids, {3 * 20480, 0});
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    std::byte* b = p.acquire(i);
+    std::memset(b, 2, 20480);
+    p.release(i, true);
+  }
+  try {
+    p.finish();
+    FAIL() << "the failed write was not reported";
+  } catch (const offload_error& e) {
+    EXPECT_EQ(e.tensor(), "w2");
+    EXPECT_EQ(e.error(), ENOSPC);
+    EXPECT_NE(e.path().find("w2.g"), std::string::npos);
+  }
+  const auto written = p.written();
+  EXPECT_EQ(written.size(), 4U);
+  EXPECT_EQ(std::count(written.begin(), written.end(), ids[2]), 0);
+  for (const std::size_t id : written) s.commit(id);
+  aligned_floats b(20480);
+  auto t = s.read(ids[2], b.data);
+  s.finish(t);
+  EXPECT_EQ(b.data[100], std::byte{1});  // the committed generation is untouched
+}
+
+// ----------------------------------------------------------------------------- optimizer
+
+optimizer_options small_options(const scratch_dir& dir) {
+  optimizer_options o;
+  o.swap = three_folders(dir);
+  o.group_bytes = 8192;
+  o.pipeline.pinned_budget = 4 * 3 * 8192;
+  return o;
+}
+
+struct model_params {
+  std::vector<std::vector<float>> values, grads;
+  explicit model_params(const std::vector<std::uint64_t>& numels) {
+    for (std::size_t i = 0; i < numels.size(); ++i) {
+      values.push_back(randoms(numels[i], 10 + i));
+      grads.push_back(randoms(numels[i], 20 + i));
+    }
+  }
+  std::vector<float*> p() {
+    std::vector<float*> out;
+    for (auto& v : values) out.push_back(v.data());
+    return out;
+  }
+  std::vector<const float*> cp() const {
+    std::vector<const float*> out;
+    for (const auto& v : values) out.push_back(v.data());
+    return out;
+  }
+  std::vector<const float*> g() const {
+    std::vector<const float*> out;
+    for (const auto& v : grads) out.push_back(v.data());
+    return out;
+  }
+};
+
+const std::vector<std::uint64_t> numels = {5000, 3, 0, 2048, 9000};
+
+TEST(offload_optimizer, matches_the_kernels_in_memory_and_pieces_cover_every_element) {
+  scratch_dir dir;
+  offloaded_optimizer o(numels, small_options(dir));
+  std::vector<std::uint64_t> covered(numels.size(), 0);
+  for (const auto& g : o.groups()) {
+    for (const auto& pc : g.pieces) covered[pc.param] += pc.count;
+  }
+  EXPECT_EQ(covered, numels);
+  model_params a(numels), ref(numels);
+  o.initialize(a.cp());
+  std::vector<std::vector<float>> m, v;
+  for (auto n : numels) {
+    m.emplace_back(n, 0.0F);
+    v.emplace_back(n, 0.0F);
+  }
+  const std::vector<param_hyper> hyper(numels.size());
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    const auto st = o.step(a.p(), a.g(), hyper);
+    EXPECT_LE(st.pinned_high_water, o.options().pipeline.pinned_budget);
+    for (std::size_t i = 0; i < numels.size(); ++i) {
+      adam_update(ref.values[i].data(), ref.grads[i].data(), nullptr, m[i].data(), v[i].data(), numels[i],
+                  make_adam_scalars(1e-3, 0.9, 0.999, 1e-8, 0, true, step), simd_level::scalar);
+    }
+  }
+  EXPECT_EQ(a.values, ref.values);
+  // The zero-element parameter's gradient pointer is null: skipped.
+  EXPECT_EQ(o.steps(), (std::vector<std::uint64_t>{3, 3, 0, 3, 3}));
+}
+
+TEST(offload_optimizer, a_failed_step_restores_the_parameters_and_keeps_the_state) {
+  scratch_dir dir;
+  auto armed = std::make_shared<std::atomic<bool>>(false);
+  optimizer_options opts = small_options(dir);
+  opts.swap.io = failing_io("failing.group3.g", armed);
+  opts.name = "failing";
+  offloaded_optimizer o(numels, opts);
+  model_params a(numels);
+  o.initialize(a.cp());
+  const std::vector<param_hyper> hyper(numels.size());
+  o.step(a.p(), a.g(), hyper);
+  const auto before = a.values;
+  std::vector<float> state_before;
+  o.visit([&](const auto& g, const float* r) { state_before.insert(state_before.end(), r, r + 3 * g.stride); });
+  armed->store(true);
+  try {
+    o.step(a.p(), a.g(), hyper);
+    FAIL() << "the failed write was not reported";
+  } catch (const offload_error& e) {
+    EXPECT_EQ(e.tensor(), "failing.group3");
+    EXPECT_EQ(e.error(), ENOSPC);
+  }
+  EXPECT_EQ(a.values, before);  // rolled back from the committed master copy
+  EXPECT_EQ(o.steps(), (std::vector<std::uint64_t>{1, 1, 0, 1, 1}));
+  std::vector<float> state_after;
+  o.visit([&](const auto& g, const float* r) { state_after.insert(state_after.end(), r, r + 3 * g.stride); });
+  EXPECT_EQ(state_after, state_before);
+  // Retried once the fault is gone: the same as an optimizer that never failed.
+  armed->store(false);
+  o.step(a.p(), a.g(), hyper);
+  scratch_dir dir2;
+  offloaded_optimizer clean(numels, small_options(dir2));
+  model_params b(numels);
+  clean.initialize(b.cp());
+  clean.step(b.p(), b.g(), hyper);
+  clean.step(b.p(), b.g(), hyper);
+  EXPECT_EQ(a.values, b.values);
+}
+
+TEST(offload_optimizer, checkpoints_round_trip_and_bad_ones_are_refused) {
+  scratch_dir dir;
+  offloaded_optimizer o(numels, small_options(dir));
+  model_params a(numels);
+  o.initialize(a.cp());
+  const std::vector<param_hyper> hyper(numels.size());
+  o.step(a.p(), a.g(), hyper);
+  const std::string ck = (dir.path / "ck").string();
+  o.save(ck);
+  EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
+  offloaded_optimizer r(numels, small_options(dir));
+  EXPECT_THROW(r.step(a.p(), a.g(), hyper), std::logic_error);  // neither initialized nor loaded
+  r.load(ck);
+  EXPECT_EQ(r.steps(), o.steps());
+  std::vector<float> saved, loaded;
+  o.visit([&](const auto& g, const float* rec) { saved.insert(saved.end(), rec, rec + 3 * g.stride); });
+  r.visit([&](const auto& g, const float* rec) { loaded.insert(loaded.end(), rec, rec + 3 * g.stride); });
+  EXPECT_EQ(saved, loaded);
+  model_params b = a;
+  o.step(a.p(), a.g(), hyper);
+  r.step(b.p(), b.g(), hyper);
+  EXPECT_EQ(a.values, b.values);
+
+  std::vector<std::uint64_t> other = numels;
+  other[1] = 4;
+  offloaded_optimizer mismatch(other, small_options(dir));
+  EXPECT_THROW(mismatch.load(ck), std::runtime_error);
+  optimizer_options sgd = small_options(dir);
+  sgd.kind = optimizer_kind::sgd;
+  offloaded_optimizer kind(numels, sgd);
+  EXPECT_THROW(kind.load(ck), std::runtime_error);
+  std::filesystem::resize_file(ck, std::filesystem::file_size(ck) - 100);
+  offloaded_optimizer truncated(numels, small_options(dir));
+  EXPECT_THROW(truncated.load(ck), std::runtime_error);
+  EXPECT_THROW(truncated.load((dir.path / "none").string()), std::system_error);
+}
+
+TEST(offload_optimizer, bad_arguments_are_refused) {
+  scratch_dir dir;
+  optimizer_options o = small_options(dir);
+  o.group_bytes = 100;
+  EXPECT_THROW(offloaded_optimizer(numels, o), std::invalid_argument);
+  o = small_options(dir);
+  o.pipeline.pinned_budget = 3 * 8192;  // one record
+  EXPECT_THROW(offloaded_optimizer(numels, o), std::invalid_argument);
+  o = small_options(dir);
+  o.simd = 7;
+  EXPECT_THROW(offloaded_optimizer(numels, o), std::invalid_argument);
+  offloaded_optimizer ok(numels, small_options(dir));
+  model_params a(numels);
+  const std::vector<param_hyper> hyper(numels.size());
+  EXPECT_THROW(ok.initialize({}), std::invalid_argument);
+  ok.initialize(a.cp());
+  EXPECT_THROW(ok.step(a.p(), a.g(), {}), std::invalid_argument);
+  auto p = a.p();
+  p[0] = nullptr;
+  EXPECT_THROW(ok.step(p, a.g(), hyper), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace tensormem::offload
