@@ -388,3 +388,13 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path):
         opt.step()
     final = torch.load(tmp_path / "final.pt")
     assert all(torch.equal(final[k], v) for k, v in m.state_dict().items())
+
+
+def test_the_training_example_matches_in_memory_adamw(tmp_path):
+    example = os.path.join(os.environ.get("TENSORMEM_EXAMPLES", os.path.join(HERE, "..", "..", "examples", "python")),
+                           "train_offloaded.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, example, "--steps", "4", "--swap-dir", str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("loss") >= 4 and "parameters bit-identical: True" in r.stdout, r.stdout
