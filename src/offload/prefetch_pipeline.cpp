@@ -64,7 +64,7 @@ prefetch_pipeline::~prefetch_pipeline() {
   collector_.join();
   // Reads still in flight (the caller stopped early) must end before their buffers go back.
   for (item& it : items_) {
-    if (it.s == state::reading) {
+    if (it.s == state::reading && !it.error) {
       try {
         space_.finish(it.io);
       } catch (const std::exception&) {  // nobody asked for this tensor any more

@@ -147,7 +147,8 @@ TEST(offload_swap_space, round_trips_over_three_folders_with_two_generations) {
   const auto write_generation = [&](std::uint64_t seed) {
     for (const std::size_t id : ids) {
       aligned_floats b(s.padded_bytes(id));
-      std::memcpy(b.data, pattern(s.padded_bytes(id), seed + id).data(), s.padded_bytes(id));
+      const auto bytes = pattern(s.padded_bytes(id), seed + id);
+      if (!bytes.empty()) std::memcpy(b.data, bytes.data(), bytes.size());  // a 0-byte tensor has no data
       auto t = s.write(id, b.data);
       s.finish(t);
     }
@@ -157,7 +158,8 @@ TEST(offload_swap_space, round_trips_over_three_folders_with_two_generations) {
       aligned_floats b(s.padded_bytes(id));
       auto t = s.read(id, b.data);
       s.finish(t);
-      if (std::memcmp(b.data, pattern(s.padded_bytes(id), seed + id).data(), s.padded_bytes(id)) != 0) return false;
+      const auto bytes = pattern(s.padded_bytes(id), seed + id);
+      if (!bytes.empty() && std::memcmp(b.data, bytes.data(), bytes.size()) != 0) return false;
     }
     return true;
   };
