@@ -153,9 +153,10 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     dst.copy_(torch.from_numpy(record[fields.index(f), goff:goff + count]))
 
         self._core.visit(take)
-        if self._kind == "sgd":
+        if self._kind == "sgd":  # torch keeps no buffer without momentum
+            momentum = [g.get("momentum", 0) for g in self.param_groups for _ in g["params"]]
             for i in state:
-                if self.param_groups[0].get("momentum", 0) == 0:
+                if momentum[i] == 0:
                     state[i]["momentum_buffer"] = None
         param_groups = []
         index = 0

@@ -398,3 +398,29 @@ def test_the_training_example_matches_in_memory_adamw(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("loss") >= 4 and "parameters bit-identical: True" in r.stdout, r.stdout
+
+
+def test_sgd_state_dict_matches_torch_per_group(tmp_path):
+    torch.manual_seed(0)
+    a = mlp()
+    b = copy.deepcopy(a)
+
+    def groups(m):
+        return [{"params": list(m[0].parameters()), "momentum": 0.0},
+                {"params": list(m[2].parameters()), "momentum": 0.9}]
+
+    ref = torch.optim.SGD(groups(a), lr=1e-2)
+    ours = OffloadedSGD(groups(b), lr=1e-2, swap_dirs=[str(tmp_path)], group_bytes=16 << 10, pinned_budget=BUDGET)
+    for _ in range(3):
+        x = torch.randn(8, 37)
+        for m, o in ((a, ref), (b, ours)):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    theirs, mine = ref.state_dict()["state"], ours.state_dict()["state"]
+    for i, st in theirs.items():
+        if st["momentum_buffer"] is None:
+            assert mine[i]["momentum_buffer"] is None
+        else:
+            assert torch.equal(st["momentum_buffer"], mine[i]["momentum_buffer"])
