@@ -1,6 +1,8 @@
 #include "tensormem/core/lifetime.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -51,6 +53,23 @@ std::uint64_t lower_bound(std::span<const buffer> buffers, std::uint64_t alignme
     best = std::max(best, live);
   }
   return best;
+}
+
+std::vector<buffer> synthetic_lifetimes(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> life(0.0, 12.0);
+  std::uniform_real_distribution<double> size(10.0, 24.0);
+  std::vector<buffer> out;
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    buffer b;
+    b.id = std::to_string(i);
+    b.lower = rng() % std::max<std::size_t>(n, 1);
+    b.upper = b.lower + static_cast<std::uint64_t>(std::exp2(life(rng)));
+    b.bytes = static_cast<std::uint64_t>(std::exp2(size(rng)));
+    out.push_back(std::move(b));
+  }
+  return out;
 }
 
 }  // namespace tensormem::core

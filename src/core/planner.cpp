@@ -7,12 +7,15 @@
 #include <cstdio>
 #include <limits>
 #include <numeric>
+#include <span>
 #include <stdexcept>
 #include <thread>
 #include <tuple>
 
 #include "planner_detail.hpp"
 #include "tensormem/core/align.hpp"
+#include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/replay.hpp"
 
 namespace tensormem::core {
 
@@ -75,6 +78,33 @@ class planner_run {
   // The six classic variants, spread over up to `threads` threads. Each variant writes its
   // own slot; the winner is chosen afterwards in a fixed order, so the result does not
   // depend on scheduling.
+  // The first plan: the buffers replayed in time order through the exact best-fit online
+  // allocator, O(n log n) at any scale and kept whatever the time limit; then the skyline in
+  // decreasing size order within the deadline (usually much better, but its re-checks grow
+  // with the overlap).
+  void first_plan(std::span<const buffer> buffers) {
+    const auto t0 = clock::now();
+    best_fit_allocator online(growing, o_.alignment);
+    replay_result r = replay(buffers, online);
+    candidate_plan c;
+    c.offsets = std::move(r.offsets);
+    c.arena = detail::arena_of(p_, c.offsets);
+    offer(std::move(c), "online best fit");
+    first_cost_ = clock::now() - t0;
+    // Sorts and the release of the placement indexes cannot be interrupted: later phases aim
+    // at a deadline earlier by half the first plan's cost (negligible on small inputs).
+    if (deadline_ != clock::time_point::max()) deadline_ = std::max(start_, deadline_ - first_cost_ / 2);
+    if (!done() && worth_starting()) {
+      offer(detail::place_skyline(p_, keys_of(p_, order_keys[0]), deadline_), "skyline size");
+    }
+  }
+
+  // A placement starts with an O(n log n) sort it cannot interrupt, about as long as the first
+  // plan took: one is started only when at least half of that is left before the deadline.
+  bool worth_starting() const {
+    return deadline_ == clock::time_point::max() || clock::now() + first_cost_ / 2 < deadline_;
+  }
+
   candidate_plan greedy() {
     struct variant {
       const order_key* key;
@@ -89,8 +119,9 @@ class planner_run {
     auto work = [&](std::size_t first, std::size_t step) {
       detail::occupancy_index index(p_.sections);
       for (std::size_t v = first; v < variants.size(); v += step) {
+        if (!worth_starting()) return;
         const auto order = order_by(p_, keys_of(p_, *variants[v].key));
-        variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index);
+        variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index, deadline_);
       }
     };
     const std::size_t threads = std::clamp<std::size_t>(
@@ -108,9 +139,10 @@ class planner_run {
   }
 
   candidate_plan search() {
-    // Skyline orders first: cheap, and often far better than the classic orders.
-    for (const order_key& k : order_keys) {
-      if (done() || !time_left()) return best_;
+    // Skyline orders first: cheap, and often far better than the classic orders (size was
+    // the first plan).
+    for (const order_key& k : std::span(order_keys).subspan(1)) {
+      if (done() || !worth_starting()) return best_;
       offer(detail::place_skyline(p_, keys_of(p_, k), deadline_), std::string("skyline ") + k.name);
     }
     if (done()) return best_;
@@ -120,14 +152,19 @@ class planner_run {
   }
 
   const candidate_plan& best() const { return best_; }
+  double first_plan_seconds() const { return first_plan_seconds_; }
+  double best_plan_seconds() const { return best_plan_seconds_; }
+
+  bool done() const { return !best_.offsets.empty() && best_.arena <= p_.lower_bound; }
 
  private:
-  bool done() const { return best_.arena <= p_.lower_bound; }
   bool time_left() const { return clock::now() < deadline_; }
 
   void offer(candidate_plan c, std::string strategy) {
     // The first plan is always kept: an arena of 2^64 - 1 bytes is a real plan too.
     if (!c.offsets.empty() && (best_.offsets.empty() || c.arena < best_.arena)) {
+      if (best_.offsets.empty()) first_plan_seconds_ = seconds_since(start_);
+      best_plan_seconds_ = seconds_since(start_);
       best_ = std::move(c);
       best_.strategy = std::move(strategy);
       report("search");
@@ -188,7 +225,7 @@ class planner_run {
   void perturbation_phase() {
     detail::occupancy_index index(p_.sections);
     std::lognormal_distribution<double> noise(0.0, 0.15);
-    for (std::uint64_t round = 0; time_left() && !done(); ++round) {
+    for (std::uint64_t round = 0; worth_starting() && !done(); ++round) {
       const order_key& k = order_keys[(round / 2) % std::size(order_keys)];
       std::vector<double> key = keys_of(p_, k);
       for (double& v : key) v *= noise(rng_);
@@ -209,6 +246,9 @@ class planner_run {
   std::mt19937_64 rng_;
   candidate_plan best_;
   double last_report_ = -1;
+  double first_plan_seconds_ = 0;
+  double best_plan_seconds_ = 0;
+  clock::duration first_cost_{};
 };
 
 }  // namespace
@@ -251,14 +291,17 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
   }
   const plan_problem p = detail::make_problem(buffers, options.alignment);
   planner_run run(p, options);
-  run.greedy();
+  run.first_plan(buffers);
+  if (!run.done()) run.greedy();
   r.greedy_seconds = seconds_since(start);
-  if (options.search) run.search();
+  if (options.search && !run.done()) run.search();
   const candidate_plan& best = run.best();
   r.offsets = best.offsets;
   r.arena_bytes = best.arena;
   r.lower_bound = p.lower_bound;
   r.strategy = best.strategy;
+  r.first_plan_seconds = run.first_plan_seconds();
+  r.best_plan_seconds = run.best_plan_seconds();
   r.seconds = seconds_since(start);
   return r;
 }

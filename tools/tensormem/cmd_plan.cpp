@@ -1,5 +1,7 @@
 // `tensormem plan TRACE`: offline plan of a trace, validated before it is printed.
 
+#include <sys/resource.h>
+
 #include <iostream>
 #include <string>
 
@@ -19,6 +21,8 @@ namespace {
 
 struct plan_cli_options {
   std::string trace;
+  std::size_t synthetic = 0;
+  std::uint64_t synthetic_seed = 1;
   double time_limit = 10.0;
   std::uint64_t alignment = 1;
   std::uint64_t seed = 1;
@@ -28,8 +32,24 @@ struct plan_cli_options {
   bool json = false;
 };
 
-void run_plan(const plan_cli_options& o) {
-  auto buffers = trace::read_trace(o.trace);
+// Peak resident memory of this process, bytes.
+std::uint64_t peak_rss_bytes() {
+  struct rusage u {};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<std::uint64_t>(u.ru_maxrss) * 1024;
+}
+
+void run_plan(plan_cli_options o) {
+  if (o.trace.empty() == (o.synthetic == 0)) {
+    throw std::invalid_argument("plan: give a trace file or --synthetic N, not both");
+  }
+  std::vector<core::buffer> buffers;
+  if (o.synthetic != 0) {
+    buffers = core::synthetic_lifetimes(o.synthetic, o.synthetic_seed);
+    o.trace = "synthetic:" + std::to_string(o.synthetic) + ":" + std::to_string(o.synthetic_seed);
+  } else {
+    buffers = trace::read_trace(o.trace);
+  }
   core::plan_options options;
   options.time_limit_seconds = o.time_limit;
   options.alignment = o.alignment;
@@ -57,6 +77,9 @@ void run_plan(const plan_cli_options& o) {
     j["ratio"] = r.ratio();
     j["seconds"] = r.seconds;
     j["greedy_seconds"] = r.greedy_seconds;
+    j["first_plan_seconds"] = r.first_plan_seconds;
+    j["best_plan_seconds"] = r.best_plan_seconds;
+    j["peak_rss_bytes"] = peak_rss_bytes();
     j["strategy"] = r.strategy;
     std::cout << j.dump() << '\n';
     return;
@@ -68,7 +91,9 @@ void run_plan(const plan_cli_options& o) {
             << fmt::format("arena        {} bytes ({})\n", r.arena_bytes, human_bytes(r.arena_bytes))
             << fmt::format("ratio        {:.4f}\n", r.ratio())
             << fmt::format("strategy     {}\n", r.strategy)
-            << fmt::format("seconds      {:.3f} (greedy phase {:.3f})\n", r.seconds, r.greedy_seconds)
+            << fmt::format("seconds      {:.3f} (greedy phase {:.3f}, first plan at {:.3f}, best at {:.3f})\n",
+                           r.seconds, r.greedy_seconds, r.first_plan_seconds, r.best_plan_seconds)
+            << fmt::format("peak RSS     {}\n", human_bytes(peak_rss_bytes()))
             << "validated    yes\n";
 }
 
@@ -77,7 +102,12 @@ void run_plan(const plan_cli_options& o) {
 void add_plan_command(CLI::App& app) {
   auto opts = std::make_shared<plan_cli_options>();
   CLI::App* cmd = app.add_subcommand("plan", "Plan a trace offline in one arena");
-  cmd->add_option("trace", opts->trace, "trace CSV file (id,lower,upper,size)")->required();
+  cmd->add_option("trace", opts->trace, "trace CSV file (id,lower,upper,size)");
+  cmd->add_option("--synthetic", opts->synthetic,
+                  "plan N buffers of the synthetic family instead of a trace (starts uniform over N steps, "
+                  "lifetimes 2^U(0,12), sizes 2^U(10,24))")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--synthetic-seed", opts->synthetic_seed, "seed of the synthetic family (default 1)");
   cmd->add_option("--time-limit", opts->time_limit, "search budget in seconds (default 10)")
       ->check(non_negative_seconds());
   cmd->add_option("--alignment", opts->alignment, "size and offset alignment (default 1)")

@@ -5,6 +5,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace tensormem::core {
 
@@ -29,5 +30,12 @@ constexpr bool lifetimes_overlap(const buffer& a, const buffer& b) noexcept {
 /// (`lower >= upper`) are never alive. Throws std::overflow_error, naming the time, when
 /// more than 2^64 - 1 bytes are alive at once (no plan in 64-bit offsets exists). O(n log n).
 std::uint64_t lower_bound(std::span<const buffer> buffers, std::uint64_t alignment = 1);
+
+/// The synthetic family used to measure the planner at scale: `n` buffers (ids "0".."n-1"),
+/// with std::mt19937_64(seed) drawing, per buffer and in this order, a start uniform in
+/// [0, n), a lifetime floor(2^u) with u uniform in [0, 12) (1 to 4095 steps) and a size
+/// floor(2^u) with u uniform in [10, 24) (1 KiB to 16 MiB - 1). About 490 buffers are alive
+/// at once whatever n.
+std::vector<buffer> synthetic_lifetimes(std::size_t n, std::uint64_t seed);
 
 }  // namespace tensormem::core

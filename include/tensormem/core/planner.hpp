@@ -21,14 +21,16 @@ struct plan_progress {
 };
 
 struct plan_options {
-  /// Wall-clock budget of the search phase; the greedy phase always runs to completion.
+  /// Wall-clock budget of the whole plan. The first plan (an online best-fit replay in time
+  /// order, O(n log n)) is always completed; every later phase checks the deadline as it goes
+  /// and the best valid plan found by then is returned.
   double time_limit_seconds = 10.0;
   /// Every size is rounded up to this power of two and every offset is a multiple of it.
   std::uint64_t alignment = 1;
   /// Seed of the randomized search. Given the same seed, the plan is the same whenever the
   /// search ends before the time limit (it reached the lower bound or exhausted its steps).
   std::uint64_t seed = 1;
-  /// false: greedy phase only.
+  /// false: the first plan and the greedy phase only.
   bool search = true;
   /// Threads for the greedy phase; 0 = one per hardware thread. The result does not depend
   /// on it.
@@ -44,6 +46,8 @@ struct plan_result {
   std::string strategy;                ///< which strategy produced the kept plan
   double seconds = 0;                  ///< total planning time
   double greedy_seconds = 0;           ///< time of the greedy phase alone
+  double first_plan_seconds = 0;       ///< when the first complete plan was found
+  double best_plan_seconds = 0;        ///< when the returned plan was found
   double ratio() const noexcept {
     return lower_bound == 0 ? 1.0
                             : static_cast<double>(arena_bytes) / static_cast<double>(lower_bound);
@@ -52,7 +56,10 @@ struct plan_result {
 
 /// Places every buffer so that no two buffers whose lifetimes overlap share a byte, in an
 /// arena as small as the budget allows. Steps:
-///  1. Greedy phase. Orders: decreasing size, decreasing lifetime length, decreasing area
+///  0. First plan: the buffers replayed in time order through best_fit_allocator (O(n log n)),
+///     so that a plan exists early at any scale; then the skyline placement (below) in
+///     decreasing size order, within the time limit.
+///  1. Greedy phase, within the time limit. Orders: decreasing size, decreasing lifetime length, decreasing area
 ///     (size x length); each placed with best fit and with first fit among the gaps left by
 ///     already placed buffers that overlap in time (the space above the highest counts as a
 ///     gap). The six variants run in parallel; the smallest arena is kept.
