@@ -117,6 +117,7 @@ class planner_run {
       variants.push_back({&k, detail::fit::first, {}});
     }
     auto work = [&](std::size_t first, std::size_t step) {
+      if (!worth_starting()) return;  // the index alone is O(sections) to build and free
       detail::occupancy_index index(p_.sections);
       for (std::size_t v = first; v < variants.size(); v += step) {
         if (!worth_starting()) return;
@@ -223,6 +224,7 @@ class planner_run {
   // Iterated greedy: skyline and best-fit greedy placement in orders whose keys (size,
   // length, area) are multiplied by random log-normal factors.
   void perturbation_phase() {
+    if (!worth_starting()) return;
     detail::occupancy_index index(p_.sections);
     std::lognormal_distribution<double> noise(0.0, 0.15);
     for (std::uint64_t round = 0; worth_starting() && !done(); ++round) {
