@@ -196,7 +196,9 @@ void swap_space::check_free_space(const entry& e, unsigned slot) const {
   }
 }
 
-swap_space::transfer swap_space::read(std::size_t id, void* buffer) {
+// Picks the generation (reads: the committed one; writes: the other, its folders' free
+// space checked when its files are new) and queues the stripes.
+swap_space::transfer swap_space::start(std::size_t id, std::byte* buffer, bool write) {
   if (reinterpret_cast<std::uintptr_t>(buffer) % page != 0) {
     throw std::invalid_argument("swap_space: buffers must be 4096-aligned");
   }
@@ -206,35 +208,29 @@ swap_space::transfer swap_space::read(std::size_t id, void* buffer) {
   {
     const std::lock_guard lock(mutex_);
     const entry& e = at(id);
-    if (e.committed < 0) {
-      throw offload_error("swap_space: tensor " + e.name + " has no committed generation to read", e.name);
+    if (write) {
+      t = {id, true, e.committed == 0 ? 1U : 0U, {}};
+      if (!e.created[t.slot]) check_free_space(e, t.slot);
+    } else {
+      if (e.committed < 0) {
+        throw offload_error("swap_space: tensor " + e.name + " has no committed generation to read", e.name);
+      }
+      t = {id, false, static_cast<unsigned>(e.committed), {}};
     }
-    t = {id, false, static_cast<unsigned>(e.committed), {}};
     padded = e.padded;
     name = e.name;
   }
-  queue_stripes(t, static_cast<std::byte*>(buffer), padded, name);
+  queue_stripes(t, buffer, padded, name);
   return t;
 }
 
+swap_space::transfer swap_space::read(std::size_t id, void* buffer) {
+  return start(id, static_cast<std::byte*>(buffer), false);
+}
+
 swap_space::transfer swap_space::write(std::size_t id, const void* buffer) {
-  if (reinterpret_cast<std::uintptr_t>(buffer) % page != 0) {
-    throw std::invalid_argument("swap_space: buffers must be 4096-aligned");
-  }
-  transfer t;
-  std::uint64_t padded = 0;
-  std::string name;
-  {
-    const std::lock_guard lock(mutex_);
-    const entry& e = at(id);
-    t = {id, true, e.committed == 0 ? 1U : 0U, {}};
-    if (!e.created[t.slot]) check_free_space(e, t.slot);
-    padded = e.padded;
-    name = e.name;
-  }
   // The engines never write into a write's buffer.
-  queue_stripes(t, const_cast<std::byte*>(static_cast<const std::byte*>(buffer)), padded, name);
-  return t;
+  return start(id, const_cast<std::byte*>(static_cast<const std::byte*>(buffer)), true);
 }
 
 void swap_space::finish(transfer& t) {

@@ -110,6 +110,7 @@ class swap_space {
   };
   const entry& at(std::size_t id) const;
   std::string file_path(const std::string& name, unsigned slot, std::size_t folder) const;
+  transfer start(std::size_t id, std::byte* buffer, bool write);
   void queue_stripes(transfer& t, std::byte* buffer, std::uint64_t padded, const std::string& name);
   void check_free_space(const entry& e, unsigned slot) const;
 
