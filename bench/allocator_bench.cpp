@@ -10,6 +10,7 @@
 #include <benchmark/benchmark.h>
 
 #include "bench_support.hpp"
+#include "lazy_allocator_baseline.hpp"
 #include "offset_allocator_baseline.hpp"
 
 #include <algorithm>
@@ -187,10 +188,11 @@ void bm_trace(benchmark::State& state, const std::string& name) {
   }
 }
 
-// An allocator beside the OffsetAllocator baseline on the same stream in one process, runs
-// interleaved (baseline, allocator, baseline...), medians: the ratio of their ns per op
-// (above 1: slower than the baseline) and both high-water marks over the lower bound.
-template <class Allocator, class Run>
+// An allocator beside a baseline (the OffsetAllocator or the LazyAllocator algorithm) on the
+// same stream in one process, runs interleaved (baseline, allocator, baseline...), medians:
+// the ratio of their ns per op (above 1: slower than the baseline) and both high-water marks
+// over the lower bound.
+template <class Allocator, class Baseline, class Run>
 void bm_versus_baseline(benchmark::State& state, Run run, std::uint64_t lower_bound) {
   for (auto _ : state) {
     std::vector<double> mine;
@@ -198,7 +200,7 @@ void bm_versus_baseline(benchmark::State& state, Run run, std::uint64_t lower_bo
     run_result last_mine;
     run_result last_base;
     for (int round = 0; round < 5; ++round) {
-      last_base = run.template operator()<tensormem::bench::offset_allocator_baseline>();
+      last_base = run.template operator()<Baseline>();
       last_mine = run.template operator()<Allocator>();
       base.push_back(last_base.ns_per_op);
       mine.push_back(last_mine.ns_per_op);
@@ -222,6 +224,23 @@ const std::vector<std::string>& trace_names() {
   return names;
 }
 
+// `<group>/W1/<label>` and `<group>/<trace>/<label>`: Allocator against Baseline.
+template <class Allocator, class Baseline>
+void register_versus(const std::string& group, const std::string& label) {
+  benchmark::RegisterBenchmark((group + "/W1/" + label).c_str(), [](benchmark::State& state) {
+    bm_versus_baseline<Allocator, Baseline>(
+        state, []<class A>() { return run_mix<A>(random_mix()); }, random_mix().lower_bound);
+  })->UseManualTime()->Iterations(1)->Unit(benchmark::kNanosecond);
+  for (const std::string& name : trace_names()) {
+    const std::string stem = name.substr(0, name.find('.'));
+    benchmark::RegisterBenchmark((group + "/" + stem + "/" + label).c_str(), [name](benchmark::State& state) {
+      const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
+      bm_versus_baseline<Allocator, Baseline>(
+          state, [&buffers]<class A>() { return run_trace<A>(buffers); }, core::lower_bound(buffers));
+    })->UseManualTime()->Iterations(1)->Unit(benchmark::kNanosecond);
+  }
+}
+
 void register_all() {
   benchmark::RegisterBenchmark("random_mix/best_fit", bm_random_mix<core::best_fit_allocator>)
       ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
@@ -232,11 +251,8 @@ void register_all() {
       ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("random_mix/first_fit_map", bm_random_mix<first_fit_map>)
       ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
-  benchmark::RegisterBenchmark("versus_baseline/W1/tlsf", [](benchmark::State& state) {
-    const mix_workload& w = random_mix();
-    bm_versus_baseline<core::tlsf_allocator>(
-        state, []<class A>() { return run_mix<A>(random_mix()); }, w.lower_bound);
-  })->UseManualTime()->Iterations(1)->Unit(benchmark::kNanosecond);
+  register_versus<core::tlsf_allocator, tensormem::bench::offset_allocator_baseline>("versus_baseline", "tlsf");
+  register_versus<core::best_fit_allocator, tensormem::bench::lazy_allocator_baseline>("versus_lazy", "best_fit");
   for (const std::string& name : trace_names()) {
     const std::string stem = name.substr(0, name.find('.'));
     benchmark::RegisterBenchmark(("trace/" + stem + "/best_fit").c_str(), bm_trace<core::best_fit_allocator>, name)
@@ -245,11 +261,6 @@ void register_all() {
         ->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("trace/" + stem + "/first_fit_map").c_str(), bm_trace<first_fit_map>, name)
         ->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("versus_baseline/" + stem + "/tlsf").c_str(), [name](benchmark::State& state) {
-      const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
-      bm_versus_baseline<core::tlsf_allocator>(
-          state, [&buffers]<class A>() { return run_trace<A>(buffers); }, core::lower_bound(buffers));
-    })->UseManualTime()->Iterations(1)->Unit(benchmark::kNanosecond);
   }
 }
 

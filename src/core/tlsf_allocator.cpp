@@ -7,6 +7,10 @@
 
 namespace tensormem::core {
 
+// The helpers of allocate and deallocate are inlined into them: the GCC heuristics keep
+// several of them out of line, which costs a call per helper on every operation.
+#define TENSORMEM_HOT_INLINE [[gnu::always_inline]] inline
+
 namespace {
 constexpr const char* name = "tlsf_allocator";
 constexpr std::uint32_t zero_node = 0xfffffffeU;
@@ -20,7 +24,7 @@ tlsf_allocator::tlsf_allocator(std::uint64_t capacity, std::uint64_t alignment)
 }
 
 // Class of a unit count, rounded down: exact below 2^M, then M mantissa bits per octave.
-unsigned tlsf_allocator::floor_class(std::uint64_t bytes) const noexcept {
+TENSORMEM_HOT_INLINE unsigned tlsf_allocator::floor_class(std::uint64_t bytes) const noexcept {
   const std::uint64_t units = bytes >> unit_shift_;
   if (units < leaf_bins) return static_cast<unsigned>(units);
   const unsigned exponent = static_cast<unsigned>(std::bit_width(units)) - 1U - mantissa_bits;
@@ -28,7 +32,7 @@ unsigned tlsf_allocator::floor_class(std::uint64_t bytes) const noexcept {
   return (exponent + 1U) * leaf_bins + mantissa;
 }
 
-unsigned tlsf_allocator::ceil_class(std::uint64_t bytes) const noexcept {
+TENSORMEM_HOT_INLINE unsigned tlsf_allocator::ceil_class(std::uint64_t bytes) const noexcept {
   const std::uint64_t units = bytes >> unit_shift_;
   const unsigned cls = floor_class(bytes);
   if (units < leaf_bins) return cls;
@@ -37,7 +41,7 @@ unsigned tlsf_allocator::ceil_class(std::uint64_t bytes) const noexcept {
   return low_bits != 0 ? cls + 1U : cls;
 }
 
-std::uint32_t tlsf_allocator::new_node() {
+TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::new_node() {
   if (!unused_nodes_.empty()) {
     const std::uint32_t n = unused_nodes_.back();
     unused_nodes_.pop_back();
@@ -47,14 +51,14 @@ std::uint32_t tlsf_allocator::new_node() {
   return static_cast<std::uint32_t>(nodes_.size() - 1);
 }
 
-void tlsf_allocator::release_node(std::uint32_t n) noexcept {
+TENSORMEM_HOT_INLINE void tlsf_allocator::release_node(std::uint32_t n) noexcept {
   node& x = nodes_[n];
   x.st = state::unused;
   ++x.generation;
   unused_nodes_.push_back(n);  // capacity reserved: nodes_ never shrinks below it
 }
 
-void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
+TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   node& x = nodes_[n];
   const unsigned cls = floor_class(x.bytes);
   x.st = state::free;
@@ -67,7 +71,7 @@ void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   ++free_block_count_;
 }
 
-void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
+TENSORMEM_HOT_INLINE void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
   node& x = nodes_[n];
   if (x.prev_bin != none) {
     nodes_[x.prev_bin].next_bin = x.next_bin;
@@ -85,7 +89,7 @@ void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
   --free_block_count_;
 }
 
-std::uint32_t tlsf_allocator::first_bin_at_or_above(unsigned cls) const noexcept {
+TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::first_bin_at_or_above(unsigned cls) const noexcept {
   if (cls >= bin_count) return none;
   const unsigned top = cls >> mantissa_bits;
   const std::uint64_t leaf = leaf_bitmaps_[top] & (~std::uint64_t{0} << (cls & (leaf_bins - 1U)));
@@ -99,7 +103,7 @@ std::uint32_t tlsf_allocator::first_bin_at_or_above(unsigned cls) const noexcept
 
 // Smallest block (lowest offset among equals) that holds `need` bytes among the first
 // scan_limit blocks of the list, or none.
-std::uint32_t tlsf_allocator::best_in_bin(unsigned cls, std::uint64_t need) const noexcept {
+TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::best_in_bin(unsigned cls, std::uint64_t need) const noexcept {
   std::uint32_t best = none;
   unsigned steps = 0;
   for (std::uint32_t n = bin_heads_[cls]; n != none && steps < scan_limit;
@@ -192,7 +196,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
 }
 
 // Frees node n (a used node) and merges it with free neighbours.
-void tlsf_allocator::release(std::uint32_t n) noexcept {
+TENSORMEM_HOT_INLINE void tlsf_allocator::release(std::uint32_t n) noexcept {
   node& x = nodes_[n];
   if (indexed_) live_.erase(x.offset);
   --live_count_;
@@ -220,7 +224,7 @@ void tlsf_allocator::release(std::uint32_t n) noexcept {
   bin_insert(n);
 }
 
-free_status tlsf_allocator::check_handle(std::uint32_t n, std::uint64_t offset,
+TENSORMEM_HOT_INLINE free_status tlsf_allocator::check_handle(std::uint32_t n, std::uint64_t offset,
                                          std::uint64_t bytes) const noexcept {
   if (n >= nodes_.size()) return free_status::stale_handle;
   const node& x = nodes_[n];
