@@ -24,7 +24,7 @@ tlsf_allocator::tlsf_allocator(std::uint64_t capacity, std::uint64_t alignment)
 }
 
 // Class of a unit count, rounded down: exact below 2^M, then M mantissa bits per octave.
-TENSORMEM_HOT_INLINE unsigned tlsf_allocator::floor_class(std::uint64_t bytes) const noexcept {
+unsigned tlsf_allocator::floor_class(std::uint64_t bytes) const noexcept {
   const std::uint64_t units = bytes >> unit_shift_;
   if (units < leaf_bins) return static_cast<unsigned>(units);
   const unsigned exponent = static_cast<unsigned>(std::bit_width(units)) - 1U - mantissa_bits;
@@ -32,7 +32,7 @@ TENSORMEM_HOT_INLINE unsigned tlsf_allocator::floor_class(std::uint64_t bytes) c
   return (exponent + 1U) * leaf_bins + mantissa;
 }
 
-TENSORMEM_HOT_INLINE unsigned tlsf_allocator::ceil_class(std::uint64_t bytes) const noexcept {
+unsigned tlsf_allocator::ceil_class(std::uint64_t bytes) const noexcept {
   const std::uint64_t units = bytes >> unit_shift_;
   const unsigned cls = floor_class(bytes);
   if (units < leaf_bins) return cls;

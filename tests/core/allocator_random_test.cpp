@@ -211,5 +211,61 @@ TEST(allocator_random, tlsf_is_consistent_fixed_capacity) {
                              env_or("TENSORMEM_RANDOM_OPS", default_ops) / 2, false);
 }
 
+// allocate_at against an interval map: it succeeds exactly when the aligned range fits the
+// capacity and overlaps no live allocation; the peak becomes max(peak, end); invariants hold
+// after every step. Offsets are drawn near live blocks, inside them, in free gaps and past
+// the high-water mark; half the steps allocate by size, some free.
+void run_allocate_at(std::uint64_t capacity, std::uint64_t seed, std::uint64_t ops) {
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (set TENSORMEM_SEED to replay)");
+  constexpr std::uint64_t unit = 256;
+  std::mt19937_64 rng(seed);
+  best_fit_allocator a(capacity, unit);
+  std::map<std::uint64_t, allocation> live;  // offset -> handle
+  const auto overlaps = [&live](std::uint64_t offset, std::uint64_t end) {
+    auto it = live.lower_bound(offset);
+    if (it != live.end() && it->first < end) return true;
+    return it != live.begin() && std::prev(it)->second.offset + std::prev(it)->second.bytes > offset;
+  };
+  for (std::uint64_t step = 0; step < ops; ++step) {
+    const unsigned dice = static_cast<unsigned>(rng() % 10);
+    const std::uint64_t bytes = 1 + rng() % (64 * unit);
+    const std::uint64_t need = *align_up(bytes, unit);
+    if (dice < 4) {
+      const std::uint64_t offset = (rng() % (a.peak() / unit + 16)) * unit;
+      const std::uint64_t peak = a.peak();
+      const bool fits = offset <= capacity && need <= capacity - offset;
+      const bool expected = fits && !overlaps(offset, offset + need);
+      const auto got = a.allocate_at(offset, bytes);
+      ASSERT_EQ(got.has_value(), expected) << "step " << step << " at " << offset << " bytes " << need;
+      if (got) {
+        ASSERT_EQ(got->offset, offset);
+        ASSERT_EQ(got->bytes, need);
+        ASSERT_EQ(a.peak(), std::max(peak, offset + need));
+        live.emplace(offset, *got);
+      } else {
+        ASSERT_EQ(a.peak(), peak);
+      }
+    } else if (dice < 7 || live.empty()) {
+      if (const auto got = a.allocate(bytes)) {
+        ASSERT_FALSE(overlaps(got->offset, got->offset + got->bytes)) << "step " << step;
+        live.emplace(got->offset, *got);
+      }
+    } else {
+      auto it = live.begin();
+      std::advance(it, static_cast<std::ptrdiff_t>(rng() % live.size()));
+      a.deallocate(it->second);
+      live.erase(it);
+    }
+    ASSERT_EQ(a.stats().live_allocations, live.size());
+    const std::string problem = a.check_invariants();
+    ASSERT_EQ(problem, "") << "step " << step;
+  }
+}
+
+TEST(allocator_random, best_fit_allocate_at_matches_an_interval_map) {
+  run_allocate_at(growing, env_or("TENSORMEM_SEED", default_seed) + 4, env_or("TENSORMEM_RANDOM_OPS", default_ops) / 20);
+  run_allocate_at(1 << 22, env_or("TENSORMEM_SEED", default_seed) + 5, env_or("TENSORMEM_RANDOM_OPS", default_ops) / 20);
+}
+
 }  // namespace
 }  // namespace tensormem::core

@@ -93,17 +93,23 @@ void allocator_strong_guarantee() {
 TEST(strong_guarantee, best_fit_allocate_and_free) { allocator_strong_guarantee<core::best_fit_allocator>(); }
 TEST(strong_guarantee, tlsf_allocate_and_free) { allocator_strong_guarantee<core::tlsf_allocator>(); }
 
-// The O(1) allocator builds its offset index on the first free(offset, bytes); with no
-// memory for it, that call (and later ones) still frees by walking the blocks, and a later
-// call builds the index.
-TEST(strong_guarantee, tlsf_free_by_offset_without_memory_for_the_index) {
-  core::tlsf_allocator a(core::growing, 256);
+// Both allocators build their offset index on the first free(offset, bytes); with no memory
+// for it, that call (and later ones) still frees by walking the blocks, and a later call
+// builds the index.
+template <class Allocator>
+void free_by_offset_without_memory_for_the_index() {
+  Allocator a(core::growing, 256);
   std::vector<core::allocation> live;
   for (int i = 0; i < 100; ++i) live.push_back(*a.allocate(1000 + 256 * static_cast<std::uint64_t>(i % 7)));
+  a.deallocate(live[20]);  // a free block in the middle: the walk passes it
   countdown = 0;  // every allocation fails from here: the index cannot be built
   EXPECT_EQ(a.try_free(live[10].offset, live[10].bytes), core::free_status::ok);
   countdown = 0;
   EXPECT_EQ(a.try_free(live[10].offset, live[10].bytes), core::free_status::not_allocated);  // twice
+  countdown = 0;
+  EXPECT_EQ(a.try_free(live[20].offset, live[20].bytes), core::free_status::not_allocated);  // a free block
+  countdown = 0;
+  EXPECT_EQ(a.try_free(live[50].offset + 256, live[50].bytes), core::free_status::not_allocated);  // inside
   countdown = 0;
   EXPECT_EQ(a.try_free(live[50].offset, live[50].bytes + 1000), core::free_status::size_mismatch);
   countdown = -1;
@@ -111,8 +117,17 @@ TEST(strong_guarantee, tlsf_free_by_offset_without_memory_for_the_index) {
   EXPECT_EQ(a.try_free(live[50].offset, live[50].bytes), core::free_status::ok);  // index built now
   a.deallocate(live[51]);  // handles and offsets mix
   EXPECT_EQ(a.try_free(live[52].offset, live[52].bytes), core::free_status::ok);
-  EXPECT_EQ(a.stats().live_allocations, 96U);
+  EXPECT_EQ(a.try_free(live[52].offset, live[52].bytes), core::free_status::not_allocated);
+  EXPECT_EQ(a.stats().live_allocations, 95U);
   EXPECT_EQ(a.check_invariants(), "");
+}
+
+TEST(strong_guarantee, tlsf_free_by_offset_without_memory_for_the_index) {
+  free_by_offset_without_memory_for_the_index<core::tlsf_allocator>();
+}
+
+TEST(strong_guarantee, best_fit_free_by_offset_without_memory_for_the_index) {
+  free_by_offset_without_memory_for_the_index<core::best_fit_allocator>();
 }
 
 std::byte pattern(std::uint64_t id, std::uint64_t i) {

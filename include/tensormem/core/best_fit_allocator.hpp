@@ -2,15 +2,14 @@
 // Exact best-fit online offset allocator: the reference policy of tensormem.
 
 #include <cstdint>
-#include <map>
 #include <optional>
 #include <set>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "tensormem/core/allocation.hpp"
+#include "tensormem/core/detail/offset_map.hpp"
 
 namespace tensormem::core {
 
@@ -24,7 +23,13 @@ namespace tensormem::core {
 ///     With a fixed capacity, growing past it fails (empty optional); in growing mode
 ///     (`capacity == growing`) the high-water mark `peak()` is the arena size.
 ///  4. A freed block merges at once with free neighbours on both sides.
-/// Complexity: O(log n) per operation in the number n of free blocks and live allocations.
+/// Complexity: O(log n) per operation in the number n of free blocks (one ordered index of
+/// free blocks by size, then offset); merging follows address-neighbour links in O(1), and
+/// a handle names its block, so `deallocate` searches nothing. `free(offset, bytes)` finds
+/// the block through a hash index of live offsets built by its first call (one walk of the
+/// blocks) and kept from then on: callers who only use handles never pay for it.
+/// `allocate_at` walks the blocks back from the end of the arena: O(1) when blocks are
+/// rebuilt in increasing offset order, O(blocks past the offset) in general.
 /// It never touches the managed bytes. Not thread-safe: synchronize externally.
 ///
 /// A zero-byte request succeeds with `{offset 0, bytes 0}` and changes nothing; freeing that
@@ -66,28 +71,61 @@ class best_fit_allocator {
   std::string check_invariants() const;
 
  private:
-  using size_index = std::set<std::pair<std::uint64_t, std::uint64_t>>;  // (bytes, offset)
-  using offset_index = std::map<std::uint64_t, std::uint64_t>;           // offset -> bytes
-  using live_index = std::unordered_map<std::uint64_t, std::uint64_t>;   // offset -> bytes
+  static constexpr std::uint32_t none = 0xffffffffU;
+  enum class state : std::uint8_t { unused, free, used };
+  // One block of the arena below the high-water mark, linked to its address neighbours.
+  struct block {
+    std::uint64_t offset = 0;
+    std::uint64_t bytes = 0;
+    std::uint32_t prev = none;
+    std::uint32_t next = none;
+    std::uint32_t generation = 0;
+    state st = state::unused;
+  };
+  struct free_key {
+    std::uint64_t bytes;
+    std::uint64_t offset;
+    std::uint32_t node;
+  };
+  struct by_size_then_offset {
+    bool operator()(const free_key& a, const free_key& b) const noexcept {
+      return a.bytes != b.bytes ? a.bytes < b.bytes : a.offset < b.offset;
+    }
+  };
+  using size_index = std::set<free_key, by_size_then_offset>;
 
-  /// Makes sure `count` free-list nodes exist beyond those in use; may throw, changes no
-  /// observable state.
-  void reserve_nodes(std::size_t count);
-  live_index::node_type make_live_node();
-  void insert_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
-  void erase_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
+  /// Room for `blocks` new blocks, two spare index nodes, spare + indexed >= live + 2, and
+  /// one more live-index entry: after it, an allocation and any later free change state
+  /// without allocating. May throw; changes nothing observable.
+  void reserve_for_allocation(std::size_t blocks);
+  std::uint32_t new_block() noexcept;
+  void release_block(std::uint32_t n) noexcept;
+  void index_free(std::uint32_t n) noexcept;
+  void unindex_free(std::uint32_t n) noexcept;
+  void link_after(std::uint32_t n, std::uint32_t r) noexcept;
+  void link_before(std::uint32_t n, std::uint32_t l) noexcept;
+  void release(std::uint32_t n) noexcept;
+  allocation make_used(std::uint32_t n, std::uint64_t need) noexcept;
+  free_status check_handle(const allocation& a) const noexcept;
+  void build_index();
+  std::uint32_t find_live(std::uint64_t offset) const noexcept;
+  std::uint32_t block_at_or_before(std::uint64_t offset) const noexcept;
 
   std::uint64_t capacity_;
   std::uint64_t alignment_;
   std::uint64_t owner_;
   std::uint64_t peak_ = 0;
   std::uint64_t used_ = 0;
+  std::uint64_t live_count_ = 0;
+  std::uint32_t head_ = none;  // block at offset 0
+  std::uint32_t tail_ = none;  // block that ends at peak_
+  std::vector<block> blocks_;
+  std::vector<std::uint32_t> unused_blocks_;
   size_index free_by_size_;
-  offset_index free_by_offset_;
-  live_index live_;
-  // Nodes not in the free lists, kept so that no free-list change allocates.
-  std::vector<size_index::node_type> spare_by_size_;
-  std::vector<offset_index::node_type> spare_by_offset_;
+  // Index nodes not in use, kept so that no free-list change allocates.
+  std::vector<size_index::node_type> spare_nodes_;
+  detail::offset_map live_;  // offset -> block of each live allocation, once indexed_
+  bool indexed_ = false;     // set by the first free(offset, bytes)
 };
 
 }  // namespace tensormem::core
