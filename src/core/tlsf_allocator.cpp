@@ -66,6 +66,8 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   x.next_bin = bin_heads_[cls];
   if (x.next_bin != none) nodes_[x.next_bin].prev_bin = n;
   bin_heads_[cls] = n;
+  ++bin_length_[cls];
+  window_max_[cls] = std::max(window_max_[cls], x.bytes);
   top_bitmap_ |= std::uint64_t{1} << (cls >> mantissa_bits);
   leaf_bitmaps_[cls >> mantissa_bits] |= std::uint64_t{1} << (cls & (leaf_bins - 1U));
   ++free_block_count_;
@@ -73,10 +75,13 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
 
 TENSORMEM_HOT_INLINE void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
   node& x = nodes_[n];
+  const unsigned cls = floor_class(x.bytes);
+  // A block from beyond the window may move into it: its largest size is no longer known.
+  if (--bin_length_[cls] >= scan_limit) window_max_[cls] = ~std::uint64_t{0};
+  else if (bin_length_[cls] == 0) window_max_[cls] = 0;
   if (x.prev_bin != none) {
     nodes_[x.prev_bin].next_bin = x.next_bin;
   } else {
-    const unsigned cls = floor_class(x.bytes);
     bin_heads_[cls] = x.next_bin;
     if (x.next_bin == none) {
       const unsigned top = cls >> mantissa_bits;
@@ -103,18 +108,21 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::first_bin_at_or_above(unsigne
 
 // Smallest block (lowest offset among equals) that holds `need` bytes among the first
 // scan_limit blocks of the list, or none.
-TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::best_in_bin(unsigned cls, std::uint64_t need) const noexcept {
+TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::best_in_bin(unsigned cls, std::uint64_t need) noexcept {
   std::uint32_t best = none;
+  std::uint64_t largest = 0;
   unsigned steps = 0;
   for (std::uint32_t n = bin_heads_[cls]; n != none && steps < scan_limit;
        n = nodes_[n].next_bin, ++steps) {
     const node& x = nodes_[n];
+    largest = std::max(largest, x.bytes);
     if (x.bytes < need) continue;
     if (best == none || x.bytes < nodes_[best].bytes ||
         (x.bytes == nodes_[best].bytes && x.offset < nodes_[best].offset)) {
       best = n;
     }
   }
+  window_max_[cls] = largest;  // the whole window was read: its largest block, exactly
   return best;
 }
 
@@ -136,7 +144,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   const unsigned down = floor_class(need);
   const unsigned up = ceil_class(need);
   std::uint32_t n = none;
-  if (down != up && bin_heads_[down] != none) n = best_in_bin(down, need);
+  if (down != up && window_max_[down] >= need) n = best_in_bin(down, need);
   if (n == none) {
     const std::uint32_t cls = first_bin_at_or_above(up);
     if (cls != none) n = best_in_bin(cls, need);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <optional>
 #include <random>
@@ -209,6 +210,134 @@ TEST(allocator_random, tlsf_is_consistent_growing) {
 TEST(allocator_random, tlsf_is_consistent_fixed_capacity) {
   run_random<tlsf_allocator>({1 << 22, 1, 1 << 18, 48}, env_or("TENSORMEM_SEED", default_seed) + 3,
                              env_or("TENSORMEM_RANDOM_OPS", default_ops) / 2, false);
+}
+
+/// tlsf_allocator's documented policy written plainly: one LIFO list per size class (front =
+/// most recently freed), the first `scan_limit` blocks of the request's own class, then of
+/// the first non-empty class at or above its rounded-up class, then a free tail, then growth.
+/// Classes come from the allocator's own size_class_floor/ceil (tested against a model in
+/// contract_test).
+class naive_tlsf {
+ public:
+  explicit naive_tlsf(const tlsf_allocator& classes) : classes_(classes) {}
+
+  std::uint64_t allocate(std::uint64_t need) {
+    const unsigned down = classes_.size_class_floor(need);
+    const unsigned up = classes_.size_class_ceil(need);
+    std::optional<std::uint64_t> pick;
+    if (down != up && lists_.contains(down)) pick = best_in(down, need);
+    if (!pick) {
+      const auto it = lists_.lower_bound(up);
+      if (it != lists_.end()) pick = best_in(it->first, need);
+    }
+    if (!pick && !blocks_.empty()) {
+      const auto& [offset, b] = *blocks_.rbegin();
+      if (b.free && b.bytes >= need) pick = offset;
+    }
+    if (pick) {
+      const std::uint64_t offset = *pick;
+      block& b = blocks_.at(offset);
+      unlist(offset);
+      if (b.bytes > need) {
+        blocks_[offset + need] = {b.bytes - need, true};
+        list(offset + need);
+        b.bytes = need;
+      }
+      b.free = false;
+      return offset;
+    }
+    std::uint64_t offset = peak_;
+    if (!blocks_.empty() && blocks_.rbegin()->second.free) {
+      offset = blocks_.rbegin()->first;
+      unlist(offset);
+      peak_ = offset;
+    }
+    blocks_[offset] = {need, false};
+    peak_ += need;
+    return offset;
+  }
+
+  void free(std::uint64_t offset) {
+    auto it = blocks_.find(offset);
+    std::uint64_t start = offset;
+    std::uint64_t bytes = it->second.bytes;
+    if (it != blocks_.begin() && std::prev(it)->second.free) {
+      const auto p = std::prev(it);
+      unlist(p->first);
+      start = p->first;
+      bytes += p->second.bytes;
+      blocks_.erase(p);
+    }
+    if (const auto q = std::next(it); q != blocks_.end() && q->second.free) {
+      unlist(q->first);
+      bytes += q->second.bytes;
+      blocks_.erase(q);
+    }
+    blocks_.erase(offset);
+    blocks_[start] = {bytes, true};
+    list(start);
+  }
+
+  std::uint64_t peak() const { return peak_; }
+
+ private:
+  struct block {
+    std::uint64_t bytes;
+    bool free;
+  };
+  std::optional<std::uint64_t> best_in(unsigned cls, std::uint64_t need) const {
+    std::optional<std::uint64_t> best;
+    unsigned steps = 0;
+    for (const std::uint64_t offset : lists_.at(cls)) {
+      if (steps++ == tlsf_allocator::scan_limit) break;
+      const std::uint64_t bytes = blocks_.at(offset).bytes;
+      if (bytes < need) continue;
+      if (!best || bytes < blocks_.at(*best).bytes || (bytes == blocks_.at(*best).bytes && offset < *best)) best = offset;
+    }
+    return best;
+  }
+  void list(std::uint64_t offset) { lists_[classes_.size_class_floor(blocks_.at(offset).bytes)].push_front(offset); }
+  void unlist(std::uint64_t offset) {
+    const unsigned cls = classes_.size_class_floor(blocks_.at(offset).bytes);
+    auto& l = lists_.at(cls);
+    l.erase(std::find(l.begin(), l.end(), offset));
+    if (l.empty()) lists_.erase(cls);
+  }
+
+  const tlsf_allocator& classes_;
+  std::uint64_t peak_ = 0;
+  std::map<std::uint64_t, block> blocks_;               // offset -> block, below the peak
+  std::map<unsigned, std::deque<std::uint64_t>> lists_;  // non-empty classes only
+};
+
+// Step by step, tlsf_allocator places every block where the plain model of its policy does.
+// Sizes come in a few narrow bands so that lists grow past the scan limit and blocks move in
+// and out of each list's scanned window.
+TEST(allocator_random, tlsf_matches_a_plain_model_of_its_policy) {
+  const std::uint64_t seed = env_or("TENSORMEM_SEED", default_seed) + 6;
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (set TENSORMEM_SEED to replay)");
+  std::mt19937_64 rng(seed);
+  tlsf_allocator a(growing, 1);
+  naive_tlsf model(a);
+  std::vector<allocation> live;
+  const std::uint64_t ops = env_or("TENSORMEM_RANDOM_OPS", default_ops) / 10;
+  for (std::uint64_t step = 0; step < ops; ++step) {
+    if (live.empty() || (live.size() < 2000 && rng() % 100 < 52)) {
+      const std::uint64_t band = std::uint64_t{64} << (rng() % 2);
+      const std::uint64_t bytes = band + rng() % (band / 8);
+      const allocation got = *a.allocate(bytes);
+      ASSERT_EQ(got.offset, model.allocate(bytes)) << "step " << step << " bytes " << bytes;
+      live.push_back(got);
+    } else {
+      const std::size_t i = rng() % live.size();
+      a.deallocate(live[i]);
+      model.free(live[i].offset);
+      live[i] = live.back();
+      live.pop_back();
+    }
+    ASSERT_EQ(a.peak(), model.peak()) << "step " << step;
+  }
+  EXPECT_EQ(a.check_invariants(), "");
 }
 
 // allocate_at against an interval map: it succeeds exactly when the aligned range fits the

@@ -105,7 +105,7 @@ class tlsf_allocator {
   void bin_insert(std::uint32_t n) noexcept;
   void bin_remove(std::uint32_t n) noexcept;
   std::uint32_t first_bin_at_or_above(unsigned cls) const noexcept;
-  std::uint32_t best_in_bin(unsigned cls, std::uint64_t need) const noexcept;
+  std::uint32_t best_in_bin(unsigned cls, std::uint64_t need) noexcept;
   void release(std::uint32_t n) noexcept;
   free_status check_handle(std::uint32_t n, std::uint64_t offset,
                            std::uint64_t bytes) const noexcept;
@@ -124,6 +124,10 @@ class tlsf_allocator {
   std::uint64_t top_bitmap_ = 0;
   std::array<std::uint64_t, 64> leaf_bitmaps_{};
   std::array<std::uint32_t, bin_count> bin_heads_{};
+  // Per class: list length, and an upper bound on the largest of its first scan_limit
+  // blocks (exact after each scan), so that a class that holds no fit is not scanned.
+  std::array<std::uint32_t, bin_count> bin_length_{};
+  std::array<std::uint64_t, bin_count> window_max_{};
   std::vector<node> nodes_;
   std::vector<std::uint32_t> unused_nodes_;
   void build_index();
