@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <map>
-#include <tuple>
+#include <utility>
 
+#include "parallel_sort.hpp"
 #include "tensormem/core/align.hpp"
 #include "tensormem/core/planner.hpp"
 
@@ -33,25 +34,30 @@ std::string validate(std::span<const buffer> buffers, std::span<const std::uint6
   // Only buffers that hold bytes for some time can conflict: a zero-byte buffer or an
   // empty (or inverted) lifetime occupies nothing.
   auto occupies = [&](std::size_t i) { return ends[i] != offsets[i] && buffers[i].lower < buffers[i].upper; };
-  // Events: at equal times, ends before starts (half-open lifetimes).
-  std::vector<std::tuple<std::uint64_t, bool, std::size_t>> events;
+  // Events (time, code): at equal times, ends before starts (half-open lifetimes); the code
+  // is the buffer index, with the top bit set for a start.
+  constexpr std::uint64_t start_bit = std::uint64_t{1} << 63;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> events;
   events.reserve(buffers.size() * 2);
   for (std::size_t i = 0; i < buffers.size(); ++i) {
     if (!occupies(i)) continue;
-    events.emplace_back(buffers[i].lower, true, i);
-    events.emplace_back(buffers[i].upper, false, i);
+    events.emplace_back(buffers[i].lower, i | start_bit);
+    events.emplace_back(buffers[i].upper, i);
   }
-  std::sort(events.begin(), events.end());
+  detail::sort_on_two_threads(events);
   // Live byte ranges by offset. While no overlap has been found they are disjoint, so each
   // offset names one buffer.
   std::map<std::uint64_t, std::size_t> live;
+  // Where each live buffer sits in `live`: its end erases it without a search.
+  std::vector<std::map<std::uint64_t, std::size_t>::iterator> where(buffers.size());
   auto overlap = [&](std::size_t a, std::size_t b, std::uint64_t time) {
     return "'" + buffers[a].id + "' and '" + buffers[b].id + "' overlap in time and space at time " +
            std::to_string(time);
   };
-  for (const auto& [time, starts, i] : events) {
-    if (!starts) {
-      live.erase(offsets[i]);
+  for (const auto& [time, code] : events) {
+    const std::size_t i = code & ~start_bit;
+    if ((code & start_bit) == 0) {
+      live.erase(where[i]);
       continue;
     }
     const auto next = live.lower_bound(offsets[i]);
@@ -60,7 +66,7 @@ std::string validate(std::span<const buffer> buffers, std::span<const std::uint6
       const auto prev = std::prev(next);
       if (ends[prev->second] > offsets[i]) return overlap(i, prev->second, time);
     }
-    live.emplace(offsets[i], i);
+    where[i] = live.emplace_hint(next, offsets[i], i);
   }
   return {};
 }

@@ -24,6 +24,10 @@ struct plan_problem {
   std::vector<std::uint32_t> hi;
   std::uint32_t sections = 0;
   std::uint64_t lower_bound = 0;
+  /// Lifetime events in time order, ends before starts at equal times, then by buffer:
+  /// a buffer index, with `start_event` set for a start.
+  std::vector<std::uint32_t> events;
+  static constexpr std::uint32_t start_event = 0x80000000U;
   std::size_t size() const noexcept { return bytes.size(); }
 };
 

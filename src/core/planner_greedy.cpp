@@ -2,36 +2,56 @@
 
 #include <algorithm>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 #include <utility>
 
+#include "parallel_sort.hpp"
 #include "planner_detail.hpp"
 #include "tensormem/core/align.hpp"
 
 namespace tensormem::core::detail {
 
 plan_problem make_problem(std::span<const buffer> buffers, std::uint64_t alignment) {
+  if (buffers.size() >= plan_problem::start_event) {
+    throw std::length_error("plan: " + std::to_string(buffers.size()) + " buffers; at most 2^31 - 1 are planned");
+  }
   plan_problem p;
-  std::vector<std::uint64_t> times;
-  times.reserve(buffers.size() * 2);
-  for (const buffer& b : buffers) {
-    times.push_back(b.lower);
-    times.push_back(b.upper);
+  const std::size_t n = buffers.size();
+  p.bytes.resize(n);
+  p.length.resize(n);
+  p.lo.resize(n);
+  p.hi.resize(n);
+  // One sort of the lifetime events serves the sections, the lower bound and the first
+  // plan's replay: (time, ends before starts, buffer index).
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> events(2 * n);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const buffer& b = buffers[i];
+    p.bytes[i] = align_up(b.bytes, alignment).value_or(b.bytes);
+    p.length[i] = b.upper - b.lower;
+    events[2 * i] = {b.lower, i | plan_problem::start_event};
+    events[2 * i + 1] = {b.upper, i};
   }
-  std::sort(times.begin(), times.end());
-  times.erase(std::unique(times.begin(), times.end()), times.end());
-  auto index_of = [&](std::uint64_t t) {
-    return static_cast<std::uint32_t>(std::lower_bound(times.begin(), times.end(), t) -
-                                      times.begin());
-  };
-  p.sections = times.empty() ? 0 : static_cast<std::uint32_t>(times.size() - 1);
-  for (const buffer& b : buffers) {
-    p.bytes.push_back(align_up(b.bytes, alignment).value_or(b.bytes));
-    p.length.push_back(b.upper - b.lower);
-    p.lo.push_back(index_of(b.lower));
-    p.hi.push_back(index_of(b.upper));
+  sort_on_two_threads(events);
+  p.events.resize(2 * n);
+  std::uint32_t section = 0;
+  std::uint64_t live = 0;
+  for (std::size_t e = 0; e < events.size(); ++e) {
+    const auto [time, code] = events[e];
+    if (e != 0 && time != events[e - 1].first) ++section;
+    p.events[e] = code;
+    const std::uint32_t i = code & ~plan_problem::start_event;
+    if ((code & plan_problem::start_event) != 0) {
+      p.lo[i] = section;
+      live += p.bytes[i];  // make_problem's callers checked that the sizes add up in 64 bits
+      p.lower_bound = std::max(p.lower_bound, live);
+    } else {
+      p.hi[i] = section;
+      live -= p.bytes[i];
+    }
   }
-  p.lower_bound = core::lower_bound(buffers, alignment);
+  p.sections = section;
   return p;
 }
 

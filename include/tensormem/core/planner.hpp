@@ -56,9 +56,10 @@ struct plan_result {
 
 /// Places every buffer so that no two buffers whose lifetimes overlap share a byte, in an
 /// arena as small as the budget allows. Steps:
-///  0. First plan: the buffers replayed in time order through best_fit_allocator (O(n log n)),
-///     so that a plan exists early at any scale; then the skyline placement (below) in
-///     decreasing size order, within the time limit.
+///  0. First plan: the buffers replayed in time order through tlsf_allocator (one sort of
+///     the lifetime events, then O(1) per event), so that a plan exists early at any scale;
+///     then the skyline placement (below) in decreasing size order, within the time limit.
+///     The time limit counts from the call, set-up included.
 ///  1. Greedy phase, within the time limit. Orders: decreasing size, decreasing lifetime length, decreasing area
 ///     (size x length); each placed with best fit and with first fit among the gaps left by
 ///     already placed buffers that overlap in time (the space above the highest counts as a
