@@ -80,10 +80,10 @@ class planner_run {
   // own slot; the winner is chosen afterwards in a fixed order, so the result does not
   // depend on scheduling.
   // The first plan: the buffers replayed in time order (the problem's sorted events) through
-  // the O(1) online allocator, O(n) after that sort and kept whatever the time limit; then
-  // the skyline in decreasing size order within the deadline (usually much better, but its
-  // re-checks grow with the overlap). The O(1) allocator places like exact best fit on the
-  // public traces at a third of its cost.
+  // the O(1) online allocator, O(n) after that sort and kept whatever the time limit; then,
+  // within the deadline, decreasing size first fit and the skyline by size (usually much
+  // better; the skyline's re-checks grow with the overlap). The O(1) allocator places like
+  // exact best fit on the public traces at a third of its cost.
   void first_plan() {
     const auto t0 = clock::now();
     tlsf_allocator online(growing, o_.alignment);
@@ -106,15 +106,36 @@ class planner_run {
     // Sorts and the release of the placement indexes cannot be interrupted: later phases aim
     // at a deadline earlier by half the first plan's cost (negligible on small inputs).
     if (deadline_ != clock::time_point::max()) deadline_ = std::max(start_, deadline_ - first_cost_ / 2);
+    // Then the classic greedy that is usually best on large inputs (decreasing size, lowest
+    // fitting offset), on two threads where there are two, and the skyline by size.
+    if (!done() && worth_starting()) {
+      const auto order = order_by(p_, keys_of(p_, order_keys[0]));
+      if (threads() >= 2 && p_.size() >= split_from) {
+        offer(detail::place_first_fit_split(p_, order, deadline_), "greedy size first-fit");
+      } else {
+        detail::occupancy_index index(p_.sections, p_.longest);
+        offer(detail::place_in_order(p_, order, detail::fit::first, index, deadline_),
+              "greedy size first-fit");
+      }
+    }
     if (!done() && worth_starting()) {
       offer(detail::place_skyline(p_, keys_of(p_, order_keys[0]), deadline_), "skyline size");
     }
   }
 
+  // Below this many buffers the second thread of the split greedy does not pay for itself.
+  static constexpr std::size_t split_from = 20'000;
+
+  std::size_t threads() const {
+    return o_.threads != 0 ? o_.threads : std::max(1U, std::thread::hardware_concurrency());
+  }
+
   // A placement starts with an O(n log n) sort it cannot interrupt, about as long as the first
-  // plan took: one is started only when at least half of that is left before the deadline.
+  // plan took, and takes several times that in all (ten to twenty times at 10^5-10^6
+  // buffers): one is started only when at least twice the first plan's cost is left, so that
+  // its set-up and release do not overrun the deadline for nothing.
   bool worth_starting() const {
-    return deadline_ == clock::time_point::max() || clock::now() + first_cost_ / 2 < deadline_;
+    return deadline_ == clock::time_point::max() || clock::now() + 2 * first_cost_ < deadline_;
   }
 
   candidate_plan greedy() {
@@ -126,23 +147,23 @@ class planner_run {
     std::vector<variant> variants;
     for (const order_key& k : order_keys) {
       variants.push_back({&k, detail::fit::best, {}});
-      variants.push_back({&k, detail::fit::first, {}});
+      // Decreasing size first fit was placed with the first plan.
+      if (&k != &order_keys[0]) variants.push_back({&k, detail::fit::first, {}});
     }
     auto work = [&](std::size_t first, std::size_t step) {
       if (!worth_starting()) return;  // the index alone is O(sections) to build and free
-      detail::occupancy_index index(p_.sections);
+      detail::occupancy_index index(p_.sections, p_.longest);
       for (std::size_t v = first; v < variants.size(); v += step) {
         if (!worth_starting()) return;
         const auto order = order_by(p_, keys_of(p_, *variants[v].key));
         variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index, deadline_);
       }
     };
-    const std::size_t threads = std::clamp<std::size_t>(
-        o_.threads != 0 ? o_.threads : std::thread::hardware_concurrency(), 1, variants.size());
+    const std::size_t count = std::min(threads(), variants.size());
     {
       std::vector<std::jthread> pool;
-      for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work, t, threads);
-      work(0, threads);
+      for (std::size_t t = 1; t < count; ++t) pool.emplace_back(work, t, count);
+      work(0, count);
     }
     for (variant& v : variants) {
       offer(std::move(v.result), std::string("greedy ") + v.key->name +
@@ -237,7 +258,7 @@ class planner_run {
   // length, area) are multiplied by random log-normal factors.
   void perturbation_phase() {
     if (!worth_starting()) return;
-    detail::occupancy_index index(p_.sections);
+    detail::occupancy_index index(p_.sections, p_.longest);
     std::lognormal_distribution<double> noise(0.0, 0.15);
     for (std::uint64_t round = 0; worth_starting() && !done(); ++round) {
       const order_key& k = order_keys[(round / 2) % std::size(order_keys)];

@@ -23,6 +23,7 @@ struct plan_problem {
   std::vector<std::uint32_t> lo;
   std::vector<std::uint32_t> hi;
   std::uint32_t sections = 0;
+  std::uint32_t longest = 0;  // the most sections one buffer spans
   std::uint64_t lower_bound = 0;
   /// Lifetime events in time order, ends before starts at equal times, then by buffer:
   /// a buffer index, with `start_event` set for a start.
@@ -51,21 +52,34 @@ std::uint64_t arena_of(const plan_problem& p, std::span<const std::uint64_t> off
 class occupancy_index {
  public:
   using range = std::pair<std::uint64_t, std::uint64_t>;  // [offset, end)
-  explicit occupancy_index(std::uint32_t sections);
+  /// `longest`: no span inserted or queried is longer (levels above it stay empty and unread).
+  occupancy_index(std::uint32_t sections, std::uint32_t longest);
   void clear();
   void insert(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset, std::uint64_t end);
   /// Fills `out` with ranges sorted by offset (possibly overlapping) whose union is the union
   /// of the ranges of placed buffers alive in some section of [lo, hi).
   void collect(std::uint32_t lo, std::uint32_t hi, std::vector<range>& out);
+  /// The lowest offset at or above `from` where `bytes` meet no placed range alive in
+  /// [lo, hi): the first such gap of the union that collect() would give, found by merging
+  /// the sets lazily from the bottom and stopping there.
+  std::uint64_t first_fit(std::uint32_t lo, std::uint32_t hi, std::uint64_t bytes,
+                          std::uint64_t from = 0);
 
  private:
   using range_set = std::vector<range>;
   static void add(range_set& set, std::uint64_t offset, std::uint64_t end);
   std::size_t leaves_;
+  std::size_t levels_;  // levels that can hold a range: spans of at most `longest` sections
   std::vector<range_set> own_;
   std::vector<range_set> sub_;
   std::vector<std::size_t> runs_;
   std::vector<range> scratch_;
+  struct cursor {
+    std::uint64_t offset;  // next->first
+    const range* next;
+    const range* end;
+  };
+  std::vector<cursor> cursors_;
 };
 
 enum class fit { best, first };
@@ -78,6 +92,14 @@ using clock = std::chrono::steady_clock;
 candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32_t> order,
                               fit policy, occupancy_index& index,
                               clock::time_point deadline = clock::time_point::max());
+
+/// place_in_order(p, order, fit::first, ...) on two threads, with the same result: the time
+/// line is cut at the median start; a buffer before the cut only meets buffers before or
+/// across it, so each side is placed by its own thread on its own index, and the two meet at
+/// every buffer alive across the cut, which is placed in both. Stops past `deadline` as
+/// place_in_order does.
+candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std::uint32_t> order,
+                                     clock::time_point deadline = clock::time_point::max());
 
 /// Skyline greedy: repeatedly places, at its lowest feasible offset, the buffer whose lowest
 /// feasible offset is smallest; ties go to the highest `priority`. Stops past `deadline`

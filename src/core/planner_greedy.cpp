@@ -1,9 +1,14 @@
 // Greedy placement strategies of the planner.
 
 #include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <bit>
 #include <numeric>
+#include <span>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 
@@ -48,6 +53,7 @@ plan_problem make_problem(std::span<const buffer> buffers, std::uint64_t alignme
       p.lower_bound = std::max(p.lower_bound, live);
     } else {
       p.hi[i] = section;
+      p.longest = std::max(p.longest, section - p.lo[i]);
       live -= p.bytes[i];
     }
   }
@@ -61,7 +67,31 @@ std::uint64_t arena_of(const plan_problem& p, std::span<const std::uint64_t> off
   return arena;
 }
 
-occupancy_index::occupancy_index(std::uint32_t sections) : leaves_(1) {
+namespace {
+
+/// Restores a heap (std::make_heap order under `later`) after the key of heap[0] grew: one
+/// sift-down, half the work of a pop and a push.
+template <typename T, typename Later>
+void sift_down_top(std::span<T> heap, Later later) {
+  if (heap.empty()) return;
+  std::size_t i = 0;
+  const T moving = heap[0];
+  const std::size_t n = heap.size();
+  while (true) {
+    std::size_t child = 2 * i + 1;
+    if (child >= n) break;
+    if (child + 1 < n && later(heap[child], heap[child + 1])) ++child;
+    if (!later(moving, heap[child])) break;
+    heap[i] = heap[child];
+    i = child;
+  }
+  heap[i] = moving;
+}
+
+}  // namespace
+
+occupancy_index::occupancy_index(std::uint32_t sections, std::uint32_t longest)
+    : leaves_(1), levels_(static_cast<std::size_t>(std::bit_width(longest))) {
   while (leaves_ < sections + std::size_t{1}) leaves_ <<= 1;
   own_.resize(2 * leaves_);
   sub_.resize(2 * leaves_);
@@ -102,9 +132,10 @@ void occupancy_index::insert(std::uint32_t lo, std::uint32_t hi, std::uint64_t o
       add(sub_[r], offset, end);
     }
   }
+  // Nodes above levels_ are wider than any query: their `sub` is never read.
   std::size_t a = lo + leaves_;
   std::size_t b = hi - 1 + leaves_;
-  for (; a >= 1; a >>= 1, b >>= 1) {
+  for (std::size_t level = 0; level < levels_ && a >= 1; ++level, a >>= 1, b >>= 1) {
     add(sub_[a], offset, end);
     if (b != a) add(sub_[b], offset, end);
   }
@@ -122,9 +153,10 @@ void occupancy_index::collect(std::uint32_t lo, std::uint32_t hi, std::vector<ra
     if (l & 1U) append(sub_[l++]);
     if (r & 1U) append(sub_[--r]);
   }
+  // Nodes above levels_ are wider than any buffer: their `own` is empty.
   std::size_t a = lo + leaves_;
   std::size_t b = hi - 1 + leaves_;
-  for (; a >= 1; a >>= 1, b >>= 1) {
+  for (std::size_t level = 0; level < levels_ && a >= 1; ++level, a >>= 1, b >>= 1) {
     append(own_[a]);
     if (b != a) append(own_[b]);
   }
@@ -164,6 +196,55 @@ void occupancy_index::collect(std::uint32_t lo, std::uint32_t hi, std::vector<ra
   }
 }
 
+std::uint64_t occupancy_index::first_fit(std::uint32_t lo, std::uint32_t hi, std::uint64_t bytes,
+                                         std::uint64_t from) {
+  cursors_.clear();
+  auto append = [&](const range_set& set) {
+    if (!set.empty()) cursors_.push_back({set.front().first, set.data(), set.data() + set.size()});
+  };
+  for (std::size_t l = lo + leaves_, r = hi + leaves_; l < r; l >>= 1, r >>= 1) {
+    if (l & 1U) append(sub_[l++]);
+    if (r & 1U) append(sub_[--r]);
+  }
+  for (std::size_t level = 0, a = lo + leaves_, b = hi - 1 + leaves_; level < levels_ && a >= 1;
+       ++level, a >>= 1, b >>= 1) {
+    append(own_[a]);
+    if (b != a) append(own_[b]);
+  }
+  // A min-heap of the sets' next ranges by offset: the union is walked from the bottom, and
+  // the first gap of `bytes` or more at or above `from` below the next range is the answer.
+  auto later = [](const cursor& x, const cursor& y) { return x.offset > y.offset; };
+  std::make_heap(cursors_.begin(), cursors_.end(), later);
+  std::uint64_t top = from;  // end of the union walked so far, or `from`
+  std::size_t n = cursors_.size();
+  while (n != 0) {
+    cursor& c = cursors_[0];
+    if (c.offset > top && c.offset - top >= bytes) return top;
+    top = std::max(top, c.next->second);
+    // Replace the top by its set's next range that ends above `top` (or by the last entry)
+    // and sift it down. Ranges wholly below `top` are skipped by a galloping search.
+    ++c.next;
+    if (c.next != c.end && c.next->second <= top) {
+      const range* low = c.next;  // ends at or below top
+      auto left = [&] { return static_cast<std::size_t>(c.end - low); };
+      std::size_t step = 1;
+      while (step < left() && low[step].second <= top) {
+        low += step;
+        step *= 2;
+      }
+      c.next = std::upper_bound(low + 1, low + std::min(step, left()), top,
+                                [](std::uint64_t v, const range& x) { return v < x.second; });
+    }
+    if (c.next != c.end) {
+      c.offset = c.next->first;
+    } else {
+      c = cursors_[--n];
+    }
+    sift_down_top(std::span(cursors_.data(), n), later);
+  }
+  return top;
+}
+
 candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32_t> order,
                               fit policy, occupancy_index& index, clock::time_point deadline) {
   constexpr std::uint64_t unplaced = std::numeric_limits<std::uint64_t>::max();
@@ -175,29 +256,110 @@ candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32
   std::size_t placed = 0;
   for (const std::uint32_t b : order) {
     if ((++placed & 255U) == 0 && deadline != clock::time_point::max() && clock::now() >= deadline) return {};
-    taken.clear();
-    index.collect(p.lo[b], p.hi[b], taken);
     const std::uint64_t need = p.bytes[b];
-    std::uint64_t cursor = 0;
     std::uint64_t chosen = unplaced;
-    std::uint64_t chosen_gap = unplaced;
-    for (const auto& [offset, end] : taken) {
-      if (offset > cursor) {
-        const std::uint64_t gap = offset - cursor;
-        if (gap >= need && gap < chosen_gap) {
-          chosen = cursor;
-          chosen_gap = gap;
-          if (policy == fit::first) break;
+    if (policy == fit::first) {
+      chosen = index.first_fit(p.lo[b], p.hi[b], need);
+    } else {
+      taken.clear();
+      index.collect(p.lo[b], p.hi[b], taken);
+      std::uint64_t cursor = 0;
+      std::uint64_t chosen_gap = unplaced;
+      for (const auto& [offset, end] : taken) {
+        if (offset > cursor) {
+          const std::uint64_t gap = offset - cursor;
+          if (gap >= need && gap < chosen_gap) {
+            chosen = cursor;
+            chosen_gap = gap;
+          }
         }
+        cursor = std::max(cursor, end);
       }
-      cursor = std::max(cursor, end);
+      if (chosen == unplaced) chosen = cursor;  // above the highest conflicting buffer
     }
-    if (chosen == unplaced) chosen = cursor;  // above the highest conflicting buffer
     out.offsets[b] = chosen;
     arena = std::max(arena, chosen + need);
     if (need != 0) index.insert(p.lo[b], p.hi[b], chosen, chosen + need);
   }
   out.arena = arena;
+  return out;
+}
+
+candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std::uint32_t> order,
+                                     clock::time_point deadline) {
+  const std::size_t n = p.size();
+  if (n == 0) return {};
+  // The cut: the median start section. side 0: before it, 1: after it, 2: alive across it.
+  std::uint32_t cut = 0;
+  {
+    std::vector<std::uint32_t> starts(p.lo);
+    auto at = starts.begin() + static_cast<std::ptrdiff_t>(n / 2);
+    std::nth_element(starts.begin(), at, starts.end());
+    cut = *at;
+  }
+  std::vector<std::uint8_t> side(n);
+  for (std::size_t b = 0; b < n; ++b) {
+    side[b] = p.hi[b] <= cut ? 0 : p.lo[b] >= cut ? 1 : 2;
+  }
+  // Section spans in each side's index: [0, cut) and [cut, sections) renumbered from 0.
+  occupancy_index index[2] = {occupancy_index(cut, p.longest), occupancy_index(p.sections - cut, p.longest)};
+  auto span_in = [&](std::uint32_t b, int s) {
+    return s == 0 ? std::pair{p.lo[b], std::min(p.hi[b], cut)}
+                  : std::pair{std::max(p.lo[b], cut) - cut, p.hi[b] - cut};
+  };
+  candidate_plan out;
+  out.offsets.assign(n, 0);
+  auto place = [&](std::uint32_t b, int s, std::uint64_t at) {
+    out.offsets[b] = at;
+    if (p.bytes[b] == 0) return;
+    const auto [lo, hi] = span_in(b, s);
+    index[s].insert(lo, hi, at, at + p.bytes[b]);
+  };
+  std::atomic<bool> stopped{false};
+  std::barrier sync(2);
+  // Each thread places its side's buffers between two crossing buffers; then both wait, side 0
+  // places the crossing buffer in both indexes, and both wait again.
+  auto work = [&](int s) {
+    std::size_t count = 0;
+    for (std::size_t i = 0; i <= order.size(); ++i) {
+      const std::uint32_t b = i < order.size() ? order[i] : 0;
+      if (i < order.size() && side[b] == s) {
+        if ((++count & 255U) == 0 && deadline != clock::time_point::max() && clock::now() >= deadline) {
+          stopped.store(true, std::memory_order_relaxed);
+          // Skip to the next crossing buffer, where both sides meet.
+          while (i + 1 < order.size() && side[order[i + 1]] != 2) ++i;
+          continue;
+        }
+        const auto [lo, hi] = span_in(b, s);
+        place(b, s, index[s].first_fit(lo, hi, p.bytes[b]));
+        continue;
+      }
+      if (i < order.size() && side[b] != 2) continue;
+      sync.arrive_and_wait();  // both sides are placed up to here
+      if (stopped.load(std::memory_order_relaxed) || i == order.size()) return;
+      if (s == 0) {
+        // The lowest offset free on both sides: raise it until both agree.
+        const auto [lo0, hi0] = span_in(b, 0);
+        const auto [lo1, hi1] = span_in(b, 1);
+        std::uint64_t at = index[0].first_fit(lo0, hi0, p.bytes[b]);
+        for (;;) {
+          const std::uint64_t right = index[1].first_fit(lo1, hi1, p.bytes[b], at);
+          if (right == at) break;
+          at = index[0].first_fit(lo0, hi0, p.bytes[b], right);
+          if (at == right) break;
+        }
+        place(b, 0, at);
+        place(b, 1, at);
+      }
+      sync.arrive_and_wait();  // the crossing buffer is in both indexes
+    }
+  };
+  {
+    std::jthread right(work, 1);
+    work(0);
+  }
+  if (stopped.load()) return {};
+  out.arena = arena_of(p, out.offsets);
   return out;
 }
 
@@ -279,21 +441,6 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
   heap.reserve(p.size());
   for (std::uint32_t r = 0; r < p.size(); ++r) heap.push_back({0, r, by_priority[r]});
   std::make_heap(heap.begin(), heap.end(), later);
-  // Restores the heap after the key of heap[0] grew: one sift-down.
-  auto sift_down_top = [&] {
-    std::size_t i = 0;
-    const entry moving = heap[0];
-    const std::size_t n = heap.size();
-    while (true) {
-      std::size_t child = 2 * i + 1;
-      if (child >= n) break;
-      if (child + 1 < n && later(heap[child], heap[child + 1])) ++child;
-      if (!later(moving, heap[child])) break;
-      heap[i] = heap[child];
-      i = child;
-    }
-    heap[i] = moving;
-  };
   std::uint64_t arena = 0;
   std::size_t steps = 0;
   while (!heap.empty()) {
@@ -302,7 +449,7 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
     const std::uint64_t lowest = floors.max(p.lo[b], p.hi[b]);
     if (lowest > heap.front().lowest) {
       heap.front().lowest = lowest;
-      sift_down_top();
+      sift_down_top(std::span(heap), later);
       continue;
     }
     std::pop_heap(heap.begin(), heap.end(), later);

@@ -87,7 +87,7 @@ TEST(planner_deadline, placements_give_up_past_the_deadline) {
     b.push_back({"b" + std::to_string(i), lower, lower + 1 + rng() % 300, 1 + rng() % 4096, {}});
   }
   const detail::plan_problem p = detail::make_problem(b, 1);
-  detail::occupancy_index index(p.sections);
+  detail::occupancy_index index(p.sections, p.longest);
   std::vector<std::uint32_t> order(b.size());
   std::iota(order.begin(), order.end(), 0U);
   const std::vector<double> priority(b.size(), 1.0);
@@ -107,7 +107,7 @@ TEST(planner_deadline, placements_give_up_past_the_deadline) {
 // raises it, so the optimum is the best first-fit placement over all orders.
 std::uint64_t brute_force_optimum(const std::vector<buffer>& b) {
   const detail::plan_problem p = detail::make_problem(b, 1);
-  detail::occupancy_index index(p.sections);
+  detail::occupancy_index index(p.sections, p.longest);
   std::vector<std::uint32_t> order(b.size());
   std::iota(order.begin(), order.end(), 0U);
   std::uint64_t best = UINT64_MAX;
@@ -126,6 +126,122 @@ std::vector<buffer> random_instance(std::mt19937_64& rng, std::size_t n, std::ui
     b.push_back({"b" + std::to_string(i), lower, lower + length, 1 + rng() % max_bytes, {}});
   }
   return b;
+}
+
+// Naive greedy: every placed buffer that overlaps in time is a conflict; first fit takes the
+// lowest offset (0 or a conflict's end) free of all of them, best fit the smallest gap.
+std::vector<std::uint64_t> naive_greedy(const detail::plan_problem& p,
+                                        const std::vector<std::uint32_t>& order, detail::fit policy) {
+  std::vector<std::uint64_t> offsets(p.size(), 0);
+  std::vector<std::uint32_t> placed;
+  for (const std::uint32_t b : order) {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> taken;
+    for (const std::uint32_t c : placed) {
+      if (p.lo[c] < p.hi[b] && p.lo[b] < p.hi[c] && p.bytes[c] != 0) {
+        taken.push_back({offsets[c], offsets[c] + p.bytes[c]});
+      }
+    }
+    std::sort(taken.begin(), taken.end());
+    std::uint64_t cursor = 0;
+    std::uint64_t chosen = UINT64_MAX;
+    std::uint64_t chosen_gap = UINT64_MAX;
+    for (const auto& [offset, end] : taken) {
+      if (offset > cursor && offset - cursor >= p.bytes[b] && offset - cursor < chosen_gap) {
+        chosen = cursor;
+        chosen_gap = offset - cursor;
+        if (policy == detail::fit::first) break;
+      }
+      cursor = std::max(cursor, end);
+    }
+    offsets[b] = chosen == UINT64_MAX ? cursor : chosen;
+    placed.push_back(b);
+  }
+  return offsets;
+}
+
+std::vector<std::uint32_t> shuffled_order(std::size_t n, std::mt19937_64& rng) {
+  std::vector<std::uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0U);
+  std::shuffle(order.begin(), order.end(), rng);
+  return order;
+}
+
+// The occupancy index (its lazy first fit, its merged sets, its levels limited to the longest
+// span) and the two-thread split give exactly the naive greedy's offsets.
+TEST(planner_greedy, placements_equal_the_naive_greedy) {
+  std::mt19937_64 rng(5);
+  for (int instance = 0; instance < 40; ++instance) {
+    const std::uint64_t horizon = 20 + rng() % 400;
+    std::vector<buffer> b;
+    const std::size_t n = 50 + rng() % 400;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t lower = instance % 4 == 0 ? 0 : rng() % horizon;  // all start at once
+      const std::uint64_t length = 1 + rng() % (instance % 3 == 0 ? horizon : 16);
+      const std::uint64_t bytes = rng() % 7 == 0 ? 0 : 1 + rng() % 1000;
+      b.push_back({"b" + std::to_string(i), lower, lower + length, bytes, {}});
+    }
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    const auto order = shuffled_order(n, rng);
+    detail::occupancy_index index(p.sections, p.longest);
+    for (const detail::fit policy : {detail::fit::first, detail::fit::best}) {
+      const auto expected = naive_greedy(p, order, policy);
+      const auto got = detail::place_in_order(p, order, policy, index);
+      ASSERT_EQ(got.offsets, expected) << "instance " << instance;
+      EXPECT_EQ(got.arena, detail::arena_of(p, expected));
+      EXPECT_EQ(validate(b, got.offsets, got.arena, 1), "");
+    }
+    const auto split = detail::place_first_fit_split(p, order);
+    ASSERT_EQ(split.offsets, naive_greedy(p, order, detail::fit::first)) << "instance " << instance;
+    EXPECT_EQ(split.arena, detail::arena_of(p, split.offsets));
+  }
+}
+
+// first_fit(from) against the union that collect() gives, scanned from `from`.
+TEST(planner_greedy, first_fit_from_an_offset_matches_the_collected_union) {
+  std::mt19937_64 rng(9);
+  std::vector<buffer> b;
+  for (int i = 0; i < 600; ++i) {
+    const std::uint64_t lower = rng() % 300;
+    b.push_back({"b" + std::to_string(i), lower, lower + 1 + rng() % 60, 1 + rng() % 500, {}});
+  }
+  const detail::plan_problem p = detail::make_problem(b, 1);
+  detail::occupancy_index index(p.sections, p.longest);
+  const auto placed = detail::place_in_order(p, shuffled_order(b.size(), rng), detail::fit::first, index);
+  ASSERT_FALSE(placed.offsets.empty());
+  std::vector<detail::occupancy_index::range> taken;
+  for (int query = 0; query < 5000; ++query) {
+    const std::uint32_t lo = static_cast<std::uint32_t>(rng() % p.sections);
+    const std::uint32_t hi = lo + 1 + static_cast<std::uint32_t>(rng() % std::min<std::uint32_t>(p.longest, p.sections - lo));
+    const std::uint64_t bytes = 1 + rng() % 2000;
+    const std::uint64_t from = rng() % (placed.arena + 10);
+    index.collect(lo, hi, taken);
+    std::uint64_t expected = from;
+    for (const auto& [offset, end] : taken) {
+      if (offset >= expected + bytes) break;
+      expected = std::max(expected, end);
+    }
+    ASSERT_EQ(index.first_fit(lo, hi, bytes, from), expected)
+        << "query [" << lo << ", " << hi << ") bytes " << bytes << " from " << from;
+  }
+}
+
+// Past or during the deadline the split greedy gives up on both threads (no offsets) without
+// waiting forever for the other side; otherwise it places every buffer.
+TEST(planner_deadline, split_greedy_stops_on_both_threads) {
+  std::mt19937_64 rng(4);
+  const auto b = synthetic_lifetimes(30'000, 4);
+  const detail::plan_problem p = detail::make_problem(b, 1);
+  const auto order = shuffled_order(b.size(), rng);
+  EXPECT_TRUE(detail::place_first_fit_split(p, order, detail::clock::now() - std::chrono::seconds(1)).offsets.empty());
+  const auto full = detail::place_first_fit_split(p, order);
+  ASSERT_EQ(full.offsets.size(), b.size());
+  EXPECT_EQ(validate(b, full.offsets, full.arena, 1), "");
+  for (const int micros : {200, 2000, 20000}) {
+    const auto r = detail::place_first_fit_split(p, order, detail::clock::now() + std::chrono::microseconds(micros));
+    if (!r.offsets.empty()) {
+      EXPECT_EQ(r.offsets, full.offsets);
+    }
+  }
 }
 
 TEST(planner, tiny_instances_reach_the_brute_force_optimum) {
