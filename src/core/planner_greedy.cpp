@@ -336,7 +336,10 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
       }
       if (i < order.size() && side[b] != 2) continue;
       sync.arrive_and_wait();  // both sides are placed up to here
-      if (stopped.load(std::memory_order_relaxed) || i == order.size()) return;
+      if (stopped.load(std::memory_order_relaxed) || i == order.size()) {
+        index[s] = occupancy_index(0, 0);  // each side releases its index, both at once
+        return;
+      }
       if (s == 0) {
         // The lowest offset free on both sides: raise it until both agree.
         const auto [lo0, hi0] = span_in(b, 0);
