@@ -11,14 +11,8 @@ namespace tensormem::core {
 // several of them out of line, which costs a call per helper on every operation.
 #define TENSORMEM_HOT_INLINE [[gnu::always_inline]] inline
 
-namespace {
-constexpr const char* name = "tlsf_allocator";
-constexpr std::uint32_t zero_node = 0xfffffffeU;
-}  // namespace
-
 tlsf_allocator::tlsf_allocator(std::uint64_t capacity, std::uint64_t alignment)
-    : capacity_(capacity), alignment_(alignment), unit_shift_(0), owner_(next_owner_id()) {
-  check_alignment_argument(name, alignment);
+    : block_chain_allocator(capacity, alignment, "tlsf_allocator") {
   unit_shift_ = static_cast<unsigned>(std::countr_zero(alignment));
   bin_heads_.fill(none);
 }
@@ -41,27 +35,10 @@ unsigned tlsf_allocator::ceil_class(std::uint64_t bytes) const noexcept {
   return low_bits != 0 ? cls + 1U : cls;
 }
 
-TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::new_node() {
-  if (!unused_nodes_.empty()) {
-    const std::uint32_t n = unused_nodes_.back();
-    unused_nodes_.pop_back();
-    return n;
-  }
-  nodes_.emplace_back();  // capacity reserved by allocate(): cannot throw
-  return static_cast<std::uint32_t>(nodes_.size() - 1);
-}
-
-TENSORMEM_HOT_INLINE void tlsf_allocator::release_node(std::uint32_t n) noexcept {
-  node& x = nodes_[n];
-  x.st = state::unused;
-  ++x.generation;
-  unused_nodes_.push_back(n);  // capacity reserved: nodes_ never shrinks below it
-}
-
 TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   node& x = nodes_[n];
   const unsigned cls = floor_class(x.bytes);
-  x.st = state::free;
+  x.st = detail::block_state::free;
   x.prev_bin = none;
   x.next_bin = bin_heads_[cls];
   if (x.next_bin != none) nodes_[x.next_bin].prev_bin = n;
@@ -133,13 +110,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   const std::uint64_t need = *aligned;
   // Everything that may allocate or fail happens before any state changes (strong
   // guarantee): room for two new nodes, for their recycling, and for the live map entry.
-  if (nodes_.size() + 2 > nodes_.capacity()) {
-    if (nodes_.size() + 2 >= zero_node) throw std::length_error("tlsf_allocator: too many blocks");
-    const std::size_t want = std::max<std::size_t>(64, nodes_.capacity() * 2);
-    unused_nodes_.reserve(want);
-    nodes_.reserve(want);
-  }
-  if (indexed_) live_.reserve(live_.size() + 1);
+  reserve_nodes(2);
 
   const unsigned down = floor_class(need);
   const unsigned up = ceil_class(need);
@@ -151,7 +122,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   }
   // A free tail that fits but sits beyond the scan limit of its list is still taken before
   // the arena grows.
-  if (n == none && tail_ != none && nodes_[tail_].st == state::free &&
+  if (n == none && tail_ != none && nodes_[tail_].st == detail::block_state::free &&
       nodes_[tail_].bytes >= need) {
     n = tail_;
   }
@@ -160,22 +131,16 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
     bin_remove(n);
     if (nodes_[n].bytes > need) {
       const std::uint32_t r = new_node();
-      node& rest = nodes_[r];
-      node& block = nodes_[n];
-      rest.offset = block.offset + need;
-      rest.bytes = block.bytes - need;
-      rest.prev_phys = n;
-      rest.next_phys = block.next_phys;
-      if (block.next_phys != none) nodes_[block.next_phys].prev_phys = r;
-      block.next_phys = r;
-      block.bytes = need;
-      if (tail_ == n) tail_ = r;
+      nodes_[r].offset = nodes_[n].offset + need;
+      nodes_[r].bytes = nodes_[n].bytes - need;
+      nodes_[n].bytes = need;
+      link_after(n, r);
       bin_insert(r);
     }
   } else {
     // Grow at the end, extending a free block that ends at the high-water mark.
     // (A free tail of need bytes or more was taken above: extending it never goes negative.)
-    const bool extend = tail_ != none && nodes_[tail_].st == state::free && nodes_[tail_].bytes < need;
+    const bool extend = tail_ != none && nodes_[tail_].st == detail::block_state::free && nodes_[tail_].bytes < need;
     const std::uint64_t extra = extend ? need - nodes_[tail_].bytes : need;
     if (extra > capacity_ || peak_ > capacity_ - extra) return std::nullopt;
     if (extend) {
@@ -184,180 +149,40 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
       nodes_[n].bytes = need;
     } else {
       n = new_node();
-      node& x = nodes_[n];
-      x.offset = peak_;
-      x.bytes = need;
-      x.prev_phys = tail_;
-      x.next_phys = none;
-      if (tail_ != none) nodes_[tail_].next_phys = n;
-      else head_ = n;
-      tail_ = n;
+      nodes_[n].offset = peak_;
+      nodes_[n].bytes = need;
+      if (tail_ != none) link_after(tail_, n);
+      else head_ = tail_ = n;
     }
     peak_ += extra;
   }
-  node& x = nodes_[n];
-  x.st = state::used;
-  used_ += need;
-  ++live_count_;
-  if (indexed_) live_.insert(x.offset, n);
-  return allocation{x.offset, need, n, x.generation, owner_};
+  return make_used(n, need);
 }
 
 // Frees node n (a used node) and merges it with free neighbours.
-TENSORMEM_HOT_INLINE void tlsf_allocator::release(std::uint32_t n) noexcept {
-  node& x = nodes_[n];
-  if (indexed_) live_.erase(x.offset);
-  --live_count_;
-  used_ -= x.bytes;
-  ++x.generation;
-  if (const std::uint32_t p = x.prev_phys; p != none && nodes_[p].st == state::free) {
-    bin_remove(p);
-    node& prev = nodes_[p];
-    x.offset = prev.offset;
-    x.bytes += prev.bytes;
-    x.prev_phys = prev.prev_phys;
-    if (prev.prev_phys != none) nodes_[prev.prev_phys].next_phys = n;
-    if (head_ == p) head_ = n;
-    release_node(p);
-  }
-  if (const std::uint32_t q = x.next_phys; q != none && nodes_[q].st == state::free) {
-    bin_remove(q);
-    node& next = nodes_[q];
-    x.bytes += next.bytes;
-    x.next_phys = next.next_phys;
-    if (next.next_phys != none) nodes_[next.next_phys].prev_phys = n;
-    if (tail_ == q) tail_ = n;
-    release_node(q);
-  }
+void tlsf_allocator::release(std::uint32_t n) noexcept {
+  unmake_used(n);
+  absorb_free_neighbours(n, [this](std::uint32_t m) { bin_remove(m); });
   bin_insert(n);
 }
 
-TENSORMEM_HOT_INLINE free_status tlsf_allocator::check_handle(std::uint32_t n, std::uint64_t offset,
-                                         std::uint64_t bytes) const noexcept {
-  if (n >= nodes_.size()) return free_status::stale_handle;
-  const node& x = nodes_[n];
-  if (x.st != state::used || x.offset != offset) return free_status::stale_handle;
-  if (x.bytes != bytes) return free_status::size_mismatch;
-  return free_status::ok;
-}
-
-free_status tlsf_allocator::try_deallocate(const allocation& a) noexcept {
-  if (a.node == zero_node && a.bytes == 0) return free_status::ok;
-  if (a.owner != owner_) return free_status::foreign_handle;
-  const free_status status = check_handle(a.node, a.offset, a.bytes);
-  if (status != free_status::ok) return status;
-  if (nodes_[a.node].generation != a.generation) return free_status::stale_handle;
-  release(a.node);
-  return free_status::ok;
-}
-
-void tlsf_allocator::deallocate(const allocation& a) {
-  const free_status status = try_deallocate(a);
-  if (status == free_status::ok) return;
-  const std::uint64_t held = a.node < nodes_.size() ? nodes_[a.node].bytes : 0;
-  throw_free_error(name, status, a.offset, a.bytes, held);
-}
-
-// The offset index, from one walk of the address chain; kept current from then on.
-void tlsf_allocator::build_index() {
-  detail::offset_map index;
-  index.reserve(live_count_ + 1);
-  for (std::uint32_t n = head_; n != none; n = nodes_[n].next_phys) {
-    if (nodes_[n].st == state::used) index.insert(nodes_[n].offset, n);
-  }
-  live_ = std::move(index);
-  indexed_ = true;
-}
-
-// The used node at `offset`: through the index, or (when it could not be built for lack of
-// memory) by walking the blocks.
-std::uint32_t tlsf_allocator::find_live(std::uint64_t offset) const noexcept {
-  if (indexed_) return live_.find(offset);
-  for (std::uint32_t n = head_; n != none; n = nodes_[n].next_phys) {
-    if (nodes_[n].offset == offset) return nodes_[n].st == state::used ? n : detail::offset_map::not_found;
-    if (nodes_[n].offset > offset) break;
-  }
-  return detail::offset_map::not_found;
-}
-
-free_status tlsf_allocator::try_free(std::uint64_t offset, std::uint64_t bytes) noexcept {
-  if (bytes == 0 && offset == 0) return free_status::ok;
-  if (!indexed_) {
-    try {
-      build_index();
-    } catch (...) {  // no memory for the index: this call walks the blocks instead
-    }
-  }
-  const std::uint32_t n = find_live(offset);
-  if (n == detail::offset_map::not_found) return free_status::not_allocated;
-  const auto aligned = align_up(bytes, alignment_);
-  if (!aligned || *aligned != nodes_[n].bytes) return free_status::size_mismatch;
-  release(n);
-  return free_status::ok;
-}
-
-void tlsf_allocator::free(std::uint64_t offset, std::uint64_t bytes) {
-  const free_status status = try_free(offset, bytes);
-  if (status == free_status::ok) return;
-  const std::uint32_t n = find_live(offset);
-  throw_free_error(name, status, offset, bytes,
-                   n == detail::offset_map::not_found ? 0 : nodes_[n].bytes);
-}
-
 allocator_stats tlsf_allocator::stats() const {
-  allocator_stats s;
-  s.used_bytes = used_;
-  s.peak_bytes = peak_;
-  s.live_allocations = live_count_;
-  const std::uint64_t end = capacity_ == growing ? peak_ : capacity_;
-  s.free_bytes = end - used_;
-  s.free_blocks = free_block_count_;
+  std::uint64_t largest = 0;
   if (top_bitmap_ != 0) {
     const auto top = 63U - static_cast<unsigned>(std::countl_zero(top_bitmap_));
     const auto leaf = 63U - static_cast<unsigned>(std::countl_zero(leaf_bitmaps_[top]));
     for (std::uint32_t n = bin_heads_[(top << mantissa_bits) | leaf]; n != none;
          n = nodes_[n].next_bin) {
-      s.largest_free_bytes = std::max(s.largest_free_bytes, nodes_[n].bytes);
+      largest = std::max(largest, nodes_[n].bytes);
     }
   }
-  const bool tail_free = tail_ != none && nodes_[tail_].st == state::free;
-  add_untouched_tail(s, end, peak_, tail_free ? nodes_[tail_].bytes : 0);
-  return s;
+  return chain_stats(free_block_count_, largest);
 }
 
 std::string tlsf_allocator::check_invariants() const {
-  if (peak_ > capacity_) return "peak above capacity";
-  std::uint64_t cursor = 0;
-  std::uint64_t used_sum = 0;
-  std::size_t used_count = 0;
   std::size_t free_count = 0;
-  std::uint32_t last = none;
-  bool prev_free = false;
-  for (std::uint32_t n = head_; n != none; n = nodes_[n].next_phys) {
-    const node& x = nodes_[n];
-    if (x.prev_phys != last) return "broken neighbour link at offset " + std::to_string(x.offset);
-    if (x.offset != cursor) return "gap or overlap at offset " + std::to_string(x.offset);
-    if (x.bytes == 0 || !is_aligned(x.bytes, alignment_) || !is_aligned(x.offset, alignment_))
-      return "misaligned or empty block at offset " + std::to_string(x.offset);
-    if (x.st == state::unused) return "unused node in the address chain";
-    const bool is_free = x.st == state::free;
-    if (is_free && prev_free) return "unmerged free neighbours at " + std::to_string(x.offset);
-    if (is_free) {
-      ++free_count;
-    } else {
-      ++used_count;
-      used_sum += x.bytes;
-      if (indexed_ && live_.find(x.offset) != n) return "live map misses offset " + std::to_string(x.offset);
-    }
-    prev_free = is_free;
-    cursor = x.offset + x.bytes;
-    last = n;
-  }
-  if (last != tail_) return "tail is not the last block";
-  if (cursor != peak_) return "blocks end at " + std::to_string(cursor) + ", not at peak";
-  if (used_sum != used_) return "used bytes differ from the sum of live blocks";
-  if (used_count != live_count_) return "live count differs from live blocks";
-  if (indexed_ && live_.size() != live_count_) return "live map size differs from live blocks";
+  if (std::string error = check_chain([](std::uint32_t) { return std::string(); }, free_count); !error.empty())
+    return error;
   if (free_count != free_block_count_) return "free block count is wrong";
   std::size_t binned = 0;
   for (unsigned cls = 0; cls < bin_count; ++cls) {
@@ -366,7 +191,7 @@ std::string tlsf_allocator::check_invariants() const {
     std::uint32_t prev = none;
     for (std::uint32_t n = bin_heads_[cls]; n != none; n = nodes_[n].next_bin) {
       const node& x = nodes_[n];
-      if (x.st != state::free || floor_class(x.bytes) != cls || x.prev_bin != prev)
+      if (x.st != detail::block_state::free || floor_class(x.bytes) != cls || x.prev_bin != prev)
         return "list " + std::to_string(cls) + " holds a wrong node";
       prev = n;
       if (++binned > free_count) return "lists hold more nodes than free blocks";

@@ -285,11 +285,13 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
              return py::cast(*r);
            },
            py::arg("bytes"), "Returns an Allocation, or None when it does not fit.")
-      .def("deallocate", &Allocator::deallocate, py::arg("allocation"))
-      .def("free", &Allocator::free, py::arg("offset"), py::arg("bytes"),
+      // (members inherited from the block-chain base are adapted or wrapped to take an
+      // Allocator; pybind11's adaptor does not take noexcept members)
+      .def("deallocate", py::method_adaptor<Allocator>(&Allocator::deallocate), py::arg("allocation"))
+      .def("free", py::method_adaptor<Allocator>(&Allocator::free), py::arg("offset"), py::arg("bytes"),
            "InfiniTensor-style free; raises ValueError on misuse, changing nothing.")
-      .def_property_readonly("peak", &Allocator::peak)
-      .def_property_readonly("used", &Allocator::used)
+      .def_property_readonly("peak", [](const Allocator& a) { return a.peak(); })
+      .def_property_readonly("used", [](const Allocator& a) { return a.used(); })
       .def("check_invariants", &Allocator::check_invariants)
       .def("stats", [](const Allocator& a) {
         const core::allocator_stats s = a.stats();

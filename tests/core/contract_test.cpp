@@ -50,6 +50,27 @@ TYPED_TEST(foreign_handles, another_allocators_handle_is_refused_and_changes_not
   EXPECT_EQ(b.used(), 0U);
 }
 
+// A handle kept after its free names a block that a later allocation of the same size may
+// reuse (same node, offset and size): only the generation tells the two apart, and the old
+// handle must not free the new allocation.
+TYPED_TEST(foreign_handles, a_stale_handle_to_a_reused_block_is_refused) {
+  TypeParam a(growing, 256);
+  const allocation old = *a.allocate(1000);
+  const allocation keep = *a.allocate(256);
+  a.deallocate(old);
+  const allocation reused = *a.allocate(1000);
+  ASSERT_EQ(reused.offset, old.offset);
+  ASSERT_EQ(reused.bytes, old.bytes);
+  EXPECT_EQ(a.try_deallocate(old), free_status::stale_handle);
+  EXPECT_THROW(a.deallocate(old), allocator_misuse);
+  EXPECT_EQ(a.used(), 1024U + 256U);
+  EXPECT_EQ(a.check_invariants(), "");
+  a.deallocate(reused);
+  a.deallocate(keep);
+  EXPECT_EQ(a.used(), 0U);
+  EXPECT_EQ(a.try_deallocate(reused), free_status::stale_handle);  // a double free
+}
+
 TEST(foreign_handles, message_names_the_cause) {
   best_fit_allocator a;
   best_fit_allocator b;

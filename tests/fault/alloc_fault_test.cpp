@@ -16,6 +16,12 @@
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/memory/host_resource.hpp"
 
+#if defined(__GNUC__) && !defined(__clang__)
+// The replacement operators below pair malloc with free by construction; GCC 12 reports
+// them as mismatched wherever it inlines a container's deallocation into this file.
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
 namespace {
 thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fails
 }  // namespace

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "tensormem/core/allocation.hpp"
-#include "tensormem/core/detail/offset_map.hpp"
+#include "tensormem/core/detail/block_chain.hpp"
 
 namespace tensormem::core {
 
@@ -41,7 +41,7 @@ namespace tensormem::core {
 /// reserve every node they may need before touching the free lists; std::bad_alloc is the
 /// only exception). Freeing never allocates: the free lists keep at least one node per live
 /// allocation plus one in reserve, and merging reuses the nodes of the merged blocks.
-class best_fit_allocator {
+class best_fit_allocator : public detail::block_chain_allocator<best_fit_allocator, detail::chain_block> {
  public:
   explicit best_fit_allocator(std::uint64_t capacity = growing, std::uint64_t alignment = 256);
 
@@ -54,16 +54,9 @@ class best_fit_allocator {
   /// capacity. Used to rebuild an allocator around blocks that already sit somewhere.
   std::optional<allocation> allocate_at(std::uint64_t offset, std::uint64_t bytes);
 
-  void deallocate(const allocation& a);
-  free_status try_deallocate(const allocation& a) noexcept;
-  /// InfiniTensor-style free: `bytes` is the size asked for at allocation (rounded here).
-  void free(std::uint64_t offset, std::uint64_t bytes);
-  free_status try_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
-
-  std::uint64_t capacity() const noexcept { return capacity_; }
-  std::uint64_t alignment() const noexcept { return alignment_; }
-  std::uint64_t peak() const noexcept { return peak_; }
-  std::uint64_t used() const noexcept { return used_; }
+  // deallocate, try_deallocate, free (InfiniTensor style: `bytes` as asked at allocation,
+  // rounded here), try_free, capacity, alignment, peak, used and for_each_block come from
+  // detail::block_chain_allocator.
   allocator_stats stats() const;
 
   /// Empty string when every internal invariant holds, else a description of the first
@@ -71,17 +64,8 @@ class best_fit_allocator {
   std::string check_invariants() const;
 
  private:
-  static constexpr std::uint32_t none = 0xffffffffU;
-  enum class state : std::uint8_t { unused, free, used };
-  // One block of the arena below the high-water mark, linked to its address neighbours.
-  struct block {
-    std::uint64_t offset = 0;
-    std::uint64_t bytes = 0;
-    std::uint32_t prev = none;
-    std::uint32_t next = none;
-    std::uint32_t generation = 0;
-    state st = state::unused;
-  };
+  friend class detail::block_chain_allocator<best_fit_allocator, detail::chain_block>;
+
   struct free_key {
     std::uint64_t bytes;
     std::uint64_t offset;
@@ -98,34 +82,13 @@ class best_fit_allocator {
   /// one more live-index entry: after it, an allocation and any later free change state
   /// without allocating. May throw; changes nothing observable.
   void reserve_for_allocation(std::size_t blocks);
-  std::uint32_t new_block() noexcept;
-  void release_block(std::uint32_t n) noexcept;
   void index_free(std::uint32_t n) noexcept;
   void unindex_free(std::uint32_t n) noexcept;
-  void link_after(std::uint32_t n, std::uint32_t r) noexcept;
-  void link_before(std::uint32_t n, std::uint32_t l) noexcept;
   void release(std::uint32_t n) noexcept;
-  allocation make_used(std::uint32_t n, std::uint64_t need) noexcept;
-  free_status check_handle(const allocation& a) const noexcept;
-  void build_index();
-  std::uint32_t find_live(std::uint64_t offset) const noexcept;
-  std::uint32_t block_at_or_before(std::uint64_t offset) const noexcept;
 
-  std::uint64_t capacity_;
-  std::uint64_t alignment_;
-  std::uint64_t owner_;
-  std::uint64_t peak_ = 0;
-  std::uint64_t used_ = 0;
-  std::uint64_t live_count_ = 0;
-  std::uint32_t head_ = none;  // block at offset 0
-  std::uint32_t tail_ = none;  // block that ends at peak_
-  std::vector<block> blocks_;
-  std::vector<std::uint32_t> unused_blocks_;
   size_index free_by_size_;
   // Index nodes not in use, kept so that no free-list change allocates.
   std::vector<size_index::node_type> spare_nodes_;
-  detail::offset_map live_;  // offset -> block of each live allocation, once indexed_
-  bool indexed_ = false;     // set by the first free(offset, bytes)
 };
 
 }  // namespace tensormem::core

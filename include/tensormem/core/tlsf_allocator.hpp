@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "tensormem/core/allocation.hpp"
-#include "tensormem/core/detail/offset_map.hpp"
+#include "tensormem/core/detail/block_chain.hpp"
 
 namespace tensormem::core {
 
@@ -49,7 +49,16 @@ namespace tensormem::core {
 /// reserved before any list changes); deallocation never allocates. A handle made by another
 /// allocator is refused (`free_status::foreign_handle`), changing nothing.
 /// Not thread-safe: synchronize externally.
-class tlsf_allocator {
+class tlsf_allocator;
+
+namespace detail {
+struct tlsf_node : chain_block {
+  std::uint32_t prev_bin = none;  // the free list of its size class
+  std::uint32_t next_bin = none;
+};
+}  // namespace detail
+
+class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, detail::tlsf_node> {
  public:
   static constexpr unsigned mantissa_bits = 4;
   static constexpr unsigned scan_limit = 8;
@@ -57,26 +66,10 @@ class tlsf_allocator {
   explicit tlsf_allocator(std::uint64_t capacity = growing, std::uint64_t alignment = 256);
 
   std::optional<allocation> allocate(std::uint64_t bytes);
-  void deallocate(const allocation& a);
-  free_status try_deallocate(const allocation& a) noexcept;
-  void free(std::uint64_t offset, std::uint64_t bytes);
-  free_status try_free(std::uint64_t offset, std::uint64_t bytes) noexcept;
-
-  std::uint64_t capacity() const noexcept { return capacity_; }
-  std::uint64_t alignment() const noexcept { return alignment_; }
-  std::uint64_t peak() const noexcept { return peak_; }
-  std::uint64_t used() const noexcept { return used_; }
+  // deallocate, try_deallocate, free, try_free, capacity, alignment, peak, used and
+  // for_each_block (TLSF's walk_pool) come from detail::block_chain_allocator.
   allocator_stats stats() const;
   std::string check_invariants() const;
-
-  /// Calls `f(offset, bytes, is_free)` for every block below the high-water mark, in
-  /// address order (TLSF's walk_pool). For tests and pictures; O(n).
-  template <class F>
-  void for_each_block(F&& f) const {
-    for (std::uint32_t n = head_; n != none; n = nodes_[n].next_phys) {
-      f(nodes_[n].offset, nodes_[n].bytes, nodes_[n].st == state::free);
-    }
-  }
 
   /// The size class of an aligned byte count, rounded down (where a free block of that size
   /// is listed) and up (the first class whose every block holds that many bytes).
@@ -84,43 +77,21 @@ class tlsf_allocator {
   unsigned size_class_ceil(std::uint64_t bytes) const noexcept { return ceil_class(bytes); }
 
  private:
-  static constexpr std::uint32_t none = 0xffffffffU;
+  friend class detail::block_chain_allocator<tlsf_allocator, detail::tlsf_node>;
   static constexpr unsigned leaf_bins = 1U << mantissa_bits;
   static constexpr unsigned bin_count = (65U - mantissa_bits) * leaf_bins;
+  using node = detail::tlsf_node;
 
-  enum class state : std::uint8_t { unused, free, used };
-  struct node {
-    std::uint64_t offset = 0;
-    std::uint64_t bytes = 0;
-    std::uint32_t prev_phys = none;
-    std::uint32_t next_phys = none;
-    std::uint32_t prev_bin = none;
-    std::uint32_t next_bin = none;
-    std::uint32_t generation = 0;
-    state st = state::unused;
-  };
-
-  std::uint32_t new_node();
-  void release_node(std::uint32_t n) noexcept;
   void bin_insert(std::uint32_t n) noexcept;
   void bin_remove(std::uint32_t n) noexcept;
   std::uint32_t first_bin_at_or_above(unsigned cls) const noexcept;
   std::uint32_t best_in_bin(unsigned cls, std::uint64_t need) noexcept;
   void release(std::uint32_t n) noexcept;
-  free_status check_handle(std::uint32_t n, std::uint64_t offset,
-                           std::uint64_t bytes) const noexcept;
   unsigned floor_class(std::uint64_t bytes) const noexcept;
   unsigned ceil_class(std::uint64_t bytes) const noexcept;
 
-  std::uint64_t capacity_;
-  std::uint64_t alignment_;
-  unsigned unit_shift_;
-  std::uint64_t owner_;
-  std::uint64_t peak_ = 0;
-  std::uint64_t used_ = 0;
+  unsigned unit_shift_ = 0;
   std::uint64_t free_block_count_ = 0;
-  std::uint32_t head_ = none;  // node at offset 0
-  std::uint32_t tail_ = none;  // node that ends at peak_
   std::uint64_t top_bitmap_ = 0;
   std::array<std::uint64_t, 64> leaf_bitmaps_{};
   std::array<std::uint32_t, bin_count> bin_heads_{};
@@ -128,14 +99,6 @@ class tlsf_allocator {
   // blocks (exact after each scan), so that a class that holds no fit is not scanned.
   std::array<std::uint32_t, bin_count> bin_length_{};
   std::array<std::uint64_t, bin_count> window_max_{};
-  std::vector<node> nodes_;
-  std::vector<std::uint32_t> unused_nodes_;
-  void build_index();
-  std::uint32_t find_live(std::uint64_t offset) const noexcept;
-
-  detail::offset_map live_;  // offset -> node of each live allocation, once indexed_
-  bool indexed_ = false;     // set by the first free(offset, bytes)
-  std::uint64_t live_count_ = 0;
 };
 
 }  // namespace tensormem::core
