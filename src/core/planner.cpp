@@ -43,14 +43,23 @@ constexpr order_key order_keys[] = {
      }},
 };
 
-/// Decreasing key; ties by decreasing size, then decreasing length, then index.
-std::vector<std::uint32_t> order_by(const plan_problem& p, const std::vector<double>& key) {
+enum class tie_break { size_then_length, start };
+
+/// Decreasing key; ties by decreasing size, then decreasing length (or, with
+/// tie_break::start, increasing start: among buffers of one size, first fit in order of start
+/// is the optimal interval colouring), then index.
+std::vector<std::uint32_t> order_by(const plan_problem& p, const std::vector<double>& key,
+                                    tie_break ties = tie_break::size_then_length) {
   std::vector<std::uint32_t> order(p.size());
   std::iota(order.begin(), order.end(), 0U);
   std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
     if (key[a] != key[b]) return key[a] > key[b];
     if (p.bytes[a] != p.bytes[b]) return p.bytes[a] > p.bytes[b];
-    if (p.length[a] != p.length[b]) return p.length[a] > p.length[b];
+    if (ties == tie_break::start) {
+      if (p.lo[a] != p.lo[b]) return p.lo[a] < p.lo[b];
+    } else if (p.length[a] != p.length[b]) {
+      return p.length[a] > p.length[b];
+    }
     return a < b;
   });
   return order;
@@ -76,7 +85,7 @@ class planner_run {
     return start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
   }
 
-  // The six classic variants, spread over up to `threads` threads. Each variant writes its
+  // The seven classic variants, spread over up to `threads` threads. Each variant writes its
   // own slot; the winner is chosen afterwards in a fixed order, so the result does not
   // depend on scheduling.
   // The first plan: the buffers replayed in time order (the problem's sorted events) through
@@ -142,20 +151,22 @@ class planner_run {
     struct variant {
       const order_key* key;
       detail::fit policy;
-      candidate_plan result;
+      tie_break ties = tie_break::size_then_length;
+      candidate_plan result = {};
     };
     std::vector<variant> variants;
     for (const order_key& k : order_keys) {
-      variants.push_back({&k, detail::fit::best, {}});
+      variants.push_back({&k, detail::fit::best});
       // Decreasing size first fit was placed with the first plan.
-      if (&k != &order_keys[0]) variants.push_back({&k, detail::fit::first, {}});
+      if (&k != &order_keys[0]) variants.push_back({&k, detail::fit::first});
     }
+    variants.push_back({&order_keys[0], detail::fit::first, tie_break::start});
     auto work = [&](std::size_t first, std::size_t step) {
       if (!worth_starting()) return;  // the index alone is O(sections) to build and free
       detail::occupancy_index index(p_.sections, p_.longest);
       for (std::size_t v = first; v < variants.size(); v += step) {
         if (!worth_starting()) return;
-        const auto order = order_by(p_, keys_of(p_, *variants[v].key));
+        const auto order = order_by(p_, keys_of(p_, *variants[v].key), variants[v].ties);
         variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index, deadline_);
       }
     };
@@ -167,6 +178,7 @@ class planner_run {
     }
     for (variant& v : variants) {
       offer(std::move(v.result), std::string("greedy ") + v.key->name +
+                                     (v.ties == tie_break::start ? " (equal sizes by start)" : "") +
                                      (v.policy == detail::fit::best ? " best-fit" : " first-fit"));
     }
     return best_;

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -193,6 +195,61 @@ TEST(planner_greedy, placements_equal_the_naive_greedy) {
     const auto split = detail::place_first_fit_split(p, order);
     ASSERT_EQ(split.offsets, naive_greedy(p, order, detail::fit::first)) << "instance " << instance;
     EXPECT_EQ(split.arena, detail::arena_of(p, split.offsets));
+  }
+}
+
+// Decreasing key (ties as `tie` says, then index), for the naive greedy below.
+std::vector<std::uint32_t> naive_order(const detail::plan_problem& p,
+                                       const std::function<double(std::uint32_t)>& key,
+                                       const std::function<bool(std::uint32_t, std::uint32_t)>& tie) {
+  std::vector<std::uint32_t> order(p.size());
+  std::iota(order.begin(), order.end(), 0U);
+  std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+    if (key(a) != key(b)) return key(a) > key(b);
+    return tie(a, b);
+  });
+  return order;
+}
+
+// The planner's documented promise without the search: never larger than any classic
+// greedy order it knows, each placed here by the naive greedy. Sizes come from a few values,
+// so that equal sizes are common and the order among them matters (among equal sizes, first
+// fit by start is the optimal interval colouring).
+TEST(planner_greedy, never_worse_than_the_classic_orders) {
+  std::mt19937_64 rng(11);
+  for (int instance = 0; instance < 60; ++instance) {
+    const std::uint64_t horizon = 20 + rng() % 200;
+    std::vector<buffer> b;
+    const std::size_t n = 30 + rng() % 200;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint64_t lower = rng() % horizon;
+      const std::uint64_t length = 1 + rng() % (instance % 2 == 0 ? 12 : horizon / 2);
+      b.push_back({"b" + std::to_string(i), lower, lower + length, 64 * (1 + rng() % 4), {}});
+    }
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    const auto size = [&](std::uint32_t i) { return static_cast<double>(p.bytes[i]); };
+    const auto length = [&](std::uint32_t i) { return static_cast<double>(p.length[i]); };
+    const auto area = [&](std::uint32_t i) { return size(i) * length(i); };
+    const auto by_size_length = [&](std::uint32_t x, std::uint32_t y) {
+      return p.bytes[x] != p.bytes[y] ? p.bytes[x] > p.bytes[y] : p.length[x] > p.length[y];
+    };
+    const auto by_start = [&](std::uint32_t x, std::uint32_t y) { return p.lo[x] < p.lo[y]; };
+    plan_options o;
+    o.search = false;
+    o.time_limit_seconds = 60;
+    const plan_result got = plan(b, o);
+    ASSERT_EQ(validate(b, got.offsets, got.arena_bytes, 1), "");
+    std::uint64_t best = UINT64_MAX;
+    for (const detail::fit policy : {detail::fit::first, detail::fit::best}) {
+      for (const auto& order : {naive_order(p, size, by_size_length), naive_order(p, length, by_size_length),
+                                naive_order(p, area, by_size_length)}) {
+        best = std::min(best, detail::arena_of(p, naive_greedy(p, order, policy)));
+      }
+    }
+    const std::uint64_t classic = best;
+    best = std::min(best, detail::arena_of(p, naive_greedy(p, naive_order(p, size, by_start), detail::fit::first)));
+    EXPECT_LE(got.arena_bytes, classic) << "classic, instance " << instance;
+    EXPECT_LE(got.arena_bytes, best) << "instance " << instance << " (" << got.strategy << ")";
   }
 }
 
