@@ -88,7 +88,7 @@ std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
   }
   const std::uint64_t need = *aligned;
   const std::uint64_t end = offset + need;
-  std::uint32_t b = offset >= peak_ ? none : block_at_or_before(offset);
+  std::uint32_t b = block_containing(offset);
   if (b != none) {
     const detail::chain_block& x = nodes_[b];
     const std::uint64_t x_end = x.offset + x.bytes;

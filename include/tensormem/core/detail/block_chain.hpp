@@ -195,11 +195,12 @@ class block_chain_allocator {
     }
   }
 
-  /// The last block that starts at or before `offset`, walking back from the end of the
-  /// arena (none when the arena is empty).
-  std::uint32_t block_at_or_before(std::uint64_t offset) const noexcept {
+  /// The block that holds `offset` (blocks tile [0, peak)), walking back from the end of the
+  /// arena; none at or past the high-water mark.
+  std::uint32_t block_containing(std::uint64_t offset) const noexcept {
+    if (offset >= peak_) return none;
     std::uint32_t n = tail_;
-    while (n != none && nodes_[n].offset > offset) n = nodes_[n].prev;
+    while (nodes_[n].offset > offset) n = nodes_[n].prev;
     return n;
   }
 
@@ -291,7 +292,7 @@ class block_chain_allocator {
   // of memory) by walking the blocks.
   std::uint32_t find_live(std::uint64_t offset) const noexcept {
     if (indexed_) return live_.find(offset);
-    const std::uint32_t n = offset >= peak_ ? none : block_at_or_before(offset);
+    const std::uint32_t n = block_containing(offset);
     if (n == none || nodes_[n].offset != offset || nodes_[n].st != block_state::used) return offset_map::not_found;
     return n;
   }
