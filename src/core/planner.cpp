@@ -85,14 +85,10 @@ class planner_run {
     return start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(seconds));
   }
 
-  // The seven classic variants, spread over up to `threads` threads. Each variant writes its
-  // own slot; the winner is chosen afterwards in a fixed order, so the result does not
-  // depend on scheduling.
   // The first plan: the buffers replayed in time order (the problem's sorted events) through
   // the O(1) online allocator, O(n) after that sort and kept whatever the time limit; then,
-  // within the deadline, decreasing size first fit and the skyline by size (usually much
-  // better; the skyline's re-checks grow with the overlap). The O(1) allocator places like
-  // exact best fit on the public traces at a third of its cost.
+  // within the deadline, decreasing size first fit (usually much better). The O(1) allocator
+  // places like exact best fit on the public traces at a third of its cost.
   void first_plan() {
     const auto t0 = clock::now();
     tlsf_allocator online(growing, o_.alignment);
@@ -116,7 +112,7 @@ class planner_run {
     // at a deadline earlier by half the first plan's cost (negligible on small inputs).
     if (deadline_ != clock::time_point::max()) deadline_ = std::max(start_, deadline_ - first_cost_ / 2);
     // Then the classic greedy that is usually best on large inputs (decreasing size, lowest
-    // fitting offset), on two threads where there are two, and the skyline by size.
+    // fitting offset), on two threads where there are two.
     if (!done() && worth_starting()) {
       const auto order = order_by(p_, keys_of(p_, order_keys[0]));
       if (threads() >= 2 && p_.size() >= split_from) {
@@ -126,9 +122,6 @@ class planner_run {
         offer(detail::place_in_order(p_, order, detail::fit::first, index, deadline_),
               "greedy size first-fit");
       }
-    }
-    if (!done() && worth_starting()) {
-      offer(detail::place_skyline(p_, keys_of(p_, order_keys[0]), deadline_), "skyline size");
     }
   }
 
@@ -147,6 +140,10 @@ class planner_run {
     return deadline_ == clock::time_point::max() || clock::now() + 2 * first_cost_ < deadline_;
   }
 
+  // The seven classic variants, spread over up to `threads` threads. Each variant writes its
+  // own slot; the winner is chosen afterwards in a fixed order, so the result does not
+  // depend on scheduling. They run before any skyline: each costs O(n log n + P log P), while
+  // a skyline's re-checks grow with the overlap and can take the whole limit.
   candidate_plan greedy() {
     struct variant {
       const order_key* key;
@@ -185,9 +182,8 @@ class planner_run {
   }
 
   candidate_plan search() {
-    // Skyline orders first: cheap, and often far better than the classic orders (size was
-    // the first plan).
-    for (const order_key& k : std::span(order_keys).subspan(1)) {
+    // Skyline orders first: often far better than the classic orders.
+    for (const order_key& k : order_keys) {
       if (done() || !worth_starting()) return best_;
       offer(detail::place_skyline(p_, keys_of(p_, k), deadline_), std::string("skyline ") + k.name);
     }

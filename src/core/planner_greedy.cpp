@@ -4,6 +4,7 @@
 #include <atomic>
 #include <barrier>
 #include <bit>
+#include <limits>
 #include <numeric>
 #include <span>
 #include <stdexcept>
@@ -440,9 +441,25 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
   auto later = [](const entry& a, const entry& b) {
     return a.lowest != b.lowest ? a.lowest > b.lowest : a.rank > b.rank;
   };
+  // Buffers with the same span always have the same lowest offset, so of each such group
+  // only the unplaced member of best rank is in the heap, and the next one enters when it is
+  // placed (traces often hold thousands of buffers alive in one section only, which would
+  // otherwise each be re-checked after every placement there).
+  std::vector<std::uint32_t> rank(p.size());
+  for (std::uint32_t r = 0; r < p.size(); ++r) rank[by_priority[r]] = r;
+  std::vector<std::uint32_t> by_span = std::move(by_priority);  // stable: by rank in a span
+  std::stable_sort(by_span.begin(), by_span.end(), [&](std::uint32_t a, std::uint32_t b) {
+    return p.lo[a] != p.lo[b] ? p.lo[a] < p.lo[b] : p.hi[a] < p.hi[b];
+  });
+  constexpr std::uint32_t none = std::numeric_limits<std::uint32_t>::max();
+  std::vector<std::uint32_t> next_in_span(p.size(), none);
   std::vector<entry> heap;
-  heap.reserve(p.size());
-  for (std::uint32_t r = 0; r < p.size(); ++r) heap.push_back({0, r, by_priority[r]});
+  for (std::size_t k = 0; k < by_span.size(); ++k) {
+    const std::uint32_t b = by_span[k];
+    auto same_span = [&](std::uint32_t o) { return p.lo[o] == p.lo[b] && p.hi[o] == p.hi[b]; };
+    if (k + 1 < by_span.size() && same_span(by_span[k + 1])) next_in_span[b] = by_span[k + 1];
+    if (k == 0 || !same_span(by_span[k - 1])) heap.push_back({0, rank[b], b});
+  }
   std::make_heap(heap.begin(), heap.end(), later);
   std::uint64_t arena = 0;
   std::size_t steps = 0;
@@ -460,6 +477,11 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
     out.offsets[b] = lowest;
     if (p.bytes[b] != 0) floors.raise(p.lo[b], p.hi[b], lowest + p.bytes[b]);
     arena = std::max(arena, lowest + p.bytes[b]);
+    if (const std::uint32_t n = next_in_span[b]; n != none) {
+      // Exact: the span's highest floor was `lowest` and is now its top.
+      heap.push_back({lowest + p.bytes[b], rank[n], n});
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
   }
   out.arena = arena;
   return out;

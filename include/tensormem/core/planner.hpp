@@ -57,8 +57,7 @@ struct plan_result {
 /// Places every buffer so that no two buffers whose lifetimes overlap share a byte, in an
 /// arena as small as the budget allows. Steps:
 ///  0. First plan: the buffers replayed in time order through tlsf_allocator (one sort of
-///     the lifetime events, then O(1) per event), so that a plan exists early at any scale;
-///     then the skyline placement (below) in decreasing size order, within the time limit.
+///     the lifetime events, then O(1) per event), so that a plan exists early at any scale.
 ///     The time limit counts from the call, set-up included.
 ///  1. Greedy phase, within the time limit. Orders: decreasing size, decreasing lifetime length, decreasing area
 ///     (size x length); each placed with best fit and with first fit among the gaps left by
@@ -68,7 +67,8 @@ struct plan_result {
 ///     parallel; the smallest arena is kept.
 ///  2. Search phase, until the arena equals the lower bound or the time limit. First
 ///     "skyline" orders: buffers placed in increasing offset order, each time the buffer
-///     whose lowest feasible offset is lowest (ties by size, length or area). Then, for instances
+///     whose lowest feasible offset is lowest (ties by size, length or area; their cost grows
+///     with the overlap, which is why they come after every classic order). Then, for instances
 ///     of up to a few thousand time sections, a depth-first search over canonical solutions
 ///     (every buffer sits at offset 0 or on top of another; after MiniMalloc, Moffitt,
 ///     ASPLOS 2023) at a target capacity, with capacity pruning per time section and
