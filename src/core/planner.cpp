@@ -151,13 +151,15 @@ class planner_run {
       tie_break ties = tie_break::size_then_length;
       candidate_plan result = {};
     };
-    std::vector<variant> variants;
-    for (const order_key& k : order_keys) {
-      variants.push_back({&k, detail::fit::best});
-      // Decreasing size first fit was placed with the first plan.
-      if (&k != &order_keys[0]) variants.push_back({&k, detail::fit::first});
+    // Most often best first, so that a short limit still sees them: first fit before best
+    // fit (which also costs more: it needs the whole union of conflicting ranges).
+    // Decreasing size first fit was placed with the first plan.
+    std::vector<variant> variants = {{&order_keys[0], detail::fit::first, tie_break::start}};
+    for (const detail::fit policy : {detail::fit::first, detail::fit::best}) {
+      for (const order_key& k : order_keys) {
+        if (&k != &order_keys[0] || policy == detail::fit::best) variants.push_back({&k, policy});
+      }
     }
-    variants.push_back({&order_keys[0], detail::fit::first, tie_break::start});
     auto work = [&](std::size_t first, std::size_t step) {
       if (!worth_starting()) return;  // the index alone is O(sections) to build and free
       detail::occupancy_index index(p_.sections, p_.longest);
