@@ -114,6 +114,7 @@ class planner_run {
     // Then the classic greedy that is usually best on large inputs (decreasing size, lowest
     // fitting offset), on two threads where there are two.
     if (!done() && worth_starting()) {
+      const auto t1 = clock::now();
       const auto order = order_by(p_, keys_of(p_, order_keys[0]));
       if (threads() >= 2 && p_.size() >= split_from) {
         offer(detail::place_first_fit_split(p_, order, deadline_), "greedy size first-fit");
@@ -122,6 +123,7 @@ class planner_run {
         offer(detail::place_in_order(p_, order, detail::fit::first, index, deadline_),
               "greedy size first-fit");
       }
+      placement_cost_ = clock::now() - t1;
     }
   }
 
@@ -134,10 +136,14 @@ class planner_run {
 
   // A placement starts with an O(n log n) sort it cannot interrupt, about as long as the first
   // plan took, and takes several times that in all (ten to twenty times at 10^5-10^6
-  // buffers): one is started only when at least twice the first plan's cost is left, so that
-  // its set-up and release do not overrun the deadline for nothing.
+  // buffers): one is started only when at least twice the first plan's cost is left, and,
+  // once decreasing size first fit has run, at least as long as it took (every other
+  // placement costs as much or more, on one thread), so that none starts that cannot end:
+  // its set-up and release would only overrun the deadline.
   bool worth_starting() const {
-    return deadline_ == clock::time_point::max() || clock::now() + 2 * first_cost_ < deadline_;
+    if (deadline_ == clock::time_point::max()) return true;
+    const auto now = clock::now();
+    return now + 2 * first_cost_ < deadline_ && now + placement_cost_ < deadline_;
   }
 
   // The seven classic variants, spread over up to `threads` threads. Each variant writes its
@@ -295,6 +301,7 @@ class planner_run {
   double best_plan_seconds_ = 0;
   clock::duration setup_cost_{};
   clock::duration first_cost_{};
+  clock::duration placement_cost_{};  // decreasing size first fit, zero until it has run
 };
 
 }  // namespace
