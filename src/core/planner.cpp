@@ -190,8 +190,12 @@ class planner_run {
   }
 
   candidate_plan search() {
-    // Skyline orders first: often far better than the classic orders.
-    for (const order_key& k : order_keys) {
+    // Skyline orders first: often far better than the classic orders. By length last: ties
+    // to the longest buffers make it re-check several times more often (IOPDDL T: 141 M
+    // re-checks, 20 s, against 14-15 M, 2 s, by size or area), and area is as good or
+    // better on the traces measured.
+    for (const order_key* key : {&order_keys[0], &order_keys[2], &order_keys[1]}) {
+      const order_key& k = *key;
       if (done() || !worth_starting()) return best_;
       offer(detail::place_skyline(p_, keys_of(p_, k), deadline_), std::string("skyline ") + k.name);
     }
