@@ -3,9 +3,12 @@
 #include "tensormem/core/planner.hpp"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <span>
 #include <stdexcept>
@@ -194,10 +197,28 @@ class planner_run {
     // to the longest buffers make it re-check several times more often (IOPDDL T: 141 M
     // re-checks, 20 s, against 14-15 M, 2 s, by size or area), and area is as good or
     // better on the traces measured.
-    for (const order_key* key : {&order_keys[0], &order_keys[2], &order_keys[1]}) {
-      const order_key& k = *key;
-      if (done() || !worth_starting()) return best_;
-      offer(detail::place_skyline(p_, keys_of(p_, k), deadline_), std::string("skyline ") + k.name);
+    // On up to `threads` threads, each plan offered as soon as it is complete; of equal
+    // arenas the earlier in this order is kept, so the plan does not depend on scheduling
+    // (unless the deadline stops one). A skyline stops early once one before it in this
+    // order has reached the lower bound (it could not be kept).
+    if (done() || !worth_starting()) return best_;
+    const std::array<const order_key*, 3> keys = {&order_keys[0], &order_keys[2], &order_keys[1]};
+    std::array<std::atomic<bool>, 3> stop = {};
+    auto work = [&](std::size_t first, std::size_t step) {
+      for (std::size_t i = first; i < keys.size(); i += step) {
+        if (stop[i].load() || !worth_starting()) return;
+        candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), deadline_, &stop[i]);
+        if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
+          for (std::size_t j = i + 1; j < keys.size(); ++j) stop[j].store(true);
+        }
+        offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
+      }
+    };
+    {
+      const std::size_t count = std::min(threads(), keys.size());
+      std::vector<std::jthread> pool;
+      for (std::size_t t = 1; t < count; ++t) pool.emplace_back(work, t, count);
+      work(0, count);
     }
     if (done()) return best_;
     if (p_.sections <= 4096) canonical_phase();
@@ -214,13 +235,21 @@ class planner_run {
  private:
   bool time_left() const { return clock::now() < deadline_; }
 
-  void offer(candidate_plan c, std::string strategy) {
+  // Keeps `c` if it is smaller than the best plan so far. Called from several threads while
+  // the skylines run: `slot` is a skyline's place in their fixed order, and of two skylines
+  // with the same arena the earlier in that order is kept, whichever ended first (a plan of
+  // an earlier phase, slot -1, is never replaced by an equal one).
+  void offer(candidate_plan c, std::string strategy, int slot = -1) {
+    const std::lock_guard lock(offer_mutex_);
     // The first plan is always kept: an arena of 2^64 - 1 bytes is a real plan too.
-    if (!c.offsets.empty() && (best_.offsets.empty() || c.arena < best_.arena)) {
+    if (c.offsets.empty()) return;
+    const bool tie_to_earlier_slot = slot >= 0 && best_slot_ > slot && c.arena == best_.arena;
+    if (best_.offsets.empty() || c.arena < best_.arena || tie_to_earlier_slot) {
       if (best_.offsets.empty()) first_plan_seconds_ = seconds_since(start_);
       best_plan_seconds_ = seconds_since(start_);
       best_ = std::move(c);
       best_.strategy = std::move(strategy);
+      best_slot_ = slot;
       report("search");
     }
   }
@@ -306,6 +335,8 @@ class planner_run {
   clock::duration setup_cost_{};
   clock::duration first_cost_{};
   clock::duration placement_cost_{};  // decreasing size first fit, zero until it has run
+  std::mutex offer_mutex_;
+  int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
 };
 
 }  // namespace

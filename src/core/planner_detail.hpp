@@ -1,6 +1,7 @@
 #pragma once
 // Private pieces of the planner, shared by its translation units and its tests.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -103,9 +104,10 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
 
 /// Skyline greedy: repeatedly places, at its lowest feasible offset, the buffer whose lowest
 /// feasible offset is smallest; ties go to the highest `priority`. Stops past `deadline`
-/// as place_in_order does.
+/// as place_in_order does, or once `*stop` is set (checked as often).
 candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority,
-                             clock::time_point deadline = clock::time_point::max());
+                             clock::time_point deadline = clock::time_point::max(),
+                             const std::atomic<bool>* stop = nullptr);
 
 /// Static data of the canonical search: members of each section (CSR), their total bytes,
 /// and for each buffer the buffers whose lifetimes overlap it (CSR).

@@ -422,7 +422,7 @@ class skyline {
 }  // namespace
 
 candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority,
-                             clock::time_point deadline) {
+                             clock::time_point deadline, const std::atomic<bool>* stop) {
   candidate_plan out;
   out.offsets.assign(p.size(), 0);
   skyline floors(std::max<std::uint32_t>(p.sections, 1));
@@ -464,7 +464,11 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
   std::uint64_t arena = 0;
   std::size_t steps = 0;
   while (!heap.empty()) {
-    if ((++steps & 255U) == 0 && deadline != clock::time_point::max() && clock::now() >= deadline) return {};
+    if ((++steps & 255U) == 0 &&
+        ((stop != nullptr && stop->load(std::memory_order_relaxed)) ||
+         (deadline != clock::time_point::max() && clock::now() >= deadline))) {
+      return {};
+    }
     const std::uint32_t b = heap.front().buffer;
     const std::uint64_t lowest = floors.max(p.lo[b], p.hi[b]);
     if (lowest > heap.front().lowest) {

@@ -366,6 +366,22 @@ TEST(planner, tiny_instances_reach_the_brute_force_optimum) {
   }
 }
 
+// The skylines run on two threads and their plans are offered in a fixed order: the plan
+// does not depend on the thread count (minimalloc_C: the greedy orders stay far above the
+// bound, the skylines run, the canonical search reaches it).
+TEST(planner_greedy, skylines_on_two_threads_keep_the_plan_of_one) {
+  const auto b = trace::read_trace(std::string(TENSORMEM_TEST_DATA) + "/traces/minimalloc_C.csv");
+  plan_options o;
+  o.time_limit_seconds = 60;
+  o.threads = 1;
+  const plan_result one = checked_plan(b, o);
+  o.threads = 2;
+  const plan_result two = checked_plan(b, o);
+  EXPECT_EQ(one.arena_bytes, one.lower_bound);
+  EXPECT_EQ(two.offsets, one.offsets);
+  EXPECT_EQ(two.strategy, one.strategy);
+}
+
 TEST(planner, random_instances_are_valid) {
   std::mt19937_64 rng(11);
   for (int instance = 0; instance < 30; ++instance) {

@@ -35,7 +35,8 @@ struct plan_options {
   /// Threads for the greedy phase; 0 = one per hardware thread. The result does not depend
   /// on it.
   unsigned threads = 0;
-  /// Optional progress callback, called at most about ten times a second.
+  /// Optional progress callback, called at most about ten times a second, from one of the
+  /// planner's threads, never from two at once.
   std::function<void(const plan_progress&)> progress;
 };
 
