@@ -118,13 +118,13 @@ class planner_run {
     // fitting offset), on two threads where there are two.
     if (!done() && worth_starting()) {
       const auto t1 = clock::now();
-      const auto order = order_by(p_, keys_of(p_, order_keys[0]));
+      const auto order = order_by(p_, keys_of(p_, order_keys[0]), tie_break::start);
+      const char* name = "greedy size (equal sizes by start) first-fit";
       if (threads() >= 2 && p_.size() >= split_from) {
-        offer(detail::place_first_fit_split(p_, order, deadline_), "greedy size first-fit");
+        offer(detail::place_first_fit_split(p_, order, deadline_), name);
       } else {
         detail::occupancy_index index(p_.sections, p_.longest);
-        offer(detail::place_in_order(p_, order, detail::fit::first, index, deadline_),
-              "greedy size first-fit");
+        offer(detail::place_in_order(p_, order, detail::fit::first, index, deadline_), name);
       }
       placement_cost_ = clock::now() - t1;
     }
@@ -162,12 +162,10 @@ class planner_run {
     };
     // Most often best first, so that a short limit still sees them: first fit before best
     // fit (which also costs more: it needs the whole union of conflicting ranges).
-    // Decreasing size first fit was placed with the first plan.
-    std::vector<variant> variants = {{&order_keys[0], detail::fit::first, tie_break::start}};
+    // Decreasing size first fit with equal sizes by start was placed with the first plan.
+    std::vector<variant> variants;
     for (const detail::fit policy : {detail::fit::first, detail::fit::best}) {
-      for (const order_key& k : order_keys) {
-        if (&k != &order_keys[0] || policy == detail::fit::best) variants.push_back({&k, policy});
-      }
+      for (const order_key& k : order_keys) variants.push_back({&k, policy});
     }
     auto work = [&](std::size_t first, std::size_t step) {
       if (!worth_starting()) return;  // the index alone is O(sections) to build and free

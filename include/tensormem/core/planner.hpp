@@ -64,8 +64,9 @@ struct plan_result {
 ///     (size x length); each placed with best fit and with first fit among the gaps left by
 ///     already placed buffers that overlap in time (the space above the highest counts as a
 ///     gap); and decreasing size with equal sizes in order of start (first fit by start is
-///     the optimal colouring of equal-size intervals), first fit. The seven variants run in
-///     parallel; the smallest arena is kept.
+///     the optimal colouring of equal-size intervals), first fit. That last one runs first,
+///     on two threads for large inputs; the six others then run in parallel; the smallest
+///     arena is kept.
 ///  2. Search phase, until the arena equals the lower bound or the time limit. First
 ///     "skyline" orders: buffers placed in increasing offset order, each time the buffer
 ///     whose lowest feasible offset is lowest (ties by size, length or area; their cost grows
