@@ -149,7 +149,7 @@ class planner_run {
     return now + 2 * first_cost_ < deadline_ && now + placement_cost_ < deadline_;
   }
 
-  // The seven classic variants, spread over up to `threads` threads. Each variant writes its
+  // The six other classic variants, spread over up to `threads` threads. Each variant writes its
   // own slot; the winner is chosen afterwards in a fixed order, so the result does not
   // depend on scheduling. They run before any skyline: each costs O(n log n + P log P), while
   // a skyline's re-checks grow with the overlap and can take the whole limit.
