@@ -16,12 +16,19 @@ of starts that were each followed by an end gets [start + k, end + k + 2). Later
 move up while earlier ones keep their end, so some contest conflicts are lost (a trace,
 not a contest problem, is planned then).
 
+Errors (exit status 2, the node named): interval and usage lists of different lengths, a
+time or usage that is not a non-negative integer, an interval that ends before it starts,
+a node without usages, an unreadable or malformed file. The trace is written to
+OUT.partial and renamed to OUT, so a failed run leaves no partial trace and an existing OUT
+as it was.
+
 Usage: iopddl_to_csv.py PROBLEM.json[.gz] OUT.csv [--policy biggest|smallest|random]
                         [--seed N] [--times contest|idealloc]
 """
 import argparse
 import gzip
 import json
+import os
 import random
 import sys
 
@@ -29,17 +36,36 @@ import sys
 def load(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        return json.load(f)["problem"]["nodes"]
+        problem = json.load(f)
+    try:
+        nodes = problem["problem"]["nodes"]
+        nodes["intervals"], nodes["usages"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{path}: no problem.nodes.intervals and problem.nodes.usages") from None
+    return nodes
+
+
+def whole(value, what):
+    """A non-negative integer of the file, or a ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: {value!r} is not a non-negative integer")
+    return value
 
 
 def to_buffers(nodes, policy, seed, times="contest"):
     """Returns {node index: (lower, upper, size)} with half-open lifetimes."""
     rng = random.Random(seed)
+    if len(nodes["intervals"]) != len(nodes["usages"]):
+        raise ValueError(f"{len(nodes['intervals'])} intervals but {len(nodes['usages'])} "
+                         "usage lists: one of each per node")
     spans = []
     for index, (interval, usages) in enumerate(zip(nodes["intervals"], nodes["usages"])):
-        if len(interval) != 2 or not usages:
+        if not isinstance(interval, list) or len(interval) != 2 or not isinstance(usages, list) \
+                or not usages:
             raise ValueError(f"node {index}: expected [start, end] and at least one usage")
-        start, end = int(interval[0]), int(interval[1])
+        start = whole(interval[0], f"node {index}: start")
+        end = whole(interval[1], f"node {index}: end")
+        usages = [whole(u, f"node {index}: usage") for u in usages]
         if end < start:
             raise ValueError(f"node {index}: interval [{start}, {end}] ends before it starts")
         if policy == "biggest":
@@ -48,11 +74,11 @@ def to_buffers(nodes, policy, seed, times="contest"):
             size = min(usages)
         else:
             size = rng.choice(usages)
-        spans.append((start, end + 1, int(size) + 1))
+        spans.append((start, end + 1, size + 1))
     if times == "contest":
         return dict(enumerate(spans))
-    # (time, kind, tie, node): ends (kind 0) before starts (kind 1); order among starts at
-    # one time does not change the output.
+    # (time, kind, node): ends (kind 0) before starts (kind 1); order among starts at one
+    # time does not change the output.
     events = []
     for index, (lower, upper, _) in enumerate(spans):
         events.append((lower, 1, index))
@@ -80,12 +106,21 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1, help="seed of --policy random")
     parser.add_argument("--times", choices=["contest", "idealloc"], default="contest")
     args = parser.parse_args(argv)
-    buffers = to_buffers(load(args.problem), args.policy, args.seed, args.times)
-    with open(args.out, "w") as f:
-        f.write("id,lower,upper,size\n")
-        for index in sorted(buffers):
-            lower, upper, size = buffers[index]
-            f.write(f"{index},{lower},{upper},{size}\n")
+    # Written beside the output and renamed over it: a failed run leaves no partial trace and
+    # an existing output as it was.
+    partial = args.out + ".partial"
+    try:
+        buffers = to_buffers(load(args.problem), args.policy, args.seed, args.times)
+        with open(partial, "w") as f:
+            f.write("id,lower,upper,size\n")
+            for index in sorted(buffers):
+                lower, upper, size = buffers[index]
+                f.write(f"{index},{lower},{upper},{size}\n")
+        os.replace(partial, args.out)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        if os.path.exists(partial):
+            os.remove(partial)
+        parser.exit(2, f"iopddl_to_csv.py: error: {e}\n")
     print(f"{args.out}: {len(buffers)} buffers", file=sys.stderr)
 
 

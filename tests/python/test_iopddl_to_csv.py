@@ -9,6 +9,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 sys.path.insert(0, BENCH)
 import iopddl_to_csv  # noqa: E402
@@ -78,3 +80,44 @@ def test_command_line_writes_a_trace_and_rejects_bad_nodes(tmp_path):
     r = subprocess.run([sys.executable, script, str(empty), str(tmp_path / "y.csv")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "node 0: expected [start, end] and at least one usage" in r.stderr
+
+
+def run_script(*args):
+    script = os.path.join(BENCH, "iopddl_to_csv.py")
+    return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("body, message", [
+    (problem([[0, 1], [2, 3]], [[1]]), "2 intervals but 1 usage lists"),
+    (problem([[0, 1.5]], [[1]]), "node 0: end: 1.5 is not a non-negative integer"),
+    (problem([[-1, 2]], [[1]]), "node 0: start: -1 is not a non-negative integer"),
+    (problem([[0, 2]], [[4, -3]]), "node 0: usage: -3 is not a non-negative integer"),
+    (problem([[0, 2]], [[True]]), "node 0: usage: True is not a non-negative integer"),
+    (problem([[0, 1, 2]], [[1]]), "node 0: expected [start, end] and at least one usage"),
+    ({"problem": {"nodes": {"intervals": []}}}, "no problem.nodes.intervals and problem.nodes.usages"),
+    ([1, 2], "no problem.nodes.intervals and problem.nodes.usages"),
+])
+def test_bad_problems_are_named_and_leave_the_output_as_it_was(tmp_path, body, message):
+    src = tmp_path / "p.json"
+    src.write_text(json.dumps(body))
+    dst = tmp_path / "out.csv"
+    dst.write_text("kept\n")
+    r = run_script(src, dst)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert dst.read_text() == "kept\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv", "p.json"]
+
+
+def test_unreadable_input_and_unwritable_output_are_errors(tmp_path):
+    r = run_script(tmp_path / "missing.json", tmp_path / "out.csv")
+    assert r.returncode == 2 and "missing.json" in r.stderr
+    garbage = tmp_path / "g.json.gz"
+    garbage.write_bytes(b"not gzip at all")
+    r = run_script(garbage, tmp_path / "out.csv")
+    assert r.returncode == 2 and "error" in r.stderr
+    src = tmp_path / "p.json"
+    src.write_text(json.dumps(problem([[0, 1]], [[1]])))
+    r = run_script(src, tmp_path / "no_such_dir" / "out.csv")
+    assert r.returncode == 2 and "no_such_dir" in r.stderr
+    assert not (tmp_path / "out.csv").exists()
