@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <numeric>
@@ -14,6 +15,7 @@
 #include <stdexcept>
 #include <thread>
 #include <tuple>
+#include <vector>
 
 #include "planner_detail.hpp"
 #include "tensormem/core/align.hpp"
@@ -27,6 +29,15 @@ namespace {
 using detail::candidate_plan;
 using detail::clock;
 using detail::plan_problem;
+
+// Runs work(t, count) for t in [0, count): t = 0 on the calling thread, the others on their
+// own; returns when all have ended.
+template <class Work>
+void on_threads(std::size_t count, Work& work) {
+  std::vector<std::jthread> pool;
+  for (std::size_t t = 1; t < count; ++t) pool.emplace_back(std::ref(work), t, count);
+  work(0, count);
+}
 
 double seconds_since(clock::time_point t) {
   return std::chrono::duration<double>(clock::now() - t).count();
@@ -176,12 +187,7 @@ class planner_run {
         variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index, deadline_);
       }
     };
-    const std::size_t count = std::min(threads(), variants.size());
-    {
-      std::vector<std::jthread> pool;
-      for (std::size_t t = 1; t < count; ++t) pool.emplace_back(work, t, count);
-      work(0, count);
-    }
+    on_threads(std::min(threads(), variants.size()), work);
     for (variant& v : variants) {
       offer(std::move(v.result), std::string("greedy ") + v.key->name +
                                      (v.ties == tie_break::start ? " (equal sizes by start)" : "") +
@@ -212,12 +218,7 @@ class planner_run {
         offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
       }
     };
-    {
-      const std::size_t count = std::min(threads(), keys.size());
-      std::vector<std::jthread> pool;
-      for (std::size_t t = 1; t < count; ++t) pool.emplace_back(work, t, count);
-      work(0, count);
-    }
+    on_threads(std::min(threads(), keys.size()), work);
     if (done()) return best_;
     if (p_.sections <= 4096) canonical_phase();
     if (!done()) perturbation_phase();
