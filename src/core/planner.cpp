@@ -148,16 +148,9 @@ class planner_run {
     return o_.threads != 0 ? o_.threads : std::max(1U, std::thread::hardware_concurrency());
   }
 
-  // A placement starts with an O(n log n) sort it cannot interrupt, about as long as the first
-  // plan took, and takes several times that in all (ten to twenty times at 10^5-10^6
-  // buffers): one is started only when at least twice the first plan's cost is left, and,
-  // once decreasing size first fit has run, at least as long as it took (every other
-  // placement costs as much or more, on one thread), so that none starts that cannot end:
-  // its set-up and release would only overrun the deadline.
+  // See detail::worth_starting.
   bool worth_starting() const {
-    if (deadline_ == clock::time_point::max()) return true;
-    const auto now = clock::now();
-    return now + 2 * first_cost_ < deadline_ && now + placement_cost_ < deadline_;
+    return detail::worth_starting(clock::now(), deadline_, first_cost_, placement_cost_);
   }
 
   // The six other classic variants, spread over up to `threads` threads. Each variant writes its
@@ -234,16 +227,14 @@ class planner_run {
  private:
   bool time_left() const { return clock::now() < deadline_; }
 
-  // Keeps `c` if it is smaller than the best plan so far. Called from several threads while
-  // the skylines run: `slot` is a skyline's place in their fixed order, and of two skylines
-  // with the same arena the earlier in that order is kept, whichever ended first (a plan of
-  // an earlier phase, slot -1, is never replaced by an equal one).
+  // Keeps `c` if it is smaller than the best plan so far, or an equal skyline earlier in
+  // their fixed order (`slot`; see detail::replaces_best). Called from several threads while
+  // the skylines run.
   void offer(candidate_plan c, std::string strategy, int slot = -1) {
     const std::lock_guard lock(offer_mutex_);
     // The first plan is always kept: an arena of 2^64 - 1 bytes is a real plan too.
     if (c.offsets.empty()) return;
-    const bool tie_to_earlier_slot = slot >= 0 && best_slot_ > slot && c.arena == best_.arena;
-    if (best_.offsets.empty() || c.arena < best_.arena || tie_to_earlier_slot) {
+    if (detail::replaces_best(!best_.offsets.empty(), best_.arena, best_slot_, c.arena, slot)) {
       if (best_.offsets.empty()) first_plan_seconds_ = seconds_since(start_);
       best_plan_seconds_ = seconds_since(start_);
       best_ = std::move(c);

@@ -109,6 +109,31 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
                              clock::time_point deadline = clock::time_point::max(),
                              const std::atomic<bool>* stop = nullptr);
 
+/// Whether a plan of `arena` bytes offered from `slot` replaces the best plan so far
+/// (`best_arena`, offered from `best_slot`; `has_best` false before the first plan). A
+/// smaller arena always does. Skylines run in parallel and offer in whatever order they end:
+/// `slot` is a skyline's place in their fixed order, -1 for every other phase, and of equal
+/// arenas the skyline earlier in that order replaces a later one, while a plan of an earlier
+/// phase is never replaced by an equal one. So the plan kept does not depend on the order in
+/// which the skylines end.
+inline bool replaces_best(bool has_best, std::uint64_t best_arena, int best_slot,
+                          std::uint64_t arena, int slot) noexcept {
+  if (!has_best || arena < best_arena) return true;
+  return slot >= 0 && best_slot > slot && arena == best_arena;
+}
+
+/// Whether a placement may start at `now` before `deadline` (clock::time_point::max() for
+/// none). A placement begins with a sort it cannot interrupt, about as long as the first plan
+/// took (`first_cost`), and its index costs as much to release: it starts only when twice
+/// that is left, and, once decreasing size first fit has run (`placement_cost` its time, zero
+/// before), when at least that long is left (every other placement costs as much or more on
+/// one thread), so that none starts that could not end in time.
+inline bool worth_starting(clock::time_point now, clock::time_point deadline,
+                           clock::duration first_cost, clock::duration placement_cost) noexcept {
+  if (deadline == clock::time_point::max()) return true;
+  return now + 2 * first_cost < deadline && now + placement_cost < deadline;
+}
+
 /// Static data of the canonical search: members of each section (CSR), their total bytes,
 /// and for each buffer the buffers whose lifetimes overlap it (CSR).
 struct search_graph {

@@ -6,6 +6,8 @@
 #include <functional>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -103,6 +105,71 @@ TEST(planner_deadline, placements_give_up_past_the_deadline) {
   EXPECT_EQ(s.offsets.size(), b.size());
   EXPECT_EQ(a.arena, detail::place_in_order(p, order, detail::fit::best, index).arena);
   EXPECT_EQ(validate(b, s.offsets, s.arena, 1), "");
+}
+
+// A skyline asked to stop gives up (no offsets) though its deadline is far; not asked, it
+// places every buffer as without a flag. The planner stops later skylines this way once an
+// earlier one reaches the lower bound.
+TEST(planner_deadline, skyline_stops_when_asked) {
+  const auto b = synthetic_lifetimes(3000, 5);
+  const detail::plan_problem p = detail::make_problem(b, 1);
+  std::vector<double> priority(b.size());
+  for (std::size_t i = 0; i < b.size(); ++i) priority[i] = static_cast<double>(b[i].bytes);
+  const auto future = detail::clock::now() + std::chrono::hours(1);
+  std::atomic<bool> stop{true};
+  EXPECT_TRUE(detail::place_skyline(p, priority, future, &stop).offsets.empty());
+  stop = false;
+  const auto s = detail::place_skyline(p, priority, future, &stop);
+  EXPECT_EQ(s.offsets, detail::place_skyline(p, priority).offsets);
+  EXPECT_EQ(validate(b, s.offsets, s.arena, 1), "");
+}
+
+// The rule that keeps the planner's time limit: a placement starts only with twice the first
+// plan's cost left and, once decreasing size first fit has run, at least as long as it took.
+TEST(planner_deadline, no_placement_starts_that_cannot_end) {
+  using std::chrono::milliseconds;
+  const auto now = detail::clock::now();
+  const auto deadline = now + milliseconds(10'000);
+  const auto none = detail::clock::duration::zero();
+  EXPECT_TRUE(detail::worth_starting(now, detail::clock::time_point::max(), std::chrono::hours(1), std::chrono::hours(1)));
+  EXPECT_TRUE(detail::worth_starting(now, deadline, none, none));
+  EXPECT_TRUE(detail::worth_starting(now, deadline, milliseconds(4'999), none));
+  EXPECT_FALSE(detail::worth_starting(now, deadline, milliseconds(5'000), none));
+  EXPECT_TRUE(detail::worth_starting(now, deadline, milliseconds(1), milliseconds(9'999)));
+  EXPECT_FALSE(detail::worth_starting(now, deadline, milliseconds(1), milliseconds(10'000)));
+  EXPECT_FALSE(detail::worth_starting(now, deadline, milliseconds(1), milliseconds(30'000)));
+  EXPECT_FALSE(detail::worth_starting(deadline, deadline, none, none));  // nothing left
+}
+
+// The skylines offer their plans from two threads in whatever order they end: for every
+// order the plan kept is the same, the smallest arena, of equal ones a plan of an earlier
+// phase (slot -1), else the skyline first in the fixed order (lowest slot).
+TEST(planner_greedy, kept_plan_does_not_depend_on_the_order_skylines_end) {
+  std::mt19937_64 rng(11);
+  for (int instance = 0; instance < 300; ++instance) {
+    const bool has_earlier = instance % 4 != 0;
+    const std::uint64_t earlier_arena = 100 + rng() % 3;
+    std::vector<std::pair<std::uint64_t, int>> skylines;  // (arena, slot)
+    for (int slot = 0; slot < 3; ++slot) skylines.push_back({100 + rng() % 3, slot});
+    std::pair<std::uint64_t, int> expected = *std::min_element(skylines.begin(), skylines.end());
+    if (has_earlier && earlier_arena <= expected.first) expected = {earlier_arena, -1};
+    std::sort(skylines.begin(), skylines.end(),
+              [](const auto& x, const auto& y) { return x.second < y.second; });
+    do {
+      bool has_best = has_earlier;
+      std::uint64_t best_arena = earlier_arena;
+      int best_slot = -1;
+      for (const auto& [arena, slot] : skylines) {
+        if (detail::replaces_best(has_best, best_arena, best_slot, arena, slot)) {
+          has_best = true;
+          best_arena = arena;
+          best_slot = slot;
+        }
+      }
+      ASSERT_EQ(std::make_pair(best_arena, best_slot), expected) << "instance " << instance;
+    } while (std::next_permutation(skylines.begin(), skylines.end(),
+                                   [](const auto& x, const auto& y) { return x.second < y.second; }));
+  }
 }
 
 // Brute force: in any packing, sliding every buffer down in the order of its offset never
