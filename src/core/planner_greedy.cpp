@@ -15,12 +15,14 @@
 
 #include "parallel_sort.hpp"
 #include "planner_detail.hpp"
+#include "tensormem/core/planner.hpp"
 #include "tensormem/core/align.hpp"
 
 namespace tensormem::core::detail {
 
 plan_problem make_problem(std::span<const buffer> buffers, std::uint64_t alignment) {
-  if (buffers.size() >= plan_problem::start_event) {
+  static_assert(max_plan_buffers < plan_problem::start_event);
+  if (buffers.size() > max_plan_buffers) {
     throw std::length_error("plan: " + std::to_string(buffers.size()) + " buffers; at most 2^31 - 1 are planned");
   }
   plan_problem p;

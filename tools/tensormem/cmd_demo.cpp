@@ -258,16 +258,16 @@ void add_demo_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "demo", "Plan the memory of a built-in transformer training step (GPT-2 small default)");
   auto& m = opts->model;
-  cmd->add_option("--layers", m.layers, "transformer layers")->check(CLI::PositiveNumber);
-  cmd->add_option("--hidden", m.hidden, "hidden size")->check(CLI::PositiveNumber);
-  cmd->add_option("--heads", m.heads, "attention heads")->check(CLI::PositiveNumber);
-  cmd->add_option("--sequence", m.sequence, "sequence length")->check(CLI::PositiveNumber);
-  cmd->add_option("--batch", m.batch, "batch size")->check(CLI::PositiveNumber);
-  cmd->add_option("--vocabulary", m.vocabulary, "vocabulary size")->check(CLI::PositiveNumber);
+  cmd->add_option("--layers", m.layers, "transformer layers")->check(positive_count());
+  cmd->add_option("--hidden", m.hidden, "hidden size")->check(positive_count());
+  cmd->add_option("--heads", m.heads, "attention heads")->check(positive_count());
+  cmd->add_option("--sequence", m.sequence, "sequence length")->check(positive_count());
+  cmd->add_option("--batch", m.batch, "batch size")->check(positive_count());
+  cmd->add_option("--vocabulary", m.vocabulary, "vocabulary size")->check(positive_count());
   cmd->add_option("--dtype-bytes", m.dtype_bytes, "bytes per element")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--alignment", opts->alignment, "allocation alignment in bytes")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--plan-seconds", opts->plan_seconds, "search budget of the offline plan")
       ->check(non_negative_seconds());
   cmd->add_flag("--json", opts->json, "print one JSON object");

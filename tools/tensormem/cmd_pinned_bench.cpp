@@ -20,9 +20,9 @@ void add_pinned_bench_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "pinned-bench", "Allocate/free pairs (4 KiB-64 MiB) from the pinned pool vs mmap+mlock each");
   cmd->add_option("--pool-pairs", o->bench.pool_pairs, "pairs through the pool")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--mlock-pairs", o->bench.mlock_pairs, "pairs of one locked mapping each")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--seed", o->bench.seed, "seed of the size sequence");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {

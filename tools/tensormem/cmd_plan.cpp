@@ -44,6 +44,10 @@ void run_plan(plan_cli_options o) {
     throw std::invalid_argument("plan: give a trace file or --synthetic N, not both");
   }
   std::vector<core::buffer> buffers;
+  if (o.synthetic > core::max_plan_buffers) {
+    throw std::invalid_argument("plan: --synthetic " + std::to_string(o.synthetic) + ": at most " +
+                                std::to_string(core::max_plan_buffers) + " buffers are planned");
+  }
   if (o.synthetic != 0) {
     buffers = core::synthetic_lifetimes(o.synthetic, o.synthetic_seed);
     o.trace = "synthetic:" + std::to_string(o.synthetic) + ":" + std::to_string(o.synthetic_seed);
@@ -106,12 +110,12 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--synthetic", opts->synthetic,
                   "plan N buffers of the synthetic family instead of a trace (starts uniform over N steps, "
                   "lifetimes 2^U(0,12), sizes 2^U(10,24))")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--synthetic-seed", opts->synthetic_seed, "seed of the synthetic family (default 1)");
   cmd->add_option("--time-limit", opts->time_limit, "search budget in seconds (default 10)")
       ->check(non_negative_seconds());
   cmd->add_option("--alignment", opts->alignment, "size and offset alignment (default 1)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--seed", opts->seed, "seed of the randomized search");
   cmd->add_option("--out", opts->out, "write the trace with an offset column");
   cmd->add_option("--svg", opts->svg, "draw the plan as SVG");

@@ -203,12 +203,12 @@ void add_swap_bench_command(CLI::App& app) {
   auto o = std::make_shared<swap_bench_options>();
   CLI::App* cmd = app.add_subcommand("swap-bench", "Swap tensors out to a directory and back; GB/s each way");
   cmd->add_option("--dir", o->dir, "directory for the swap files")->required();
-  cmd->add_option("--bytes", o->bytes, "total bytes (default 4 GiB)")->check(CLI::PositiveNumber);
-  cmd->add_option("--block", o->block, "bytes per I/O request (default 1 MiB)")->check(CLI::PositiveNumber);
+  cmd->add_option("--bytes", o->bytes, "total bytes (default 4 GiB)")->check(positive_count());
+  cmd->add_option("--block", o->block, "bytes per I/O request (default 1 MiB)")->check(positive_count());
   cmd->add_option("--tensor-bytes", o->tensor_bytes, "bytes per tensor (default 64 MiB)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--queue-depth", o->queue_depth, "requests in flight (default 32)")
-      ->check(CLI::PositiveNumber);
+      ->check(positive_count());
   cmd->add_option("--engine", o->engine, "uring or threads")->check(CLI::IsMember({"uring", "threads"}));
   auto* direct = cmd->add_flag("--direct", o->direct_flag, "O_DIRECT (the default)");
   auto* buffered = cmd->add_flag("--buffered", o->buffered, "page-cache I/O");

@@ -1,7 +1,10 @@
 #pragma once
 // Sub-commands of the `tensormem` command-line tool.
 
+#include <charconv>
+#include <cstdint>
 #include <stdexcept>
+#include <system_error>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -37,6 +40,27 @@ inline CLI::Validator non_negative_seconds() {
         return {};
       },
       "SECONDS>=0");
+}
+
+/// Validator of a count or a size: a whole number >= 1 in decimal digits that fits in 64
+/// bits; the error names the value briefly (CLI11's PositiveNumber answers "not in range
+/// 0.000000 to" the 309 digits of DBL_MAX, and accepts "1.5").
+inline CLI::Validator positive_count() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::uint64_t value = 0;
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        const bool digits = !text.empty() && text.front() >= '0' && text.front() <= '9';
+        if (digits && ptr == end && ec == std::errc::result_out_of_range) {
+          return "'" + text.substr(0, 40) + "' does not fit in 64 bits";
+        }
+        if (!digits || ec != std::errc() || ptr != end || value == 0) {
+          return "must be a whole number >= 1, not '" + text.substr(0, 40) + "'";
+        }
+        return {};
+      },
+      "N>=1");
 }
 
 void add_replay_command(CLI::App& app);

@@ -2,6 +2,7 @@
 
 #include <exception>
 #include <iostream>
+#include <new>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -9,6 +10,7 @@
 #include "commands.hpp"
 #include "progress.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
+#include "tensormem/memory/errors.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
 int main(int argc, char** argv) {
@@ -56,6 +58,11 @@ int main(int argc, char** argv) {
   } catch (const tensormem::cli::command_failed& e) {
     std::cerr << "tensormem: " << e.what() << '\n';
     return e.code();
+  } catch (const std::bad_alloc& e) {
+    // The library's out_of_memory says what was asked for; the standard one only its name.
+    const bool named = dynamic_cast<const tensormem::memory::out_of_memory*>(&e) != nullptr;
+    std::cerr << "tensormem: " << (named ? e.what() : "out of memory") << '\n';
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "tensormem: " << e.what() << '\n';
     return 1;

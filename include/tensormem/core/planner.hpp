@@ -1,6 +1,7 @@
 #pragma once
 // Static memory planner: buffers with known lifetimes in, offsets in one arena out.
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -55,6 +56,9 @@ struct plan_result {
   }
 };
 
+/// The most buffers one plan takes (buffers are numbered in 31 bits).
+inline constexpr std::size_t max_plan_buffers = (std::size_t{1} << 31) - 1;
+
 /// Places every buffer so that no two buffers whose lifetimes overlap share a byte, in an
 /// arena as small as the budget allows. Steps:
 ///  0. First plan: the buffers replayed in time order through tlsf_allocator (one sort of
@@ -79,7 +83,8 @@ struct plan_result {
 /// problem is NP-hard: the result is not guaranteed optimal unless it equals the lower bound.
 /// Throws std::invalid_argument for a non-power-of-two alignment, an empty lifetime, a time
 /// limit that is negative or NaN, or sizes that add up past 2^64 - 1 (a limit larger than
-/// the clock can count means no limit).
+/// the clock can count means no limit); std::length_error for more than max_plan_buffers
+/// buffers.
 plan_result plan(std::span<const buffer> buffers, const plan_options& options = {});
 
 /// Plans the activations, inputs and outputs of a graph (see derive_lifetimes); the
