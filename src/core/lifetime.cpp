@@ -22,6 +22,9 @@ std::uint64_t lower_bound(std::span<const buffer> buffers, std::uint64_t alignme
     bool start;
     std::uint64_t bytes;
   };
+  if (!is_power_of_two(alignment)) {
+    throw std::invalid_argument("lower_bound: alignment " + std::to_string(alignment) + " is not a power of two");
+  }
   std::vector<event> events;
   events.reserve(buffers.size() * 2);
   for (const buffer& b : buffers) {

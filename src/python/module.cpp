@@ -315,6 +315,7 @@ std::vector<std::uint64_t> unsigned_array(const py::handle& object, const char* 
     throw std::invalid_argument(std::string(name) + " must be one-dimensional, not " +
                                 std::to_string(a.ndim()) + "-dimensional");
   }
+  if (a.size() == 0) return {};  // an empty list is an array of floats to numpy
   const char kind = a.dtype().kind();
   if (kind != 'i' && kind != 'u') {
     throw std::invalid_argument(std::string(name) + " must hold integers, not " +

@@ -36,6 +36,9 @@ TEST(lower_bound, half_open_lifetimes) {
   EXPECT_EQ(lower_bound(b), 25U);  // a and b never meet: [0,2) and [2,4)
   EXPECT_EQ(lower_bound(b, 16), 48U);
   EXPECT_EQ(lower_bound(std::vector<buffer>{}), 0U);
+  for (const std::uint64_t bad : {0ULL, 3ULL, 48ULL}) {
+    EXPECT_THROW((void)lower_bound(b, bad), std::invalid_argument) << bad;
+  }
 }
 
 TEST(replay_order, frees_before_allocations_then_file_order) {

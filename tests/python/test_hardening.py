@@ -177,6 +177,19 @@ def test_plan_refuses_negative_float_and_multidimensional_arrays():
         tensormem.plan(lower, upper, size, time_limit=float("nan"))
 
 
+def test_plan_of_no_buffers_from_empty_lists_and_bad_alignments():
+    # numpy makes float64 arrays of empty lists: no buffers is still a plan.
+    p = tensormem.plan([], [], [])
+    assert p["arena_bytes"] == 0 and len(p["offsets"]) == 0
+    assert tensormem.lower_bound([], [], []) == 0
+    assert tensormem.validate([], [], [], [], 0) == ""
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"alignment {bad} is not a power of two"):
+            tensormem.lower_bound([0], [1], [10], alignment=bad)
+        with pytest.raises(ValueError, match=f"alignment {bad} is not a power of two"):
+            tensormem.plan([0], [1], [10], alignment=bad)
+
+
 def test_plan_of_the_largest_buffer_and_of_sizes_past_two_to_the_64():
     biggest = np.array([2**64 - 1], dtype=np.uint64)
     p = tensormem.plan(np.array([0]), np.array([1]), biggest)

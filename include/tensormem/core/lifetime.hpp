@@ -28,7 +28,8 @@ constexpr bool lifetimes_overlap(const buffer& a, const buffer& b) noexcept {
 /// The lower bound of every plan: the largest total of sizes (each rounded up to
 /// `alignment`, a power of two) alive at one time. Buffers with an empty lifetime
 /// (`lower >= upper`) are never alive. Throws std::overflow_error, naming the time, when
-/// more than 2^64 - 1 bytes are alive at once (no plan in 64-bit offsets exists). O(n log n).
+/// more than 2^64 - 1 bytes are alive at once (no plan in 64-bit offsets exists), and
+/// std::invalid_argument when `alignment` is not a power of two. O(n log n).
 std::uint64_t lower_bound(std::span<const buffer> buffers, std::uint64_t alignment = 1);
 
 /// The synthetic family used to measure the planner at scale: `n` buffers (ids "0".."n-1"),
