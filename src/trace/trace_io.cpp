@@ -99,7 +99,9 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
 
   while (read_line(in, line, max_line_bytes, name, line_number + 1)) {
     ++line_number;
-    const std::string_view text = trim(line);
+    std::string_view text = trim(line);
+    // A byte order mark, as some spreadsheet programs write before the header.
+    if (!header_seen && text.starts_with("\xEF\xBB\xBF")) text = trim(text.substr(3));
     if (text.empty()) continue;
     std::vector<std::string_view> fields = split(text);
     for (auto& f : fields) f = trim(f);
@@ -115,8 +117,9 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
     }
     const std::size_t want = has_offset ? 5 : 4;
     if (fields.size() != want) {
-      throw fail("expected " + std::to_string(want) + " columns, found " +
-                 std::to_string(fields.size()));
+      const bool quoted = text.find('"') != std::string_view::npos;
+      throw fail("expected " + std::to_string(want) + " columns, found " + std::to_string(fields.size()) +
+                 (quoted ? " (quotes are not read: an id cannot hold a comma)" : ""));
     }
     static constexpr const char* column_names[] = {"id", "lower", "upper", "size", "offset"};
     std::uint64_t values[5] = {};

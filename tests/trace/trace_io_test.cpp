@@ -30,6 +30,11 @@ TEST(trace_io, reads_buffers_and_offsets) {
   EXPECT_FALSE(b[0].offset.has_value());
   std::istringstream with("id,lower,upper,size,offset\n7,0,1,10,20\n");
   EXPECT_EQ(read_trace(with, "w.csv")[0].offset.value_or(0), 20U);
+  // A byte order mark before the header (spreadsheet programs write one) is skipped.
+  std::istringstream bom("\xEF\xBB\xBFid,lower,upper,size\nb1,0,3,4\n");
+  const auto c = read_trace(bom, "bom.csv");
+  ASSERT_EQ(c.size(), 1U);
+  EXPECT_EQ(c[0].id, "b1");
 }
 
 TEST(trace_io, malformed_input_names_file_and_line) {
@@ -39,6 +44,11 @@ TEST(trace_io, malformed_input_names_file_and_line) {
   EXPECT_EQ(error_of("id,lower,upper,size\n"), "t.csv:1: no buffers after the header");
   EXPECT_EQ(error_of("id,lower,upper,size\na,0,1\n"), "t.csv:2: expected 4 columns, found 3");
   EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2,3\n"), "t.csv:2: expected 4 columns, found 5");
+  EXPECT_EQ(error_of("id,lower,upper,size\n\"a,b\",0,1,2\n"),
+            "t.csv:2: expected 4 columns, found 5 (quotes are not read: an id cannot hold a comma)");
+  // Only before the header is a byte order mark skipped.
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2\n\xEF\xBB\xBFid,lower,upper,size\n"),
+            "t.csv:3: lower is not an unsigned integer: 'lower'");
   EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2\nb,x,1,2\n"),
             "t.csv:3: lower is not an unsigned integer: 'x'");
   EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,1.5\n"),

@@ -37,7 +37,8 @@ std::string brief(std::string_view field);
 
 /// Reads a whole trace. `id` is any text without a comma; the other columns are unsigned
 /// 64-bit integers; lifetimes are half-open, so `lower < upper` is required. An `offset`
-/// column, when the header has it, must be filled on every line. Blank lines are ignored.
+/// column, when the header has it, must be filled on every line. Blank lines are ignored, as
+/// is a UTF-8 byte order mark before the header; fields are not quoted.
 /// Throws trace_error on the first problem (missing or extra column, non-numeric, negative or
 /// out-of-range value, lower >= upper, duplicate id, no buffers); nothing is returned then.
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name);
