@@ -100,8 +100,7 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
   while (read_line(in, line, max_line_bytes, name, line_number + 1)) {
     ++line_number;
     std::string_view text = trim(line);
-    // A byte order mark, as some spreadsheet programs write before the header.
-    if (!header_seen && text.starts_with("\xEF\xBB\xBF")) text = trim(text.substr(3));
+    if (!header_seen && starts_with_byte_order_mark(text)) text = trim(text.substr(3));
     if (text.empty()) continue;
     std::vector<std::string_view> fields = split(text);
     for (auto& f : fields) f = trim(f);

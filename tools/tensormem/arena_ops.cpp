@@ -17,6 +17,7 @@ std::vector<arena_op> parse_arena_ops(std::istream& in, const std::string& sourc
   std::size_t number = 0;
   while (trace::read_line(in, line, trace::max_line_bytes, source, number + 1)) {
     ++number;
+    if (number == 1 && trace::starts_with_byte_order_mark(line)) line.erase(0, 3);
     if (const auto hash = line.find('#'); hash != std::string::npos) line.erase(hash);
     std::istringstream words(line);
     std::string verb;

@@ -32,6 +32,12 @@ std::ifstream open_input(const std::string& path);
 bool read_line(std::istream& in, std::string& line, std::size_t max_bytes, const std::string& name,
                std::size_t line_number);
 
+/// Whether the first line of a text file begins with a UTF-8 byte order mark (as some
+/// editors and spreadsheet programs write); the readers skip it.
+inline bool starts_with_byte_order_mark(std::string_view line) noexcept {
+  return line.starts_with("\xEF\xBB\xBF");
+}
+
 /// A field quoted briefly for an error message: at most 40 characters, then how long it was.
 std::string brief(std::string_view field);
 
