@@ -26,6 +26,7 @@ with every activation inside ONE preallocated arena tensor at its planned offset
 from __future__ import annotations
 
 import operator
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -610,6 +611,28 @@ def _example_model(name: str, batch: int, sequence: int, layers: int):
     return model.eval(), torch.randn(batch, 3, 224, 224)
 
 
+def _positive_int(text: str) -> int:
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not '{text[:40]}'")
+    return value
+
+
+def _seconds(text: str) -> float:
+    import argparse
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, not '{text[:40]}'")
+    return value
+
+
 def main(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="python3 -m tensormem.torch",
@@ -617,11 +640,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="trace a model, plan it, print the report")
     p.add_argument("model", help="torchvision model name (resnet50, mobilenet_v3_large, vit_b_16...) or gpt")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--training", action="store_true", help="a training step: forward, loss, backward")
-    p.add_argument("--time-limit", type=float, default=2.0, help="planner search budget, seconds (default 2)")
-    p.add_argument("--sequence", type=int, default=128, help="gpt: tokens per sequence (default 128)")
-    p.add_argument("--layers", type=int, default=12, help="gpt: transformer blocks (default 12)")
+    p.add_argument("--time-limit", type=_seconds, default=2.0, help="planner search budget, seconds (default 2)")
+    p.add_argument("--sequence", type=_positive_int, default=128, help="gpt: tokens per sequence (default 128)")
+    p.add_argument("--layers", type=_positive_int, default=12, help="gpt: transformer blocks (default 12)")
     p.add_argument("--svg", help="draw the plan: SVG, or an interactive page if the name ends in .html")
     p.add_argument("--trace", help="write the buffers as a trace CSV (for tensormem plan / replay)")
     p.add_argument("--run", action="store_true", help="also run the plan and compare with eager PyTorch")
@@ -633,13 +656,17 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - t0
     print(f"{args.model}, batch {args.batch}: traced, measured and planned in {seconds:.1f} s")
     print(plan.report(), end="")
-    if args.trace:
-        plan.graph.to_trace(args.trace)
-    if args.svg:
-        lower, upper, size = plan.graph.arrays()
-        _tensormem.write_plan_picture(args.svg, lower, upper, size, plan.offsets.astype(np.uint64), plan.arena_bytes,
-                                      plan.lower_bound, f"{args.model} batch {args.batch}",
-                                      [b.name for b in plan.graph.buffers])
+    try:
+        if args.trace:
+            plan.graph.to_trace(args.trace)
+        if args.svg:
+            lower, upper, size = plan.graph.arrays()
+            _tensormem.write_plan_picture(args.svg, lower, upper, size, plan.offsets.astype(np.uint64),
+                                          plan.arena_bytes, plan.lower_bound, f"{args.model} batch {args.batch}",
+                                          [b.name for b in plan.graph.buffers])
+    except (OSError, RuntimeError) as e:  # an unwritable path: the report above stands
+        print(f"{parser.prog}: {e}", file=sys.stderr)
+        return 1
     if args.run:
         out = plan.run(x)
         with torch.no_grad():

@@ -211,6 +211,33 @@ def test_command_line(tmp_path):
     assert bad.returncode != 0 and "unknown model 'no_such_model'" in bad.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "0"], "--batch: must be a whole number >= 1, not '0'"),
+    (["--batch", "-2"], "--batch: must be a whole number >= 1, not '-2'"),
+    (["--sequence", "0"], "--sequence: must be a whole number >= 1, not '0'"),
+    (["--layers", "1.5"], "--layers: must be a whole number >= 1, not '1.5'"),
+    (["--time-limit", "-1"], "--time-limit: must be a number of seconds >= 0, not '-1'"),
+    (["--time-limit", "nan"], "--time-limit: must be a number of seconds >= 0, not 'nan'"),
+])
+def test_command_line_refuses_bad_numbers_before_any_work(args, message, capsys):
+    from tensormem.model import main
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "gpt"] + args)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_command_line_names_an_unwritable_output_and_keeps_the_report(capsys):
+    from tensormem.model import main
+    for option in ("--trace", "--svg"):
+        code = main(["plan", "gpt", "--layers", "1", "--sequence", "8", "--time-limit", "0",
+                     option, "/nonexistent-dir/out.csv"])
+        out, err = capsys.readouterr()
+        assert code == 1
+        assert "planned arena" in out
+        assert "/nonexistent-dir/out.csv" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("training", [False, True])
 def test_the_cpp_graph_front_end_derives_the_same_lower_bound(training):
     import tensormem
