@@ -110,6 +110,7 @@ class thread_engine final : public io_engine {
 }  // namespace
 
 std::unique_ptr<io_engine> make_thread_engine(unsigned queue_depth, unsigned threads) {
+  detail::check_queue_depth(queue_depth);
   return std::make_unique<thread_engine>(queue_depth, threads);
 }
 

@@ -24,6 +24,7 @@ class uring_engine final : public io_engine {
  public:
   uring_engine(unsigned queue_depth, detail::uring_faults faults)
       : depth_(queue_depth == 0 ? 1 : queue_depth), faults_(std::move(faults)) {
+    detail::check_queue_depth(depth_);
     const int rc = io_uring_queue_init(depth_, &ring_, 0);
     if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_queue_init");
     slots_.resize(depth_);

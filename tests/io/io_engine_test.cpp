@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -252,6 +253,23 @@ TEST_P(io_engine_test, registered_buffers_carry_the_same_bytes) {
   ASSERT_EQ(wait_all(*engine_).at(0).result, static_cast<std::int64_t>(back.size()));
   EXPECT_EQ(std::memcmp(region.data() + 65536, plain.data(), plain.size()), 0);
   EXPECT_FALSE(engine_->register_buffers(regions));  // only once
+}
+
+// A queue deeper than io_uring allows is the caller's error on either engine, and never a
+// reason to fall back to threads (the kernel refuses such a ring with EINVAL).
+TEST(io_engine, a_queue_deeper_than_io_uring_allows_is_an_argument_error) {
+  EXPECT_THROW(make_thread_engine(max_queue_depth + 1, 4), std::invalid_argument);
+  EXPECT_THROW(make_uring_engine(max_queue_depth + 1), std::invalid_argument);
+  for (const engine_kind kind : {engine_kind::uring, engine_kind::threads}) {
+    std::string why = "untouched";
+    EXPECT_THROW(make_engine(kind, max_queue_depth + 1, why), std::invalid_argument);
+  }
+  EXPECT_EQ(make_thread_engine(max_queue_depth, 4)->queue_depth(), max_queue_depth);
+  try {
+    EXPECT_EQ(make_uring_engine(max_queue_depth)->queue_depth(), max_queue_depth);
+  } catch (const std::system_error& e) {
+    GTEST_SKIP() << "io_uring unavailable here: " << e.what();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, io_engine_test,

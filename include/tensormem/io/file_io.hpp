@@ -36,7 +36,7 @@ int open_direct_or_buffered(Open open_as, bool& direct) {
 
 struct file_io_options {
   std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per request (an op is split in blocks)
-  unsigned queue_depth = 128;                      ///< requests in flight per ring
+  unsigned queue_depth = 128;                      ///< requests in flight per ring, 1 to max_queue_depth
   unsigned rings = 1;           ///< engines, each driven by its own thread; an op's blocks are dealt out in turn
   engine_kind engine = engine_kind::uring;
   bool direct = true;           ///< O_DIRECT where buffer, offset and length are 4096-aligned

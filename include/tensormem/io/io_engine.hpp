@@ -64,14 +64,20 @@ class io_engine {
   }
 };
 
+/// The deepest queue an engine takes: io_uring's limit on the entries of one ring
+/// (IORING_MAX_ENTRIES), kept by the thread engine too so that the two take the same options.
+inline constexpr unsigned max_queue_depth = 32768;
+
 /// An io_uring engine (liburing). Throws std::system_error when io_uring cannot be set up
-/// (old kernel, seccomp, io_uring_disabled).
+/// (old kernel, seccomp, io_uring_disabled), std::invalid_argument for a queue depth above
+/// max_queue_depth (0 counts as 1, as for every engine).
 std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth);
 /// pread/pwrite on `threads` threads, at most `queue_depth` requests in flight.
 std::unique_ptr<io_engine> make_thread_engine(unsigned queue_depth, unsigned threads = 4);
 
 /// The engine asked for; when io_uring is asked for but unavailable, the thread engine,
-/// with the reason written to `fallback_reason` (empty when no fallback happened).
+/// with the reason written to `fallback_reason` (empty when no fallback happened). A queue
+/// depth above max_queue_depth is std::invalid_argument, not a reason to fall back.
 std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_depth,
                                        std::string& fallback_reason);
 

@@ -22,7 +22,7 @@ namespace tensormem::swap {
 
 struct swap_options {
   io::engine_kind engine = io::engine_kind::uring;  ///< falls back to threads, reported
-  unsigned queue_depth = 32;
+  unsigned queue_depth = 32;                       ///< requests in flight, at most io::max_queue_depth
   std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per I/O request (multiple of 4096)
   std::size_t staging_buffers = 8;                 ///< pinned buffers of block_bytes each
   bool direct = true;      ///< O_DIRECT where the filesystem allows it (reported otherwise)
