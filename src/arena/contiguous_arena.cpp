@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "tensormem/core/align.hpp"
+#include "tensormem/core/allocation.hpp"
 #include "tensormem/core/compaction.hpp"
 #include "move_down.hpp"
 #include "tensormem/memory/detail/poison.hpp"
@@ -36,12 +37,18 @@ std::uint64_t next_arena_serial() noexcept {
 
 bool host_poisonable(const memory::memory_resource& r) noexcept { return r.host_accessible(); }
 
+// The alignment, checked before the offset allocator sees it, so that the error names the arena.
+std::uint64_t arena_alignment(std::uint64_t alignment) {
+  core::check_alignment_argument("contiguous_arena", alignment);
+  return alignment;
+}
+
 }  // namespace
 
 contiguous_arena::contiguous_arena(memory::memory_resource& resource, std::uint64_t capacity,
                                    arena_options options)
     : resource_(resource), capacity_(capacity), options_(options),
-      offsets_(capacity, options.alignment), serial_(next_arena_serial()),
+      offsets_(capacity, arena_alignment(options.alignment)), serial_(next_arena_serial()),
       next_id_(serial_ << id_counter_bits | 1U) {
   if (options_.alignment > 4096) {
     throw std::invalid_argument("contiguous_arena: alignment above 4096 is not supported");

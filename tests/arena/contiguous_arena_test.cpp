@@ -114,6 +114,19 @@ TEST(contiguous_arena, misuse_is_reported_and_changes_nothing) {
   EXPECT_EQ(arena.stats().used_bytes, 0U);
 }
 
+// A bad alignment is named as the arena's, before any memory is taken.
+TEST(contiguous_arena, alignment_must_be_a_power_of_two_up_to_4096) {
+  memory::host_resource host;
+  for (const std::uint64_t bad : {0ULL, 3ULL, 8192ULL}) {
+    try {
+      contiguous_arena arena(host, 4096, {.alignment = bad});
+      FAIL() << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_TRUE(std::string(e.what()).starts_with("contiguous_arena: alignment")) << e.what();
+    }
+  }
+}
+
 TEST(contiguous_arena, zero_byte_tensors_and_capacity_exactly_used) {
   memory::host_resource host;
   contiguous_arena arena(host, 1024, {.alignment = 256});
