@@ -226,6 +226,21 @@ def _check_unsupported(**flags):
             raise ValueError(f"{name}=True is not supported by the offloaded optimizers")
 
 
+def _check_at_least_zero(**values):
+    """The checks of ``torch.optim``'s constructors: a negative (or NaN) learning rate, epsilon,
+    weight decay or momentum is refused rather than turned into a diverging step."""
+    for name, value in values.items():
+        if not 0.0 <= value:
+            raise ValueError(f"{name} must be >= 0, not {value}")
+
+
+def _check_betas(betas):
+    betas = tuple(betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), not {betas}")
+    return betas
+
+
 class OffloadedAdamW(_OffloadedOptimizer):
     """``torch.optim.AdamW`` with its state on disk (see the module documentation)."""
     _kind = "adamw"
@@ -233,6 +248,8 @@ class OffloadedAdamW(_OffloadedOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, **offload):
         _check_unsupported(amsgrad=amsgrad, maximize=maximize)
+        _check_at_least_zero(lr=lr, eps=eps, weight_decay=weight_decay)
+        betas = _check_betas(betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **offload)
 
 
@@ -252,6 +269,7 @@ class OffloadedSGD(_OffloadedOptimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False, **offload):
         _check_unsupported(maximize=maximize)
+        _check_at_least_zero(lr=lr, momentum=momentum, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs a positive momentum and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,

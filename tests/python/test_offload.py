@@ -321,6 +321,30 @@ def test_misuse_is_refused(tmp_path):
     assert e.value.errno == errno.ENOSPC
 
 
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (OffloadedAdamW, dict(lr=-1.0), "lr must be >= 0, not -1.0"),
+    (OffloadedAdamW, dict(lr=float("nan")), "lr must be >= 0, not nan"),
+    (OffloadedAdamW, dict(eps=-1e-8), "eps must be >= 0"),
+    (OffloadedAdamW, dict(weight_decay=-0.1), "weight_decay must be >= 0"),
+    (OffloadedAdamW, dict(betas=(1.0, 0.999)), r"betas must be two numbers in \[0, 1\)"),
+    (OffloadedAdamW, dict(betas=(0.9, -0.1)), "betas must be two numbers"),
+    (OffloadedAdamW, dict(betas=(0.9,)), "betas must be two numbers"),
+    (OffloadedAdam, dict(lr=-1.0), "lr must be >= 0"),
+    (OffloadedSGD, dict(lr=-1.0), "lr must be >= 0"),
+    (OffloadedSGD, dict(momentum=-0.5), "momentum must be >= 0"),
+    (OffloadedSGD, dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+])
+def test_hyperparameters_torch_refuses_are_refused(tmp_path, cls, kwargs, message):
+    # torch.optim refuses the same values: a drop-in must not turn them into a diverging step.
+    reference = {OffloadedAdamW: torch.optim.AdamW, OffloadedAdam: torch.optim.Adam, OffloadedSGD: torch.optim.SGD}
+    if len(kwargs.get("betas", (0.9, 0.999))) == 2:  # torch 1.13 indexes a short tuple: IndexError
+        with pytest.raises(ValueError):
+            reference[cls](mlp().parameters(), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        cls(mlp().parameters(), swap_dirs=[str(tmp_path)], **kwargs)
+    assert list(tmp_path.iterdir()) == []  # refused before any file was made
+
+
 def test_files_are_removed_with_the_optimizer(tmp_path):
     o = OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path)], group_bytes=16 << 10, pinned_budget=BUDGET)
     files = o.swap_files()
