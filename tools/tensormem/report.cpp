@@ -1,5 +1,7 @@
 #include "report.hpp"
 
+#include <limits>
+
 #include <fmt/format.h>
 
 namespace tensormem::cli {
@@ -17,11 +19,14 @@ std::string human_bytes(std::uint64_t bytes) {
 }
 
 double ratio_of(std::uint64_t high, std::uint64_t low) {
-  return low == 0 ? 0.0 : static_cast<double>(high) / static_cast<double>(low);
+  // Nothing to place (a lower bound of 0) and nothing used is the bound met, as in
+  // plan_result::ratio().
+  if (low == 0) return high == 0 ? 1.0 : std::numeric_limits<double>::infinity();
+  return static_cast<double>(high) / static_cast<double>(low);
 }
 
 std::string ratio_text(std::uint64_t high, std::uint64_t low) {
-  if (low == 0) return "n/a";
+  if (low == 0 && high != 0) return "n/a";
   return fmt::format("{:.4f}", ratio_of(high, low));
 }
 

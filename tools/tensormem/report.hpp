@@ -8,8 +8,10 @@ namespace tensormem::cli {
 
 /// "1.41 GiB", "12.0 MiB", "512 B".
 std::string human_bytes(std::uint64_t bytes);
-/// high / low with four decimals, or "n/a" when low is zero.
+/// high / low with four decimals: 1.0000 when both are zero (nothing to place, nothing
+/// used), "n/a" when only low is.
 std::string ratio_text(std::uint64_t high, std::uint64_t low);
+/// high / low: 1 when both are zero, infinity when only low is.
 double ratio_of(std::uint64_t high, std::uint64_t low);
 
 }  // namespace tensormem::cli
