@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -188,17 +189,40 @@ void pinned_releasebuffer(PyObject* self, Py_buffer*) {
   }
 }
 
-/// A contiguous view of a Python buffer, held (which also keeps the exporter from resizing
-/// or freeing it) for as long as this object lives.
+/// The memory of one tensor of a ticket, held for as long as this object lives: a Python
+/// buffer (numpy array, bytearray, memoryview...) as an open contiguous view, which also keeps
+/// its exporter from resizing or freeing it, or a CPU torch tensor (any dtype) by reference.
 struct held_view {
-  py::buffer_info info;
+  std::optional<py::buffer_info> info;
+  py::object tensor;
   swap::tensor_ref ref;
 };
 
-held_view hold(const py::buffer& b, bool writable) {
-  held_view h{b.request(writable), {}};
-  if (!PyBuffer_IsContiguous(h.info.view(), 'C')) throw std::invalid_argument("buffer is not contiguous");
-  h.ref = {h.info.ptr, static_cast<std::size_t>(h.info.size * h.info.itemsize)};
+held_view hold(const py::handle& object, bool writable) {
+  held_view h;
+  if (PyObject_CheckBuffer(object.ptr()) != 0) {
+    h.info = py::reinterpret_borrow<py::buffer>(object).request(writable);
+    if (!PyBuffer_IsContiguous(h.info->view(), 'C')) throw std::invalid_argument("buffer is not contiguous");
+    h.ref = {h.info->ptr, static_cast<std::size_t>(h.info->size * h.info->itemsize)};
+    return h;
+  }
+  // torch tensors have no buffer protocol; they are recognized by what they answer.
+  const bool tensor_like = py::hasattr(object, "data_ptr") && py::hasattr(object, "element_size") &&
+                           py::hasattr(object, "numel") && py::hasattr(object, "device") &&
+                           py::hasattr(object, "is_contiguous");
+  if (!tensor_like) {
+    throw py::type_error("a tensor must be a buffer (numpy array, bytearray, memoryview...) or a CPU torch "
+                         "tensor, not " + py::str(py::type::handle_of(object).attr("__name__")).cast<std::string>());
+  }
+  const auto device = py::str(object.attr("device")).cast<std::string>();
+  if (device != "cpu") {
+    throw std::invalid_argument("a tensor on " + device + ": the swapper moves host memory (copy it to the "
+                                "CPU, or use tensormem.torch.AsyncTensorSwapper)");
+  }
+  if (!object.attr("is_contiguous")().cast<bool>()) throw std::invalid_argument("tensor is not contiguous");
+  const auto bytes = object.attr("numel")().cast<std::size_t>() * object.attr("element_size")().cast<std::size_t>();
+  h.tensor = py::reinterpret_borrow<py::object>(object);
+  h.ref = {reinterpret_cast<void*>(object.attr("data_ptr")().cast<std::uintptr_t>()), bytes};
   return h;
 }
 
@@ -215,7 +239,7 @@ class py_swapper {
     }
     held_.clear();  // GIL held again: the views can be released
   }
-  std::uint64_t start(const std::vector<py::buffer>& tensors, const std::vector<std::string>& paths,
+  std::uint64_t start(const std::vector<py::object>& tensors, const std::vector<std::string>& paths,
                       const std::vector<std::string>& keys, bool out) {
     std::vector<held_view> views;
     views.reserve(tensors.size());
@@ -641,14 +665,16 @@ PYBIND11_MODULE(_tensormem, m) {
            py::arg("engine") = "uring", py::arg("reuse_files") = true, py::arg("pack_below") = 0,
            "pack_below: tensors of at most this many bytes go into one unnamed pack file per "
            "directory, read back by this swapper (no file at the path); 0 = a file per tensor.")
-      .def("swap_out", [](py_swapper& s, const std::vector<py::buffer>& tensors,
+      .def("swap_out", [](py_swapper& s, const std::vector<py::object>& tensors,
                           const std::vector<std::string>& paths, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, true);
            }, py::arg("tensors"), py::arg("paths"), py::arg("keys") = std::vector<std::string>{},
-           "Queues the writes; returns a ticket. The buffers are held (not resizable) until wait(); "
-           "they must not change before it. keys: the identity recorded per file (default: the path).")
+           "Queues the writes; returns a ticket. tensors: contiguous buffers (numpy arrays...) or CPU "
+           "torch tensors. The buffers are held (not resizable) until wait(), torch tensors by reference "
+           "(do not resize them before it); none may change before it. keys: the identity recorded per "
+           "file (default: the path).")
       .def("swap_in", [](py_swapper& s, const std::vector<std::string>& paths,
-                         const std::vector<py::buffer>& tensors, const std::vector<std::string>& keys) {
+                         const std::vector<py::object>& tensors, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, false);
            }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<std::string>{})
       .def("wait", [](py_swapper& s, std::uint64_t ticket) { return results_to_python(s.wait(ticket)); },

@@ -4,6 +4,7 @@ arrays and one swapper shared by threads."""
 import errno
 import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -28,6 +29,43 @@ def test_swap_in_keeps_a_temporary_buffer_alive_until_wait(tmp_path):
     junk = [np.full(data.size, 7.0) for _ in range(8)]  # would reuse freed memory
     assert s.wait(ticket)[0]["error"] == 0
     assert all(np.all(j == 7.0) for j in junk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
+def test_cpu_torch_tensors_of_any_dtype_round_trip(tmp_path, dtype):
+    pool = tensormem.PinnedPool(slab_bytes=8 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2)
+    source = (torch.arange(30_001) % 101).to(dtype).reshape(1, 30_001)
+    weights = torch.nn.Parameter(source.clone().float()) if dtype == torch.float32 else source
+    path = str(tmp_path / "t")
+    assert s.wait(s.swap_out([weights], [path]))[0] == {"path": path, "bytes": weights.numel() *
+                                                         weights.element_size(), "error": 0, "message": ""}
+    # The only reference to the target is the swapper's: it is held until wait().
+    target = torch.empty_like(weights.detach())
+    alive = weakref.ref(target)
+    ticket = s.swap_in([path], [target])
+    del target
+    gc.collect()
+    assert alive() is not None
+    assert s.wait(ticket)[0]["error"] == 0
+    gc.collect()
+    assert alive() is None
+    back = torch.empty_like(weights.detach())
+    assert s.wait(s.swap_in([path], [back]))[0]["error"] == 0
+    assert torch.equal(back, weights.detach())
+
+
+def test_what_is_neither_a_buffer_nor_a_cpu_tensor_is_refused(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=8 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2)
+    path = str(tmp_path / "t")
+    with pytest.raises(TypeError, match="a tensor must be a buffer .* or a CPU torch tensor, not int"):
+        s.swap_out([5], [path])
+    with pytest.raises(ValueError, match="tensor is not contiguous"):
+        s.swap_out([torch.zeros(8, 8).t()], [path])
+    with pytest.raises(ValueError, match="tensor on meta"):
+        s.swap_out([torch.zeros(8, device="meta")], [path])
+    assert list(tmp_path.iterdir()) == []  # nothing queued
 
 
 def test_a_held_buffer_cannot_be_resized_until_wait(tmp_path):
