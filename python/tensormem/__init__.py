@@ -8,6 +8,7 @@ malformed traces), OSError (system errors, with errno).
 
 from ._tensormem import (  # noqa: F401
     GROWING,
+    MAX_QUEUE_DEPTH,
     Allocation,
     BestFitAllocator,
     ContiguousArena,

@@ -3,6 +3,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 GROWING: int
+MAX_QUEUE_DEPTH: int  # the deepest swapper queue (io_uring's limit on one ring)
 __version__: str
 
 class Allocation:

@@ -235,6 +235,8 @@ class AsyncTensorSwapper:
 
     def __init__(self, aio_handle=None, numel_alignment: int = 1024, timers=None,
                  queue_depth: int = 32, block_bytes: int = 1 << 20, engine: str = "uring"):
+        if not 1 <= queue_depth <= _tensormem.MAX_QUEUE_DEPTH:  # checked here, not at the first transfer
+            raise ValueError(f"queue_depth must be 1 to {_tensormem.MAX_QUEUE_DEPTH}, not {queue_depth}")
         self.numel_alignment = numel_alignment
         self._pool = _tensormem.PinnedPool()
         self._queue_depth = queue_depth
@@ -267,6 +269,9 @@ class AsyncTensorSwapper:
 
     @staticmethod
     def _as_array(tensor: torch.Tensor) -> np.ndarray:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected torch tensors, not {type(tensor).__name__} "
+                            "(swap_out_tensors takes tensors then paths, swap_in_tensors paths then tensors)")
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("tensors must be contiguous CPU tensors")
         return tensor.detach().view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)

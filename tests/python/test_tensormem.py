@@ -233,6 +233,20 @@ def test_async_tensor_swapper_deepspeed_api(tmp_path):
     swapper.release_buffers()
 
 
+def test_async_tensor_swapper_names_misuse_at_the_call(tmp_path):
+    swapper = AsyncTensorSwapper()
+    # paths and tensors swapped: named, not "'str' object has no attribute 'device'"
+    with pytest.raises(TypeError, match="expected torch tensors, not str .*swap_in_tensors paths then tensors"):
+        swapper.swap_in_tensors([torch.empty(4)], [str(tmp_path / "a")])
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        swapper.swap_out_tensors([torch.zeros(4, 4).t()], [str(tmp_path / "b")])
+    # a queue io_uring cannot have is refused when made, not at the first transfer
+    for depth in (0, 32769):
+        with pytest.raises(ValueError, match=f"queue_depth must be 1 to 32768, not {depth}"):
+            AsyncTensorSwapper(queue_depth=depth)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- example
 
 def test_example_script_runs():
