@@ -11,24 +11,22 @@ namespace tensormem::trace {
 
 namespace {
 
-// A JavaScript string literal; "</" is split so that no text can close the script element.
+// A JavaScript string literal with no '<' or '>' in it (written \u003c, \u003e): no text can
+// close the script element ("</script>") or change how the HTML parser reads it ("<!--" then
+// "<script" would swallow the rest of the page).
 void js_string(std::ostream& out, const std::string& s) {
   out << '"';
-  char previous = 0;
   for (const char c : s) {
     const auto u = static_cast<unsigned char>(c);
     if (c == '"' || c == '\\') {
       out << '\\' << c;
-    } else if (c == '/' && previous == '<') {
-      out << "\\/";
-    } else if (u < 0x20 || u == 0x7f) {
+    } else if (u < 0x20 || u == 0x7f || c == '<' || c == '>') {
       char escaped[8];
       std::snprintf(escaped, sizeof escaped, "\\u%04x", u);
       out << escaped;
     } else {
       out << c;
     }
-    previous = c;
   }
   out << '"';
 }
