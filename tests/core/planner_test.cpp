@@ -33,6 +33,20 @@ std::vector<buffer> from_inclusive(const std::vector<std::array<std::uint64_t, 3
   return out;
 }
 
+/// n buffers "b0".."b<n-1>", each drawn in this order: lower uniform in [0, horizon), length
+/// 1 + rng() % max_length, then its size from `bytes()`.
+template <class Bytes>
+std::vector<buffer> random_buffers(std::mt19937_64& rng, std::size_t n, std::uint64_t horizon,
+                                   std::uint64_t max_length, Bytes bytes) {
+  std::vector<buffer> b;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t lower = rng() % horizon;
+    const std::uint64_t length = 1 + rng() % max_length;
+    b.push_back({"b" + std::to_string(i), lower, lower + length, bytes(), {}});
+  }
+  return b;
+}
+
 plan_result checked_plan(const std::vector<buffer>& b, plan_options o = {}) {
   const plan_result r = plan(b, o);
   EXPECT_EQ(validate(b, r.offsets, r.arena_bytes, o.alignment), "");
@@ -85,11 +99,7 @@ TEST(planner, alignment_rounds_sizes_and_offsets) {
 // deadline, or without one, it places every buffer. The planner keeps its time limit by this.
 TEST(planner_deadline, placements_give_up_past_the_deadline) {
   std::mt19937_64 rng(3);
-  std::vector<buffer> b;
-  for (int i = 0; i < 2000; ++i) {
-    const std::uint64_t lower = rng() % 5000;
-    b.push_back({"b" + std::to_string(i), lower, lower + 1 + rng() % 300, 1 + rng() % 4096, {}});
-  }
+  const auto b = random_buffers(rng, 2000, 5000, 300, [&] { return 1 + rng() % 4096; });
   const detail::plan_problem p = detail::make_problem(b, 1);
   detail::occupancy_index index(p.sections, p.longest);
   std::vector<std::uint32_t> order(b.size());
@@ -188,13 +198,7 @@ std::uint64_t brute_force_optimum(const std::vector<buffer>& b) {
 
 std::vector<buffer> random_instance(std::mt19937_64& rng, std::size_t n, std::uint64_t horizon,
                                     std::uint64_t max_bytes) {
-  std::vector<buffer> b;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::uint64_t lower = rng() % horizon;
-    const std::uint64_t length = 1 + rng() % (horizon / 2 + 1);
-    b.push_back({"b" + std::to_string(i), lower, lower + length, 1 + rng() % max_bytes, {}});
-  }
-  return b;
+  return random_buffers(rng, n, horizon, horizon / 2 + 1, [&] { return 1 + rng() % max_bytes; });
 }
 
 // Naive greedy: every placed buffer that overlaps in time is a conflict; first fit takes the
@@ -271,14 +275,10 @@ TEST(planner_greedy, skyline_equals_the_naive_skyline) {
   std::mt19937_64 rng(11);
   for (int instance = 0; instance < 40; ++instance) {
     const std::uint64_t horizon = 4 + rng() % 60;
-    std::vector<buffer> b;
     const std::size_t n = 20 + rng() % 150;
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::uint64_t lower = rng() % horizon;
-      const std::uint64_t length = 1 + rng() % (instance % 2 == 0 ? 3 : horizon);
-      const std::uint64_t bytes = rng() % 9 == 0 ? 0 : 1 + rng() % (instance % 3 == 0 ? 4 : 1000);
-      b.push_back({"b" + std::to_string(i), lower, lower + length, bytes, {}});
-    }
+    const auto b = random_buffers(rng, n, horizon, instance % 2 == 0 ? 3 : horizon, [&]() -> std::uint64_t {
+      return rng() % 9 == 0 ? 0 : 1 + rng() % (instance % 3 == 0 ? 4 : 1000);
+    });
     const detail::plan_problem p = detail::make_problem(b, 1);
     std::vector<double> priority(n);
     for (double& x : priority) x = static_cast<double>(rng() % (instance % 4 == 0 ? 3 : 1000));
@@ -340,13 +340,9 @@ TEST(planner_greedy, never_worse_than_the_classic_orders) {
   std::mt19937_64 rng(11);
   for (int instance = 0; instance < 60; ++instance) {
     const std::uint64_t horizon = 20 + rng() % 200;
-    std::vector<buffer> b;
     const std::size_t n = 30 + rng() % 200;
-    for (std::size_t i = 0; i < n; ++i) {
-      const std::uint64_t lower = rng() % horizon;
-      const std::uint64_t length = 1 + rng() % (instance % 2 == 0 ? 12 : horizon / 2);
-      b.push_back({"b" + std::to_string(i), lower, lower + length, 64 * (1 + rng() % 4), {}});
-    }
+    const auto b = random_buffers(rng, n, horizon, instance % 2 == 0 ? 12 : horizon / 2,
+                                  [&] { return 64 * (1 + rng() % 4); });
     const detail::plan_problem p = detail::make_problem(b, 1);
     const auto size = [&](std::uint32_t i) { return static_cast<double>(p.bytes[i]); };
     const auto length = [&](std::uint32_t i) { return static_cast<double>(p.length[i]); };
@@ -377,11 +373,7 @@ TEST(planner_greedy, never_worse_than_the_classic_orders) {
 // first_fit(from) against the union that collect() gives, scanned from `from`.
 TEST(planner_greedy, first_fit_from_an_offset_matches_the_collected_union) {
   std::mt19937_64 rng(9);
-  std::vector<buffer> b;
-  for (int i = 0; i < 600; ++i) {
-    const std::uint64_t lower = rng() % 300;
-    b.push_back({"b" + std::to_string(i), lower, lower + 1 + rng() % 60, 1 + rng() % 500, {}});
-  }
+  const auto b = random_buffers(rng, 600, 300, 60, [&] { return 1 + rng() % 500; });
   const detail::plan_problem p = detail::make_problem(b, 1);
   detail::occupancy_index index(p.sections, p.longest);
   const auto placed = detail::place_in_order(p, shuffled_order(b.size(), rng), detail::fit::first, index);
