@@ -250,7 +250,7 @@ class OffloadedAdamW(_OffloadedOptimizer):
         _check_unsupported(amsgrad=amsgrad, maximize=maximize)
         _check_at_least_zero(lr=lr, eps=eps, weight_decay=weight_decay)
         betas = _check_betas(betas)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), **offload)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), **offload)
 
 
 class OffloadedAdam(OffloadedAdamW):
