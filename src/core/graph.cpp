@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "tensormem/core/align.hpp"
+#include "tensormem/core/allocation.hpp"
 
 namespace tensormem::core {
 
@@ -26,6 +27,7 @@ void graph::add_op(std::string name, std::vector<std::uint32_t> inputs,
 }
 
 graph_lifetimes derive_lifetimes(const graph& g, std::uint64_t weight_alignment) {
+  check_alignment_argument("derive_lifetimes", weight_alignment);
   constexpr std::uint64_t unset = std::numeric_limits<std::uint64_t>::max();
   const auto& tensors = g.tensors();
   const auto& ops = g.ops();
@@ -65,7 +67,12 @@ graph_lifetimes derive_lifetimes(const graph& g, std::uint64_t weight_alignment)
     if (x.role == tensor_role::weight) {
       out.weights.push_back(t);
       out.weight_offsets.push_back(out.weight_bytes);
-      out.weight_bytes += align_up(x.bytes, weight_alignment).value_or(x.bytes);
+      const auto padded = align_up(x.bytes, weight_alignment);
+      if (!padded || *padded > std::numeric_limits<std::uint64_t>::max() - out.weight_bytes) {
+        throw std::overflow_error("derive_lifetimes: weight '" + x.name + "' of " + std::to_string(x.bytes) +
+                                  " bytes takes the weight region past 2^64 - 1 bytes");
+      }
+      out.weight_bytes += *padded;
       continue;
     }
     buffer b;

@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
 #include <string>
 
 #include "tensormem/core/best_fit_allocator.hpp"
@@ -111,6 +114,77 @@ TEST(transformer_step, activations_live_until_backward) {
   EXPECT_GE(r.high_water, lower_bound(l.buffers, 256));
   EXPECT_LT(r.high_water, total);
   EXPECT_THROW(make_transformer_step({2, 768, 5, 128, 1, 100, 2}), std::invalid_argument);
+}
+
+TEST(graph, weight_alignment_and_weight_region_are_checked) {
+  graph g;
+  const auto in = g.add_tensor("in", 8, tensor_role::graph_input);
+  const auto w = g.add_tensor("w", 1000, tensor_role::weight);
+  const auto out = g.add_tensor("out", 8);
+  g.add_op("mm", {in, w}, {out});
+  for (const std::uint64_t alignment : {std::uint64_t{0}, std::uint64_t{3}, std::uint64_t{768}}) {
+    try {
+      derive_lifetimes(g, alignment);
+      ADD_FAILURE() << "alignment " << alignment << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("alignment " + std::to_string(alignment) + " is not a power of two"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(derive_lifetimes(g, 1).weight_bytes, 1000U);
+  EXPECT_EQ(derive_lifetimes(g, std::uint64_t{1} << 63).weight_bytes, std::uint64_t{1} << 63);
+
+  // The region may end exactly at 2^64 - 1 bytes, never past it, and a weight whose padded
+  // size does not fit in 64 bits is refused rather than counted unpadded.
+  constexpr std::uint64_t max = std::numeric_limits<std::uint64_t>::max();
+  graph edge;
+  edge.add_tensor("w0", max - 1000, tensor_role::weight);
+  edge.add_tensor("w1", 1000, tensor_role::weight);
+  EXPECT_EQ(derive_lifetimes(edge, 1).weight_bytes, max);
+  EXPECT_THROW(derive_lifetimes(edge, 2), std::overflow_error);  // w0 padded: max - 999 + 1000
+  edge.add_tensor("w2", 1, tensor_role::weight);
+  try {
+    derive_lifetimes(edge, 1);
+    ADD_FAILURE() << "a weight region past 2^64 - 1 bytes was accepted";
+  } catch (const std::overflow_error& e) {
+    EXPECT_NE(std::string(e.what()).find("weight 'w2' of 1 bytes"), std::string::npos) << e.what();
+  }
+  graph unpaddable;
+  unpaddable.add_tensor("huge", max, tensor_role::weight);
+  EXPECT_EQ(derive_lifetimes(unpaddable, 1).weight_bytes, max);
+  EXPECT_THROW(derive_lifetimes(unpaddable, 256), std::overflow_error);
+}
+
+// The sizes of the built-in model are products of its dimensions: a product past 2^64 - 1 is
+// refused naming the tensor, never wrapped around to a small (or zero) size.
+TEST(transformer_step, sizes_past_two_to_the_64_are_refused) {
+  auto expect_overflow = [](const transformer_config& c, const std::string& named) {
+    try {
+      make_transformer_step(c);
+      ADD_FAILURE() << named << " was accepted";
+    } catch (const std::overflow_error& e) {
+      EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+    }
+  };
+  constexpr std::uint64_t two_to_40 = std::uint64_t{1} << 40;
+  expect_overflow({1, two_to_40, 1, two_to_40, 1, 1, 1}, "the activations (batch x sequence x hidden");
+  // Scores of exactly 2^63 bytes fit; twice that does not.
+  const transformer_config largest{1, 1, 1, std::uint64_t{1} << 31, 1, 1, 2};
+  const graph g = make_transformer_step(largest);
+  bool saw_scores = false;
+  for (const graph_tensor& t : g.tensors()) {
+    if (t.name == "l0.scores") {
+      saw_scores = true;
+      EXPECT_EQ(t.bytes, std::uint64_t{1} << 63);
+    }
+  }
+  EXPECT_TRUE(saw_scores);
+  expect_overflow({1, 1, 1, std::uint64_t{1} << 31, 1, 1, 4}, "the attention scores");
+  expect_overflow({1, 1, 1, 4, 1, std::uint64_t{1} << 62, 1}, "the logits");
+  expect_overflow({1, std::uint64_t{1} << 32, 1, 1, 1, 1, 1}, "the MLP weights");
+  expect_overflow({1, 1, 1, 1, std::uint64_t{1} << 62, 1, 1}, "the token ids");
+  expect_overflow({1, 4, 1, 1, 1, std::uint64_t{1} << 62, 1}, "the token embedding");
 }
 
 }  // namespace

@@ -238,6 +238,24 @@ def test_plan_of_the_largest_buffer_and_of_sizes_past_two_to_the_64():
         tensormem.lower_bound(np.array([0, 1]), np.array([2, 3]), np.array([2**63, 2**63], dtype=np.uint64))
 
 
+def test_model_sizes_past_two_to_the_64_and_bad_weight_alignments_are_refused():
+    # hidden x sequence = 2^80 bytes of activations used to wrap around to 0.
+    with pytest.raises(OverflowError, match="the activations .* need more than 2\\^64 - 1 bytes"):
+        tensormem.make_transformer_step(layers=1, hidden=2**40, heads=1, sequence=2**40)
+    g = tensormem.OperatorGraph()
+    w = g.add_tensor("w", 1000, role="weight")
+    x = g.add_tensor("x", 8, role="input")
+    y = g.add_tensor("y", 8)
+    g.add_op("mm", [x, w], [y])
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match=f"alignment {bad} is not a power of two"):
+            tensormem.derive_lifetimes(g, weight_alignment=bad)
+    assert tensormem.derive_lifetimes(g, weight_alignment=1)["weight_bytes"] == 1000
+    g.add_tensor("w2", 2**64 - 1000, role="weight")
+    with pytest.raises(OverflowError, match="weight 'w2'"):
+        tensormem.derive_lifetimes(g, weight_alignment=1)
+
+
 # ----------------------------------------------------------------------------- asynchronous
 
 def test_swap_out_progresses_while_python_sleeps(tmp_path):

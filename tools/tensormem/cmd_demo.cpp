@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <numeric>
 #include <sstream>
+#include <limits>
 #include <string>
 
 #include <fmt/format.h>
@@ -258,7 +259,8 @@ void add_demo_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "demo", "Plan the memory of a built-in transformer training step (GPT-2 small default)");
   auto& m = opts->model;
-  cmd->add_option("--layers", m.layers, "transformer layers")->check(positive_count());
+  cmd->add_option("--layers", m.layers, "transformer layers")
+      ->check(positive_count(std::numeric_limits<decltype(m.layers)>::max()));
   cmd->add_option("--hidden", m.hidden, "hidden size")->check(positive_count());
   cmd->add_option("--heads", m.heads, "attention heads")->check(positive_count());
   cmd->add_option("--sequence", m.sequence, "sequence length")->check(positive_count());

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -208,7 +209,7 @@ void add_swap_bench_command(CLI::App& app) {
   cmd->add_option("--tensor-bytes", o->tensor_bytes, "bytes per tensor (default 64 MiB)")
       ->check(positive_count());
   cmd->add_option("--queue-depth", o->queue_depth, "requests in flight (default 32)")
-      ->check(positive_count());
+      ->check(positive_count(std::numeric_limits<decltype(o->queue_depth)>::max()));
   cmd->add_option("--engine", o->engine, "uring or threads")->check(CLI::IsMember({"uring", "threads"}));
   auto* direct = cmd->add_flag("--direct", o->direct_flag, "O_DIRECT (the default)");
   auto* buffered = cmd->add_flag("--buffered", o->buffered, "page-cache I/O");

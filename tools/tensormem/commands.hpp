@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <system_error>
+#include <limits>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -42,12 +43,13 @@ inline CLI::Validator non_negative_seconds() {
       "SECONDS>=0");
 }
 
-/// Validator of a count or a size: a whole number >= 1 in decimal digits that fits in 64
-/// bits; the error names the value briefly (CLI11's PositiveNumber answers "not in range
-/// 0.000000 to" the 309 digits of DBL_MAX, and accepts "1.5").
-inline CLI::Validator positive_count() {
+/// Validator of a count or a size: a whole number >= 1 in decimal digits, at most `most`
+/// (the largest value of the option's type); the error names the value briefly (CLI11's
+/// PositiveNumber answers "not in range 0.000000 to" the 309 digits of DBL_MAX, and accepts
+/// "1.5"; a value past a 32-bit option's type got "Could not convert").
+inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<std::uint64_t>::max()) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
+      [most](std::string& text) -> std::string {
         std::uint64_t value = 0;
         const char* end = text.data() + text.size();
         const auto [ptr, ec] = std::from_chars(text.data(), end, value);
@@ -58,6 +60,7 @@ inline CLI::Validator positive_count() {
         if (!digits || ec != std::errc() || ptr != end || value == 0) {
           return "must be a whole number >= 1, not '" + text.substr(0, 40) + "'";
         }
+        if (value > most) return "must be at most " + std::to_string(most) + ", not '" + text + "'";
         return {};
       },
       "N>=1");

@@ -63,8 +63,9 @@ struct graph_lifetimes {
 /// consumer (lifetime [producer, last consumer + 1)); one nobody consumes lives [i, i + 1).
 /// Graph inputs and outputs live [0, steps). Weights are placed one after another in their
 /// own region, each rounded up to `weight_alignment`. Throws std::invalid_argument when an
-/// activation is consumed before it is produced, produced twice or never produced, or when a
-/// graph input is produced by an op.
+/// activation is consumed before it is produced, produced twice or never produced, when a
+/// graph input is produced by an op, or when `weight_alignment` is not a power of two;
+/// std::overflow_error when the weight region would hold more than 2^64 - 1 bytes.
 graph_lifetimes derive_lifetimes(const graph& g, std::uint64_t weight_alignment = 256);
 
 }  // namespace tensormem::core

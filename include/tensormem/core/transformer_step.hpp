@@ -26,7 +26,8 @@ struct transformer_config {
 /// forward activations it needs, so those stay alive until the backward pass reaches them.
 /// Weights and weight gradients are `tensor_role::weight`; tokens and labels are graph inputs,
 /// the loss is the graph output. Throws std::invalid_argument for a zero dimension or heads
-/// not dividing hidden.
+/// not dividing hidden, std::overflow_error (naming the tensor and its shape) when a tensor
+/// would need more than 2^64 - 1 bytes.
 graph make_transformer_step(const transformer_config& config);
 
 }  // namespace tensormem::core
