@@ -1,11 +1,13 @@
 #!/bin/sh
 # The interactive plan page in headless Chromium: every buffer drawn, the largest one shown
 # on hover with its id, size and lifetime, the wheel zooms; a screenshot is kept.
-# Usage: plan_html_test.sh TENSORMEM TRACE SCREENSHOT.png   (prints PASS or FAIL lines)
+# A trace of zero-byte buffers is titled at 1.0000 x its (zero) lower bound, as `plan` says.
+# Usage: plan_html_test.sh TENSORMEM TRACE SCREENSHOT.png ZERO_BYTE_TRACE   (prints PASS or FAIL lines)
 set -u
 cli=$1
 trace=$2
 shot=$3
+zero_trace=$4
 browser=$(command -v chromium || command -v chromium-browser || true)
 if [ -z "$browser" ]; then
   echo "SKIP: no chromium here (make test installs Debian's chromium)"
@@ -45,6 +47,10 @@ echo "$said" | awk -v n="$buffers" '{
   match($0, /drawn [0-9]+ to [0-9]+/); split(substr($0, RSTART + 6, RLENGTH - 6), d, " to ");
   if (d[1] != n || d[2] > d[1]) print "FAIL zoom: drawn " d[1] " to " d[2] }' | tee "$dir/zoom"
 [ -s "$dir/zoom" ] && fail=1
+
+"$cli" plan "$zero_trace" --time-limit 0 --html "$dir/zero.html" >/dev/null || { echo "FAIL: plan of $zero_trace"; exit 1; }
+chrome --dump-dom "file://$dir/zero.html" >"$dir/zero_dom.html"
+grep -q 'lower bound 0 B (1.0000 x)' "$dir/zero_dom.html" || { echo "FAIL zero: title is not at 1.0000 x"; fail=1; }
 
 rm -f "$shot"
 chrome --screenshot="$shot" --window-size=1280,720 "file://$dir/plan.html#selftest" >/dev/null

@@ -215,7 +215,7 @@ canvas.addEventListener("wheel", e => {
 }, {passive: false});
 window.addEventListener("resize", draw);
 document.getElementById("title").textContent = P.title + ": " + N + " buffers, arena " + human(P.arena) +
-    ", lower bound " + human(P.lb) + " (" + (P.lb > 0 ? (P.arena / P.lb).toFixed(4) : "n/a") + " x)";
+    ", lower bound " + human(P.lb) + " (" + (P.lb > 0 ? (P.arena / P.lb).toFixed(4) : P.arena === 0 ? "1.0000" : "n/a") + " x)";
 document.title = "tensormem plan: " + P.title;
 draw();
 if (location.hash === "#selftest" && N > 0) {

@@ -48,7 +48,9 @@ void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
   const double y_top = static_cast<double>(std::max({arena_bytes, lower_bound, std::uint64_t{1}}));
   auto x_of = [&](double t) { return left + plot_w * (t - static_cast<double>(t0)) / span_t; };
   auto y_of = [&](double bytes) { return top + plot_h - plot_h * bytes / y_top; };
-  const double ratio = lower_bound > 0 ? static_cast<double>(arena_bytes) / static_cast<double>(lower_bound) : 0;
+  // As core::plan_result::ratio: 1 when nothing is ever alive and the arena is empty.
+  const bool no_ratio = lower_bound == 0 && arena_bytes > 0;
+  const double ratio = lower_bound > 0 ? static_cast<double>(arena_bytes) / static_cast<double>(lower_bound) : 1.0;
 
   out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
       << "\" viewBox=\"0 0 " << width << ' ' << height << "\" font-family=\"sans-serif\">\n"
@@ -57,7 +59,9 @@ void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
       << " buffers: arena " << escape(human(static_cast<double>(arena_bytes))) << ", lower bound "
       << escape(human(static_cast<double>(lower_bound))) << " (" << std::fixed;
   out.precision(4);
-  out << ratio << " x)</text>\n";
+  if (no_ratio) out << "n/a";
+  else out << ratio;
+  out << " x)</text>\n";
   out.unsetf(std::ios::floatfield);
   out.precision(6);
 

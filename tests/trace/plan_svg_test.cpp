@@ -42,6 +42,17 @@ TEST(plan_svg, axes_labels_and_legend) {
   EXPECT_EQ(count(svg, "class=\"arena\""), 1U);
 }
 
+// Nothing ever alive and an empty arena: 1.0000 x, as the planner reports it, not 0.
+TEST(plan_svg, an_empty_plan_is_at_its_lower_bound) {
+  std::ostringstream empty;
+  write_plan_svg(empty, std::vector<core::buffer>{}, std::vector<std::uint64_t>{}, 0, 0);
+  EXPECT_NE(empty.str().find("0 buffers: arena 0 B, lower bound 0 B (1.0000 x)"), std::string::npos) << empty.str();
+  const std::vector<core::buffer> zero_bytes = {{"z", 0, 3, 0, {}}};
+  std::ostringstream zero;
+  write_plan_svg(zero, zero_bytes, std::vector<std::uint64_t>{0}, 0, 0);
+  EXPECT_NE(zero.str().find("(1.0000 x)"), std::string::npos);
+}
+
 // 100,000 buffers stacked without overlap: drawn as their union, a file of bounded size.
 TEST(plan_svg, many_buffers_are_aggregated) {
   std::mt19937_64 rng(5);
