@@ -27,9 +27,12 @@ from ._tensormem import (  # noqa: F401
     plan,
     read_trace,
     validate,
+    write_plan_picture,
 )
 
 __all__ = [
-    "GROWING", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "OperatorGraph", "derive_lifetimes", "make_transformer_step", "PinnedBuffer",
-    "PinnedPool", "TensorSwapper", "TlsfAllocator", "__version__", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
+    "GROWING", "MAX_QUEUE_DEPTH", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "OperatorGraph",
+    "derive_lifetimes", "make_transformer_step", "PinnedBuffer", "PinnedPool", "TensorSwapper", "TlsfAllocator",
+    "__version__", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
+    "write_plan_picture",
 ]

@@ -254,3 +254,63 @@ def test_example_script_runs():
     out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "values intact after defragmentation: True" in out.stdout
+
+
+# ----------------------------------------------------------------------------- type stubs
+
+def _pybind_parameters(function):
+    """Parameter names from the signature pybind11 writes as the docstring's first line."""
+    first = (function.__doc__ or "").strip().splitlines()[0]
+    inside = first[first.index("(") + 1:first.rindex(") ->")]
+    names, depth, current = [], 0, ""
+    for ch in inside:
+        depth += ch in "[(" and 1 or 0
+        depth -= ch in "])" and 1 or 0
+        if ch == "," and depth == 0:
+            names.append(current)
+            current = ""
+        else:
+            current += ch
+    if current.strip():
+        names.append(current)
+    return [n.split(":")[0].strip() for n in names]
+
+
+def test_type_stubs_match_the_module():
+    import ast
+    stub = pathlib.Path(tensormem.__file__).with_name("__init__.pyi")
+    tree = ast.parse(stub.read_text())
+    stubbed = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            stubbed.add(node.name)
+        elif isinstance(node, ast.AnnAssign):
+            stubbed.add(node.target.id)
+    public = set(tensormem.__all__)
+    # Every stubbed name is importable and exported, and every export is stubbed.
+    assert sorted(n for n in stubbed if not hasattr(tensormem, n)) == []
+    assert sorted(stubbed - public) == [] and sorted(public - stubbed) == []
+
+    def parameters(fn):
+        return [a.arg for a in fn.args.posonlyargs + fn.args.args]
+
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            assert _pybind_parameters(getattr(tensormem, node.name)) == parameters(node), node.name
+        if not isinstance(node, ast.ClassDef):
+            continue
+        cls = getattr(tensormem, node.name)
+        bases = [b.id for b in node.bases if isinstance(b, ast.Name)]
+        assert [b for b in bases if not issubclass(cls, getattr(tensormem, b))] == [], node.name
+        members = set()
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign):
+                members.add(item.target.id)
+            if not isinstance(item, ast.FunctionDef):
+                continue
+            members.add(item.name)
+            member = getattr(cls, item.name)  # AttributeError names a stubbed method that is gone
+            if not isinstance(member, property):
+                assert _pybind_parameters(member) == parameters(item), f"{node.name}.{item.name}"
+        missing = sorted(n for n in dir(cls) if not n.startswith("_") and n not in members)
+        assert missing == [], f"{node.name} has members the stub does not declare: {missing}"
