@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -230,6 +231,21 @@ tensor_swapper::~tensor_swapper() {
 
 namespace {
 
+// Why a swap-out must not replace what is at `path`, or empty when it may: nothing there, or
+// a regular file. The commit exchanges the new file with whatever the path names, so a
+// directory would be moved aside (with everything in it) and a symbolic link replaced.
+std::string not_replaceable(const std::string& path, int& error) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return {};
+  error = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+  const char* what = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISLNK(st.st_mode)  ? "a symbolic link"
+                     : S_ISFIFO(st.st_mode) ? "a pipe"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                                            : "a device";
+  return path + " is " + what + "; a swap-out replaces only a regular file (or makes a new one)";
+}
+
 }  // namespace
 
 // Buffered I/O where O_DIRECT was asked for: reported (the first reason is kept).
@@ -241,7 +257,8 @@ void tensor_swapper::note_buffered(const std::string& where) {
 int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
   // Reads leave the access time alone (after every rewrite, relatime would dirty the inode
   // on the next read): O_NOATIME where we own the file (it needs the owner: EPERM else).
-  int flags = out ? O_WRONLY | O_CREAT | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
+  // A swap-out writes its own file beside the path: never through a symbolic link there.
+  int flags = out ? O_WRONLY | O_CREAT | O_NOFOLLOW | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
   direct = options_.direct;
   const int fd = io::open_direct_or_buffered([&](int extra) {
     int f = open(path.c_str(), flags | extra | O_CLOEXEC, 0644);
@@ -323,6 +340,15 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
     j.message = "null tensor";
     finish(id, j);
     return;
+  }
+  // A swap-out replaces what is at its path (by an exchange, or, packed, by removing a stale
+  // file there) only when that is a regular file: checked before any byte is written.
+  if (j.out) {
+    if (std::string why = not_replaceable(j.path, j.error); !why.empty()) {
+      j.message = std::move(why);
+      finish(id, j);
+      return;
+    }
   }
   if (j.packed) {
     start_packed(id, j);
@@ -703,12 +729,22 @@ void tensor_swapper::close_and_commit(job& j) {
   if (j.error == 0) {
     if (renameat2(AT_FDCWD, j.temp_path.c_str(), AT_FDCWD, j.path.c_str(), RENAME_EXCHANGE) == 0) {
       displaced = true;
+      // Checked when the job started; something else may have taken the path since. What
+      // was exchanged away must be a regular file, else it goes back where it was.
+      if (std::string why = not_replaceable(j.temp_path, j.error); !why.empty()) {
+        displaced = false;
+        j.message = j.path + why.substr(j.temp_path.size());
+        if (renameat2(AT_FDCWD, j.temp_path.c_str(), AT_FDCWD, j.path.c_str(), RENAME_EXCHANGE) != 0) {
+          j.message += "; it could not be put back from " + j.temp_path + ": " + std::strerror(errno);
+          j.temp_path.clear();  // holds what was at the path: never unlinked
+        }
+      }
     } else if (rename(j.temp_path.c_str(), j.path.c_str()) != 0) {  // no old file (or no exchange)
       j.error = errno;
       j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
     }
   }
-  if (j.error != 0) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
+  if (j.error != 0 && !j.temp_path.empty()) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
   if (displaced && !options_.reuse_files) reap(j.temp_path);  // else: the next spare
 }
 
@@ -785,6 +821,12 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
   // would leave one tensor lost while both report success.
   std::set<std::string_view> batch;
   for (const std::string& p : paths) {
+    // The system reads a path up to its first NUL: "a\0b" would name the file "a".
+    if (p.empty()) throw std::invalid_argument("tensor_swapper: an empty path");
+    if (p.find('\0') != std::string::npos) {
+      throw std::invalid_argument("tensor_swapper: the path '" + p.substr(0, p.find('\0')) +
+                                  "\\0...' holds a NUL byte");
+    }
     if (!batch.insert(p).second) {
       throw std::invalid_argument("tensor_swapper: " + p + " appears twice in one batch");
     }

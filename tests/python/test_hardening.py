@@ -276,6 +276,31 @@ def test_swap_out_progresses_while_python_sleeps(tmp_path):
     assert [r["error"] for r in s.wait(ticket)] == [0] * 16
 
 
+def test_swap_paths_that_are_not_regular_files_are_refused(tmp_path):
+    s = tensormem.TensorSwapper(tensormem.PinnedPool())
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "keep").write_text("the user's file")
+    src = np.arange(1024, dtype=np.float32)
+    [r] = s.wait(s.swap_out([src], [str(folder)]))
+    assert r["error"] == errno.EISDIR and "is a directory" in r["message"]
+    assert folder.is_dir() and (folder / "keep").read_text() == "the user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    for bad in ("", str(tmp_path / "a\0b")):
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            s.swap_out([src], [bad])
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            s.swap_in([bad], [src])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    # DeepSpeed's interface raises the per-tensor error once everything has completed.
+    from tensormem.torch import AsyncTensorSwapper
+    a = AsyncTensorSwapper()
+    a.swap_out_tensors([torch.zeros(1024)], [str(folder)])
+    with pytest.raises(IsADirectoryError):
+        a.synchronize()
+    assert (folder / "keep").exists()
+
+
 def test_unknown_tickets_are_value_errors(tmp_path):
     pool = tensormem.PinnedPool(slab_bytes=4 << 20)
     s = tensormem.TensorSwapper(pool, staging_buffers=2)

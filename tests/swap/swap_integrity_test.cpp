@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -264,6 +265,169 @@ TEST_P(integrity, a_file_of_another_user_reads_back) {
   ASSERT_TRUE(WIFEXITED(status));
   if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "cannot switch to the user nobody";
   EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+// What a path names when it is not a regular file, and that nothing of the swap-out is left
+// beside it.
+void expect_untouched_directory(const std::string& path) {
+  EXPECT_TRUE(fs::is_directory(fs::symlink_status(path))) << path;
+  EXPECT_TRUE(fs::exists(path + "/keep")) << path << "/keep";
+  for (const auto& e : fs::directory_iterator(fs::path(path).parent_path())) {
+    EXPECT_EQ(e.path().string().find(".tensormem-"), std::string::npos) << e.path() << " left behind";
+  }
+}
+
+void make_directory_with_a_file(const std::string& path) {
+  fs::create_directories(path);
+  std::ofstream(path + "/keep") << "the user's file";
+}
+
+class counting_engine final : public testing::forwarding_engine {
+ public:
+  using forwarding_engine::forwarding_engine;
+  void submit(std::span<const io::io_request> requests) override {
+    submitted += requests.size();
+    inner_->submit(requests);
+  }
+  std::size_t submitted = 0;
+};
+
+// The commit exchanges the new file with whatever the path names: a directory there used to
+// be moved aside (to PATH.tensormem-spare, with everything in it) and reported as success.
+// Such a path is refused before any byte is written.
+TEST_P(integrity, a_swap_out_replaces_only_a_regular_file) {
+  for (const bool reuse : {true, false}) {
+    SCOPED_TRACE(reuse ? "reusing spares" : "fresh files");
+    std::string fallback;
+    auto engine = std::make_unique<counting_engine>(io::make_engine(GetParam(), 8, fallback));
+    const counting_engine* counter = engine.get();
+    tensor_swapper s(pool_, {.staging_buffers = 2, .reuse_files = reuse}, std::move(engine));
+    auto t = pattern(10000, 40);
+    const std::string dir = dir_.file(reuse ? "dir_r" : "dir_f");
+    make_directory_with_a_file(dir);
+    const tensor_ref refs[] = {{t.data(), t.size()}};
+    const std::string to_dir[] = {dir};
+    const swap_result r = s.wait(s.swap_out(refs, to_dir))[0];
+    EXPECT_EQ(r.error, EISDIR);
+    EXPECT_NE(r.message.find(dir + " is a directory; a swap-out replaces only a regular file"), std::string::npos)
+        << r.message;
+    expect_untouched_directory(dir);
+    fs::remove_all(dir);
+
+    // A symbolic link stays a link, and what it points to is not written.
+    const std::string target = dir_.file("target");
+    const std::string link = dir_.file("link");
+    std::ofstream(target) << "the target";
+    fs::create_symlink(target, link);
+    const std::string to_link[] = {link};
+    const swap_result l = s.wait(s.swap_out(refs, to_link))[0];
+    EXPECT_EQ(l.error, EINVAL);
+    EXPECT_NE(l.message.find("is a symbolic link"), std::string::npos) << l.message;
+    EXPECT_TRUE(fs::is_symlink(link));
+    EXPECT_EQ(fs::file_size(target), std::string("the target").size());
+    fs::remove(link);
+    fs::remove(target);
+
+    // A pipe is neither opened (it would block) nor replaced.
+    const std::string pipe = dir_.file("pipe");
+    ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+    const std::string to_pipe[] = {pipe};
+    const swap_result p = s.wait(s.swap_out(refs, to_pipe))[0];
+    EXPECT_EQ(p.error, EINVAL);
+    EXPECT_NE(p.message.find("is a pipe"), std::string::npos) << p.message;
+    EXPECT_TRUE(fs::is_fifo(pipe));
+    fs::remove(pipe);
+    EXPECT_EQ(counter->submitted, 0U) << "bytes were written for a path that is refused";
+
+    // The file written beside the path is never a link's target.
+    const std::string victim = dir_.file("victim");
+    const std::string path = dir_.file("p");
+    std::ofstream(victim) << "not to be written";
+    fs::create_symlink(victim, path + (reuse ? ".tensormem-spare" : ""));
+    const std::string to_path[] = {path};
+    if (reuse) {
+      EXPECT_EQ(s.wait(s.swap_out(refs, to_path))[0].error, ELOOP);
+      fs::remove(path + ".tensormem-spare");
+    } else {
+      fs::remove(path);
+    }
+    EXPECT_EQ(fs::file_size(victim), std::string("not to be written").size());
+    fs::remove(victim);
+
+    // The swapper works on afterwards.
+    EXPECT_EQ(s.wait(s.swap_out(refs, to_path))[0].error, 0);
+    std::vector<std::byte> back(t.size());
+    EXPECT_EQ(swap_in_one(s, back, path).error, 0);
+    EXPECT_EQ(back, t);
+    tensor_swapper::remove_files(path);
+  }
+  // Packed, the path gets no file of its own, but a stale one there is removed on the first
+  // swap-out: a link there is refused the same way.
+  tensor_swapper packing(pool_, {.engine = GetParam(), .staging_buffers = 2, .pack_below = 1 << 20});
+  auto small = pattern(3000, 43);
+  const tensor_ref small_refs[] = {{small.data(), small.size()}};
+  const std::string target = dir_.file("packed_target");
+  const std::string link = dir_.file("packed_link");
+  std::ofstream(target) << "the target";
+  fs::create_symlink(target, link);
+  const std::string to_link[] = {link};
+  EXPECT_EQ(packing.wait(packing.swap_out(small_refs, to_link))[0].error, EINVAL);
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(fs::file_size(target), std::string("the target").size());
+}
+
+TEST_P(integrity, empty_paths_and_paths_with_a_nul_byte_are_refused_before_anything_is_queued) {
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  auto t = pattern(100, 41);
+  const tensor_ref refs[] = {{t.data(), t.size()}};
+  const std::string empty[] = {""};
+  const std::string nul[] = {dir_.file("a") + std::string(1, '\0') + "b"};
+  for (const auto* paths : {&empty, &nul}) {
+    EXPECT_THROW((void)s.swap_out(refs, *paths), std::invalid_argument);
+    EXPECT_THROW((void)s.swap_in(*paths, refs), std::invalid_argument);
+  }
+  try {
+    (void)s.swap_out(refs, nul);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a NUL byte"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::is_empty(dir_.path));
+  EXPECT_FALSE(fs::exists(".tensormem-spare"));
+}
+
+// A directory made at the path while the tensor is being written (after the check at the
+// start of the job): the exchange puts it back and the swap-out fails.
+class directory_making_engine final : public testing::forwarding_engine {
+ public:
+  directory_making_engine(std::unique_ptr<io::io_engine> inner, std::string path)
+      : forwarding_engine(std::move(inner)), path_(std::move(path)) {}
+  void submit(std::span<const io::io_request> requests) override {
+    if (!made_) make_directory_with_a_file(path_);
+    made_ = true;
+    inner_->submit(requests);
+  }
+
+ private:
+  std::string path_;
+  bool made_ = false;
+};
+
+TEST_P(integrity, a_directory_that_appears_during_a_swap_out_is_put_back) {
+  for (const bool reuse : {true, false}) {
+    SCOPED_TRACE(reuse ? "reusing spares" : "fresh files");
+    const std::string path = dir_.file(reuse ? "late_r" : "late_f");
+    std::string fallback;
+    auto engine = std::make_unique<directory_making_engine>(io::make_engine(GetParam(), 8, fallback), path);
+    tensor_swapper s(pool_, {.staging_buffers = 2, .reuse_files = reuse}, std::move(engine));
+    auto t = pattern(10000, 42);
+    const tensor_ref refs[] = {{t.data(), t.size()}};
+    const std::string paths[] = {path};
+    const swap_result r = s.wait(s.swap_out(refs, paths))[0];
+    EXPECT_EQ(r.error, EISDIR);
+    EXPECT_NE(r.message.find(path + " is a directory"), std::string::npos) << r.message;
+    expect_untouched_directory(path);
+    fs::remove_all(path);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, integrity,

@@ -117,7 +117,11 @@ struct swap_stats {
 ///   whether data is verified, never the file.
 /// - A path may be in one unwaited transfer at a time: a batch naming a path twice, or a
 ///   path whose earlier transfer was not waited for, throws std::invalid_argument and
-///   queues nothing.
+///   queues nothing; so does an empty path or one holding a NUL byte.
+/// - A swap-out replaces only a regular file: a path that names a directory (EISDIR), a
+///   symbolic link, a pipe, a socket or a device (EINVAL) is an error for that tensor and
+///   stays as it was, also when it appears there while the tensor is being written. The
+///   file beside the path is opened with O_NOFOLLOW.
 /// Thread-safe: any thread may queue and wait (one internal mutex, never held while blocked;
 /// Python bindings release the GIL before taking it). The destructor waits for everything.
 class tensor_swapper {
