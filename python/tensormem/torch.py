@@ -11,6 +11,7 @@ so it cannot point into memory that is handed out again.
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 from types import MappingProxyType
@@ -69,7 +70,9 @@ class ContiguousMemoryAllocator:
         self.dtype = dtype
         self.device = device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.total_size = int(size)
+        self.total_size = operator.index(size)  # TypeError for 10.5, as torch.zeros(10.5) in DeepSpeed
+        if self.total_size < 0:
+            raise ValueError(f"size must be >= 0 elements, not {self.total_size}")
         # CUDA: the arena's memory comes from tensormem's CUDA resource and defragmentation
         # moves by device copies; RuntimeError says why when no device can be used.
         self._arena = _tensormem.ContiguousArena(self.total_size * self.itemsize, alignment=self.itemsize,
@@ -87,7 +90,7 @@ class ContiguousMemoryAllocator:
 
     def allocate_tensor(self, size: int) -> torch.Tensor:
         """A tensor of ``size`` elements inside the buffer (defragments first if needed)."""
-        size = int(size)
+        size = operator.index(size)
         if size < 0:
             raise AllocatorAssertion(f"allocate_tensor: size must be >= 0, not {size}")
         if size > self.total_free:

@@ -32,9 +32,12 @@
 #include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
+#include "whole_number.hpp"
 
 namespace py = pybind11;
 using namespace tensormem;
+using python::whole;
+using u64 = whole<std::uint64_t>;  // sizes, offsets, alignments, ids: ValueError past 0..2^64 - 1
 
 namespace {
 
@@ -100,15 +103,15 @@ class py_arena {
       throw std::invalid_argument("policy must be 'minimal' or 'full', not '" + policy + "'");
     }
   }
-  py::tuple allocate(std::uint64_t bytes) {
+  py::tuple allocate(u64 bytes) {
     const arena::tensor_block b = arena_.allocate(bytes);
     arena_.bind(b.id, [this](const arena::tensor_block& moved) {
       moves_.emplace_back(moved.id, moved.offset);
     });
     return py::make_tuple(b.id, b.offset);
   }
-  void release(std::uint64_t id) { arena_.release(id); }
-  std::uint64_t offset(std::uint64_t id) const { return arena_.block(id).offset; }
+  void release(u64 id) { arena_.release(id); }
+  std::uint64_t offset(u64 id) const { return arena_.block(id).offset; }
   std::vector<std::pair<std::uint64_t, std::uint64_t>> take_moves() {
     return std::exchange(moves_, {});
   }
@@ -300,10 +303,10 @@ py::list results_to_python(const std::vector<swap::swap_result>& results) {
 template <class Allocator>
 void bind_allocator(py::module_& m, const char* name, const char* doc) {
   py::class_<Allocator>(m, name, doc)
-      .def(py::init<std::uint64_t, std::uint64_t>(), py::arg("capacity") = core::growing,
+      .def(py::init<u64, u64>(), py::arg("capacity") = core::growing,
            py::arg("alignment") = 256)
       .def("allocate",
-           [](Allocator& a, std::uint64_t bytes) -> py::object {
+           [](Allocator& a, u64 bytes) -> py::object {
              const auto r = a.allocate(bytes);
              if (!r) return py::none();
              return py::cast(*r);
@@ -312,7 +315,7 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
       // (members inherited from the block-chain base are adapted or wrapped to take an
       // Allocator; pybind11's adaptor does not take noexcept members)
       .def("deallocate", py::method_adaptor<Allocator>(&Allocator::deallocate), py::arg("allocation"))
-      .def("free", py::method_adaptor<Allocator>(&Allocator::free), py::arg("offset"), py::arg("bytes"),
+      .def("free", [](Allocator& a, u64 offset, u64 bytes) { a.free(offset, bytes); }, py::arg("offset"), py::arg("bytes"),
            "InfiniTensor-style free; raises ValueError on misuse, changing nothing.")
       .def_property_readonly("peak", [](const Allocator& a) { return a.peak(); })
       .def_property_readonly("used", [](const Allocator& a) { return a.used(); })
@@ -447,12 +450,12 @@ PYBIND11_MODULE(_tensormem, m) {
   }, py::arg("path"), "Reads an id,lower,upper,size trace into numpy arrays.");
 
   m.def("lower_bound", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
-                          std::uint64_t alignment) {
+                          u64 alignment) {
     return core::lower_bound(buffers_from(lower, upper, size), alignment);
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("alignment") = 1);
 
   m.def("plan", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
-                   double time_limit, std::uint64_t alignment, std::uint64_t seed) {
+                   double time_limit, u64 alignment, u64 seed) {
     const auto buffers = buffers_from(lower, upper, size);
     core::plan_options o;
     o.time_limit_seconds = time_limit;
@@ -478,7 +481,7 @@ PYBIND11_MODULE(_tensormem, m) {
   // The C++ graph front end: operators over tensors of known sizes, their lifetimes.
   py::class_<core::graph>(m, "OperatorGraph", "Operators in execution order over tensors of known sizes.")
       .def(py::init<>())
-      .def("add_tensor", [](core::graph& g, std::string name, std::uint64_t bytes, const std::string& role) {
+      .def("add_tensor", [](core::graph& g, std::string name, u64 bytes, const std::string& role) {
              static const std::map<std::string, core::tensor_role> roles = {
                  {"activation", core::tensor_role::activation}, {"weight", core::tensor_role::weight},
                  {"input", core::tensor_role::graph_input}, {"output", core::tensor_role::graph_output}};
@@ -503,7 +506,7 @@ PYBIND11_MODULE(_tensormem, m) {
         for (const core::graph_op& o : g.ops()) out.append(py::make_tuple(o.name, o.inputs, o.outputs));
         return out;
       });
-  m.def("derive_lifetimes", [](const core::graph& g, std::uint64_t weight_alignment) {
+  m.def("derive_lifetimes", [](const core::graph& g, u64 weight_alignment) {
     const core::graph_lifetimes life = core::derive_lifetimes(g, weight_alignment);
     const auto n = static_cast<py::ssize_t>(life.buffers.size());
     py::array_t<std::uint64_t> lower(n), upper(n), size(n);
@@ -526,17 +529,16 @@ PYBIND11_MODULE(_tensormem, m) {
     return d;
   }, py::arg("graph"), py::arg("weight_alignment") = 256,
      "Buffer lifetimes of a graph run (activations freed after their last consumer).");
-  m.def("make_transformer_step", [](std::uint32_t layers, std::uint64_t hidden, std::uint64_t heads,
-                                     std::uint64_t sequence, std::uint64_t batch, std::uint64_t vocabulary,
-                                     std::uint64_t dtype_bytes) {
+  m.def("make_transformer_step", [](whole<std::uint32_t> layers, u64 hidden, u64 heads, u64 sequence, u64 batch,
+                                     u64 vocabulary, u64 dtype_bytes) {
     return core::make_transformer_step({layers, hidden, heads, sequence, batch, vocabulary, dtype_bytes});
   }, py::arg("layers") = 12, py::arg("hidden") = 768, py::arg("heads") = 12, py::arg("sequence") = 1024,
      py::arg("batch") = 8, py::arg("vocabulary") = 50257, py::arg("dtype_bytes") = 2,
      "The demo's model: one training step of a GPT-style transformer, as an OperatorGraph.");
 
   m.def("write_plan_picture", [](const std::string& path, const py::handle& lower, const py::handle& upper,
-                                 const py::handle& size, const py::handle& offsets, std::uint64_t arena_bytes,
-                                 std::uint64_t lower_bound, const std::string& title, const py::object& ids) {
+                                 const py::handle& size, const py::handle& offsets, u64 arena_bytes,
+                                 u64 lower_bound, const std::string& title, const py::object& ids) {
     auto buffers = buffers_from(lower, upper, size);
     if (!ids.is_none()) {
       const auto names = ids.cast<std::vector<std::string>>();
@@ -555,14 +557,14 @@ PYBIND11_MODULE(_tensormem, m) {
      "Draws a plan: an interactive page when the path ends in .html, else an SVG picture.");
 
   m.def("validate", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
-                       const py::handle& offsets, std::uint64_t arena_bytes, std::uint64_t alignment) {
+                       const py::handle& offsets, u64 arena_bytes, u64 alignment) {
     const std::vector<std::uint64_t> off = unsigned_array(offsets, "offsets");
     return core::validate(buffers_from(lower, upper, size), off, arena_bytes, alignment);
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("offsets"), py::arg("arena_bytes"),
      py::arg("alignment") = 1, "Empty string when the plan is valid, else what is wrong.");
 
   py::class_<py_arena>(m, "ContiguousArena", "A host buffer that hands out tensors and defragments.")
-      .def(py::init<std::uint64_t, std::uint64_t, const std::string&, const std::string&>(), py::arg("capacity"),
+      .def(py::init<u64, u64, const std::string&, const std::string&>(), py::arg("capacity"),
            py::arg("alignment") = 256, py::arg("policy") = "minimal", py::arg("device") = "cpu")
       .def("allocate", &py_arena::allocate, py::arg("bytes"),
            "Returns (id, offset); may defragment first; MemoryError when free bytes are short.")
@@ -572,7 +574,7 @@ PYBIND11_MODULE(_tensormem, m) {
            "(id, new_offset) of every tensor moved since the last call.")
       .def("buffer", [](py::object self) { return self.cast<py_arena&>().view(self); },
            "The whole arena as a MemoryView (no copy).")
-      .def("print_allocation", [](py_arena& a, std::size_t r) { return a.get().print_allocation(r); },
+      .def("print_allocation", [](py_arena& a, whole<std::size_t> r) { return a.get().print_allocation(r); },
            py::arg("resolution") = 200)
       .def("allocation_svg",
            [](py_arena& a) {
@@ -599,12 +601,12 @@ PYBIND11_MODULE(_tensormem, m) {
 
   py::class_<memory::pinned_pool, std::shared_ptr<memory::pinned_pool>>(m, "PinnedPool",
                                                                        "Page-locked host memory, pooled.")
-      .def(py::init([](std::size_t slab_bytes, bool allow_unlocked_fallback) {
+      .def(py::init([](whole<std::size_t> slab_bytes, bool allow_unlocked_fallback) {
              return std::make_shared<memory::pinned_pool>(memory::pool_options{
                  .slab_bytes = slab_bytes, .allow_unlocked_fallback = allow_unlocked_fallback});
            }),
            py::arg("slab_bytes") = std::size_t{64} << 20, py::arg("allow_unlocked_fallback") = false)
-      .def("allocate", [](std::shared_ptr<memory::pinned_pool> pool, std::size_t bytes) {
+      .def("allocate", [](std::shared_ptr<memory::pinned_pool> pool, whole<std::size_t> bytes) {
              auto buffer = std::make_shared<pinned_buffer>();
              buffer->pool = pool;
              buffer->data = static_cast<std::byte*>(pool->allocate(bytes, 4096));
@@ -652,9 +654,9 @@ PYBIND11_MODULE(_tensormem, m) {
   }, "Empty when a CUDA device can be used, else why not (no driver, no device, not built).");
 
   py::class_<py_swapper>(m, "TensorSwapper", "Tensors out to files and back on io_uring.")
-      .def(py::init([](std::shared_ptr<memory::pinned_pool> pool, unsigned queue_depth,
-                       std::size_t block_bytes, std::size_t staging_buffers, bool direct,
-                       bool checksums, const std::string& engine, bool reuse_files, std::size_t pack_below) {
+      .def(py::init([](std::shared_ptr<memory::pinned_pool> pool, whole<unsigned> queue_depth,
+                       whole<std::size_t> block_bytes, whole<std::size_t> staging_buffers, bool direct,
+                       bool checksums, const std::string& engine, bool reuse_files, whole<std::size_t> pack_below) {
              return std::make_unique<py_swapper>(
                  pool, swap::swap_options{.engine = engine_of(engine), .queue_depth = queue_depth,
                                           .block_bytes = block_bytes, .staging_buffers = staging_buffers,
@@ -678,9 +680,9 @@ PYBIND11_MODULE(_tensormem, m) {
                          const std::vector<py::object>& tensors, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, false);
            }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<std::string>{})
-      .def("wait", [](py_swapper& s, std::uint64_t ticket) { return results_to_python(s.wait(ticket)); },
+      .def("wait", [](py_swapper& s, u64 ticket) { return results_to_python(s.wait(ticket)); },
            py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message.")
-      .def("done", [](py_swapper& s, std::uint64_t ticket) {
+      .def("done", [](py_swapper& s, u64 ticket) {
              py::gil_scoped_release release;
              return s.get().done(ticket);
            }, py::arg("ticket"), "True when every transfer of the ticket finished (wait() would not block).")
@@ -714,7 +716,7 @@ PYBIND11_MODULE(_tensormem, m) {
   // tensormem.deepspeed.aio_handle (which keeps the tensors alive until wait()).
   py::class_<io::async_file_io>(m, "AsyncFileIO",
                                 "Raw reads and writes of memory given by address (see tensormem.deepspeed).")
-      .def(py::init([](std::size_t block_bytes, unsigned queue_depth, unsigned rings, const std::string& engine,
+      .def(py::init([](whole<std::size_t> block_bytes, whole<unsigned> queue_depth, whole<unsigned> rings, const std::string& engine,
                        bool direct) {
              if (engine != "uring" && engine != "threads") {
                throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + engine + "'");
@@ -729,13 +731,13 @@ PYBIND11_MODULE(_tensormem, m) {
            }),
            py::arg("block_bytes") = std::size_t{1} << 20, py::arg("queue_depth") = 128, py::arg("rings") = 1,
            py::arg("engine") = "uring", py::arg("direct") = true)
-      .def("read", [](io::async_file_io& io, std::uintptr_t address, std::size_t bytes, const std::string& path,
-                      std::uint64_t offset, bool validate) {
+      .def("read", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const std::string& path,
+                      u64 offset, bool validate) {
              py::gil_scoped_release release;
              io.read(reinterpret_cast<void*>(address), bytes, path, offset, validate);
            }, py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
-      .def("write", [](io::async_file_io& io, std::uintptr_t address, std::size_t bytes, const std::string& path,
-                       std::uint64_t offset, bool validate) {
+      .def("write", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const std::string& path,
+                       u64 offset, bool validate) {
              py::gil_scoped_release release;
              io.write(reinterpret_cast<const void*>(address), bytes, path, offset, validate);
            }, py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)

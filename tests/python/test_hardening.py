@@ -238,6 +238,46 @@ def test_plan_of_the_largest_buffer_and_of_sizes_past_two_to_the_64():
         tensormem.lower_bound(np.array([0, 1]), np.array([2, 3]), np.array([2**63, 2**63], dtype=np.uint64))
 
 
+def test_sizes_counts_and_ids_out_of_range_are_value_errors_not_signature_mismatches():
+    # pybind11 answered these with "incompatible function arguments" (a TypeError listing the
+    # signature); they are values out of range, named as such.
+    u64 = "expected a whole number from 0 to 18446744073709551615, not "
+    u32 = "expected a whole number from 0 to 4294967295, not "
+    pool = tensormem.PinnedPool()
+    g = tensormem.OperatorGraph()
+    cases = [
+        (lambda: tensormem.BestFitAllocator().allocate(-1), u64 + "-1"),
+        (lambda: tensormem.TlsfAllocator().allocate(2**64), u64 + "18446744073709551616"),
+        (lambda: tensormem.TlsfAllocator().free(-256, 1), u64 + "-256"),
+        (lambda: tensormem.BestFitAllocator(capacity=-1), u64 + "-1"),
+        (lambda: tensormem.ContiguousArena(-4096), u64 + "-4096"),
+        (lambda: tensormem.ContiguousArena(4096).release(-1), u64 + "-1"),
+        (lambda: tensormem.ContiguousArena(4096).print_allocation(-1), u64 + "-1"),
+        (lambda: tensormem.PinnedPool(slab_bytes=-1), u64 + "-1"),
+        (lambda: pool.allocate(2**64), u64 + "18446744073709551616"),
+        (lambda: tensormem.TensorSwapper(pool, queue_depth=2**32), u32 + "4294967296"),
+        (lambda: g.add_tensor("t", -8), u64 + "-8"),
+        (lambda: tensormem.make_transformer_step(layers=2**32), u32 + "4294967296"),
+        (lambda: tensormem.lower_bound([0], [1], [8], alignment=-1), u64 + "-1"),
+        (lambda: tensormem.plan([0], [1], [8], seed=-1), u64 + "-1"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    # Floats, bools and strings stay type errors; numpy integers are whole numbers.
+    a = tensormem.BestFitAllocator()
+    for wrong_type in (2.5, True, "8", None):
+        with pytest.raises(TypeError):
+            a.allocate(wrong_type)
+    assert a.allocate(np.int64(300)).bytes == 512 and a.allocate(np.uint64(256)).offset == 512
+    with pytest.raises(TypeError):
+        ContiguousMemoryAllocator(10.5, torch.float32)  # DeepSpeed's torch.zeros(10.5) refuses it too
+    with pytest.raises(ValueError, match="size must be >= 0 elements, not -1"):
+        ContiguousMemoryAllocator(-1, torch.float32)
+    with pytest.raises(TypeError):
+        ContiguousMemoryAllocator(16, torch.float32).allocate_tensor(2.5)
+
+
 def test_model_sizes_past_two_to_the_64_and_bad_weight_alignments_are_refused():
     # hidden x sequence = 2^80 bytes of activations used to wrap around to 0.
     with pytest.raises(OverflowError, match="the activations .* need more than 2\\^64 - 1 bytes"):
