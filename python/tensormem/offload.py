@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 import os
 import sys
 import time
@@ -63,12 +64,12 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                 raise ValueError(f"parameter {i} must be a contiguous float32 CPU tensor, not "
                                  f"{p.dtype} on {p.device}{'' if p.is_contiguous() else ' (non-contiguous)'}")
-        self.rank = _default_rank() if rank is None else int(rank)
+        self.rank = _default_rank() if rank is None else operator.index(rank)
         self.progress = progress
         self._core = _tensormem.OffloadedOptimizer(
             [p.numel() for p in self._params], kind=self._kind, offload_master=offload_master,
-            group_bytes=int(group_bytes), pinned_budget=int(pinned_budget),
-            swap_dirs=[os.fspath(d) for d in swap_dirs], rank=self.rank, stripe_bytes=int(stripe_bytes),
+            group_bytes=operator.index(group_bytes), pinned_budget=operator.index(pinned_budget),
+            swap_dirs=[os.fspath(d) for d in swap_dirs], rank=self.rank, stripe_bytes=operator.index(stripe_bytes),
             capacity_bytes=list(capacity_bytes or []), engine=engine, rings=rings,
             name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd)
         with torch.no_grad():

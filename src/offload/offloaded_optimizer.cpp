@@ -128,6 +128,12 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
     g.stride = round_up(g.elements, page_floats);
     largest = std::max(largest, record_bytes(g));
   }
+  // Checked before the swap space exists: a refused optimizer leaves no folder behind.
+  if (options_.pipeline.pinned_budget / std::max<std::uint64_t>(largest, 4096) < 2) {
+    throw std::invalid_argument("offloaded_optimizer: a pinned budget of " +
+                                std::to_string(options_.pipeline.pinned_budget) + " bytes holds fewer than two " +
+                                "sub-group records of " + std::to_string(largest) + " bytes; lower group_bytes");
+  }
   memory::pool_options pool;
   pool.alignment = 4096;
   pool.slab_bytes = std::max<std::uint64_t>(largest, 4096);
@@ -136,11 +142,6 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
   space_ = std::make_unique<swap_space>(options_.swap);
   for (group& g : groups_) {
     g.tensor = space_->add(options_.name + ".group" + std::to_string(g.index), record_bytes(g));
-  }
-  if (options_.pipeline.pinned_budget / std::max<std::uint64_t>(largest, 4096) < 2) {
-    throw std::invalid_argument("offloaded_optimizer: a pinned budget of " +
-                                std::to_string(options_.pipeline.pinned_budget) + " bytes holds fewer than two " +
-                                "sub-group records of " + std::to_string(largest) + " bytes; lower group_bytes");
   }
 }
 

@@ -36,8 +36,8 @@
 
 namespace py = pybind11;
 using namespace tensormem;
+using python::u64;  // sizes, offsets, alignments, ids: ValueError outside 0..2^64 - 1
 using python::whole;
-using u64 = whole<std::uint64_t>;  // sizes, offsets, alignments, ids: ValueError past 0..2^64 - 1
 
 namespace {
 

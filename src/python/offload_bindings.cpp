@@ -10,9 +10,12 @@
 #include <vector>
 
 #include "tensormem/offload/offloaded_optimizer.hpp"
+#include "whole_number.hpp"
 
 namespace py = pybind11;
 using namespace tensormem;
+using python::u64;
+using python::whole;
 
 namespace {
 
@@ -100,10 +103,10 @@ void bind_offload(py::module_& m) {
   py::class_<offload::offloaded_optimizer>(m, "OffloadedOptimizer",
                                            "Optimizer state in a striped swap space (see tensormem.offload).")
       .def(py::init([](std::vector<std::uint64_t> numels, const std::string& kind, bool offload_master,
-                       std::uint64_t group_bytes, std::uint64_t pinned_budget, std::vector<std::string> swap_dirs,
-                       unsigned rank, std::size_t stripe_bytes, std::vector<std::uint64_t> capacity_bytes,
-                       const std::string& engine, unsigned rings, std::size_t block_bytes, const std::string& name,
-                       const std::string& simd) {
+                       u64 group_bytes, u64 pinned_budget, std::vector<std::string> swap_dirs,
+                       whole<unsigned> rank, whole<std::size_t> stripe_bytes, const std::vector<u64>& capacity_bytes,
+                       const std::string& engine, whole<unsigned> rings, whole<std::size_t> block_bytes,
+                       const std::string& name, const std::string& simd) {
              if (engine != "uring" && engine != "threads") {
                throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + engine + "'");
              }
@@ -115,7 +118,7 @@ void bind_offload(py::module_& m) {
              o.swap.folders = std::move(swap_dirs);
              o.swap.rank = rank;
              o.swap.stripe_bytes = stripe_bytes;
-             o.swap.capacity_bytes = std::move(capacity_bytes);
+             o.swap.capacity_bytes.assign(capacity_bytes.begin(), capacity_bytes.end());
              o.swap.io.engine = engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring;
              o.swap.io.rings = rings;
              o.swap.io.block_bytes = block_bytes;

@@ -10,6 +10,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <limits>
 #include <string>
 
@@ -21,6 +22,8 @@ struct whole {
   T value{};
   operator T() const noexcept { return value; }  // NOLINT(google-explicit-constructor): used as T
 };
+
+using u64 = whole<std::uint64_t>;
 
 }  // namespace tensormem::python
 

@@ -307,6 +307,13 @@ def test_misuse_is_refused(tmp_path):
         OffloadedAdamW([torch.zeros(4, 4).t()], swap_dirs=d)
     with pytest.raises(ValueError, match="fewer than two"):
         OffloadedAdamW(mlp().parameters(), swap_dirs=d, group_bytes=64 << 10, pinned_budget=100 << 10)
+    assert list(tmp_path.iterdir()) == []  # refused before the swap space made its folder
+    for bad in (dict(pinned_budget=-1), dict(group_bytes=-1), dict(stripe_bytes=-5), dict(rings=-1),
+                dict(capacity_bytes=[-1]), dict(rank=-1)):
+        with pytest.raises(ValueError, match="expected a whole number from 0 to"):
+            OffloadedAdamW(mlp().parameters(), swap_dirs=d, **bad)
+    with pytest.raises(TypeError):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=d, pinned_budget=2.5 * (1 << 20))  # was truncated
     with pytest.raises(OSError, match="not a directory"):
         OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path / "missing")])
     with pytest.raises(ValueError, match="at least one folder"):
