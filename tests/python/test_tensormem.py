@@ -314,3 +314,23 @@ def test_type_stubs_match_the_module():
                 assert _pybind_parameters(member) == parameters(item), f"{node.name}.{item.name}"
         missing = sorted(n for n in dir(cls) if not n.startswith("_") and n not in members)
         assert missing == [], f"{node.name} has members the stub does not declare: {missing}"
+
+
+def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path):
+    lower, upper, size = [0, 1], [2, 3], [256, 512]
+    p = tensormem.plan(lower, upper, size, time_limit=0)
+    args = (lower, upper, size, p["offsets"], p["arena_bytes"], p["lower_bound"])
+    tensormem.write_plan_picture(str(tmp_path / "p.svg"), *args, ids=["a<b", "c"])
+    svg = (tmp_path / "p.svg").read_text()
+    assert svg.startswith("<svg") and "a&lt;b" in svg and "1.0000 x" in svg
+    tensormem.write_plan_picture(str(tmp_path / "p.html"), *args, title="t")
+    assert "<script" in (tmp_path / "p.html").read_text()
+    with pytest.raises(ValueError, match="ids: one per buffer"):
+        tensormem.write_plan_picture(str(tmp_path / "x.svg"), *args, ids=["only one"])
+    with pytest.raises(ValueError, match="offsets: one per buffer"):
+        tensormem.write_plan_picture(str(tmp_path / "x.svg"), lower, upper, size, [0], 768, 768)
+    with pytest.raises(ValueError, match="expected a whole number"):
+        tensormem.write_plan_picture(str(tmp_path / "x.svg"), lower, upper, size, p["offsets"], -1, 768)
+    with pytest.raises(FileNotFoundError, match="cannot write"):
+        tensormem.write_plan_picture(str(tmp_path / "missing" / "x.svg"), *args)
+    assert not (tmp_path / "x.svg").exists()
