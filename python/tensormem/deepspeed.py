@@ -28,6 +28,7 @@ side of not losing data:
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import types
@@ -142,7 +143,7 @@ def is_pinned(tensor: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------- the handle
 
 def _positive(name: str, value) -> int:
-    value = int(value)
+    value = operator.index(value)  # 1.5 or "8" is a TypeError, as in DeepSpeed's own handle
     if value <= 0:
         raise ValueError(f"aio_handle: {name} must be positive, not {value}")
     return value
@@ -163,7 +164,7 @@ def _async_and_offset(method: str, args, kwargs) -> Tuple[bool, int]:
         values[key] = value
     if "async" not in values:
         raise TypeError(f"{method}() missing required argument: 'async'")
-    return bool(values["async"]), int(values.get("file_offset", 0))
+    return bool(values["async"]), operator.index(values.get("file_offset", 0))
 
 
 class aio_handle:  # noqa: N801 (DeepSpeed's name)
@@ -224,9 +225,9 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         nbytes = staged.numel() * staged.element_size()
         path = os.fspath(filename)
         if read:
-            io.read(staged.data_ptr(), nbytes, path, int(file_offset), bool(validate))
+            io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
         else:
-            io.write(staged.data_ptr(), nbytes, path, int(file_offset), bool(validate))
+            io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
         return staged, destination
 
     @staticmethod

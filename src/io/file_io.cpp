@@ -1,5 +1,7 @@
 #include "tensormem/io/file_io.hpp"
 
+#include "tensormem/io/path_argument.hpp"
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -17,6 +19,14 @@ constexpr std::uint64_t direct_alignment = 4096;
 std::string describe(int error) { return std::generic_category().message(error); }
 
 }  // namespace
+
+void check_path_argument(std::string_view who, std::string_view path) {
+  if (path.empty()) throw std::invalid_argument(std::string(who) + ": an empty path");
+  if (const auto nul = path.find('\0'); nul != std::string_view::npos) {
+    throw std::invalid_argument(std::string(who) + ": the path '" + std::string(path.substr(0, nul)) +
+                                "\\0...' holds a NUL byte");
+  }
+}
 
 async_file_io::async_file_io(file_io_options options) : options_(options) {
   if (options_.block_bytes == 0) throw std::invalid_argument("async_file_io: block_bytes must be positive");
@@ -60,6 +70,7 @@ std::uint64_t async_file_io::write(const void* buffer, std::size_t bytes, const 
 
 std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
                           std::uint64_t file_offset, bool validate) {
+  check_path_argument("async_file_io", path);
   if (bytes != 0 && buffer == nullptr) throw std::invalid_argument("async_file_io: null buffer for " + path);
   if (file_offset > UINT64_MAX - bytes || file_offset + bytes > static_cast<std::uint64_t>(INT64_MAX)) {
     throw std::invalid_argument("async_file_io: offset " + std::to_string(file_offset) + " + " +

@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "tensormem/io/path_argument.hpp"
+
 namespace tensormem::offload {
 
 namespace {
@@ -343,6 +345,7 @@ void offloaded_optimizer::rewrite(const std::function<void(const group&, float* 
 }
 
 void offloaded_optimizer::save(const std::string& path) {
+  io::check_path_argument("offloaded_optimizer::save", path);
   const std::string tmp = path + ".tmp";
   {
     const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
@@ -364,6 +367,7 @@ void offloaded_optimizer::save(const std::string& path) {
 }
 
 void offloaded_optimizer::load(const std::string& path) {
+  io::check_path_argument("offloaded_optimizer::load", path);
   const file in(path, O_RDONLY);
   std::vector<char> head(header_bytes(numels_.size()), 0);
   char magic[8];

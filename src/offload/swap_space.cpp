@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <system_error>
 
+#include "tensormem/io/path_argument.hpp"
+
 namespace tensormem::offload {
 
 namespace {
@@ -45,6 +47,7 @@ swap_space::swap_space(swap_space_options options) : options_(std::move(options)
                                 " capacities for " + std::to_string(options_.folders.size()) + " folders");
   }
   for (const std::string& folder : options_.folders) {
+    io::check_path_argument("swap_space: folder", folder);
     std::error_code ec;
     if (!std::filesystem::is_directory(folder, ec)) {
       throw std::system_error(ENOENT, std::generic_category(), "swap folder " + folder + " is not a directory");

@@ -18,6 +18,7 @@
 
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/io/file_io.hpp"
+#include "tensormem/io/path_argument.hpp"
 #include "tensormem/swap/crc32c.hpp"
 
 namespace tensormem::swap {
@@ -778,6 +779,7 @@ void tensor_swapper::verify_in(job& j) {
 std::string tensor_swapper::spare_path(const std::string& path) { return path + ".tensormem-spare"; }
 
 void tensor_swapper::remove_files(const std::string& path) {
+  io::check_path_argument("tensor_swapper::remove_files", path);
   unlink(path.c_str());
   unlink(spare_path(path).c_str());
 }
@@ -821,12 +823,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
   // would leave one tensor lost while both report success.
   std::set<std::string_view> batch;
   for (const std::string& p : paths) {
-    // The system reads a path up to its first NUL: "a\0b" would name the file "a".
-    if (p.empty()) throw std::invalid_argument("tensor_swapper: an empty path");
-    if (p.find('\0') != std::string::npos) {
-      throw std::invalid_argument("tensor_swapper: the path '" + p.substr(0, p.find('\0')) +
-                                  "\\0...' holds a NUL byte");
-    }
+    io::check_path_argument("tensor_swapper", p);
     if (!batch.insert(p).second) {
       throw std::invalid_argument("tensor_swapper: " + p + " appears twice in one batch");
     }
@@ -975,6 +972,7 @@ swap_stats tensor_swapper::stats() const {
 }
 
 void tensor_swapper::discard(const std::string& path) {
+  io::check_path_argument("tensor_swapper::discard", path);
   {
     const std::lock_guard lock(mutex_);
     if (busy_paths_.contains(path)) {

@@ -1,7 +1,5 @@
 #include "tensormem/trace/trace_io.hpp"
 
-#include "write_file.hpp"
-
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include <system_error>
 #include <unordered_map>
 
+#include "tensormem/io/path_argument.hpp"
 #include "write_file.hpp"
 
 namespace tensormem::trace {
@@ -42,6 +41,7 @@ std::string_view trim(std::string_view s) {
 }  // namespace
 
 std::ifstream open_input(const std::string& path) {
+  io::check_path_argument("cannot read a trace", path);
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) {
     const std::error_code ec(errno, std::generic_category());

@@ -178,6 +178,34 @@ TEST_P(file_io_test, errors_at_queuing_name_the_path_and_queue_nothing) {
   EXPECT_THROW(io.write(b.data, 1, small, UINT64_MAX), std::invalid_argument);
 }
 
+// "a\0b" would name the file "a" at the system call: such a path, and an empty one, are
+// refused before any file is opened, and the file the prefix names keeps its bytes.
+TEST_P(file_io_test, empty_paths_and_paths_with_a_nul_byte_are_refused) {
+  scratch_dir dir;
+  async_file_io io(options());
+  aligned_buffer b(4096);
+  std::memset(b.data, 0, 4096);
+  const std::string kept = dir.file("kept");
+  const std::vector<std::byte> original = pattern(4096, 7);
+  write_plain(kept, original);
+  const std::string nul = kept + std::string(1, '\0') + "x";
+  const std::string fresh = dir.file("fresh") + std::string(1, '\0');
+  for (const std::string& path : {nul, fresh, std::string()}) {
+    EXPECT_THROW(io.write(b.data, 4096, path, 0), std::invalid_argument);
+    EXPECT_THROW(io.read(b.data, 4096, path, 0), std::invalid_argument);
+  }
+  try {
+    io.write(b.data, 4096, nul, 0);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a NUL byte"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(io.pending(), 0U);
+  EXPECT_EQ(io.wait().completed, 0U);
+  EXPECT_EQ(file_bytes(kept), original);
+  EXPECT_FALSE(std::filesystem::exists(dir.file("fresh")));
+  for (std::size_t i = 0; i < 4096; ++i) ASSERT_EQ(b.data[i], std::byte{0}) << i;  // nothing read
+}
+
 // The file shrinks between queuing and the transfer: the read fails with EIO and says how
 // many bytes came; the other operation of the same wait succeeds.
 class truncating_engine final : public swap::testing::forwarding_engine {

@@ -210,6 +210,13 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
     bad = o;
     bad.capacity_bytes = {1};
     EXPECT_THROW(swap_space{bad}, std::invalid_argument);
+    // "dir\0x" would be the folder "dir" at the system call: refused, no rank folder made there.
+    for (const std::string& folder : {dir.path.string() + std::string(1, '\0') + "x", std::string()}) {
+      bad = o;
+      bad.folders.push_back(folder);
+      EXPECT_THROW(swap_space{bad}, std::invalid_argument);
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir.path / "rank3"));
   }
   o.capacity_bytes = {100000, 100000, 100000};
   swap_space s(o);
@@ -553,6 +560,15 @@ TEST(offload_optimizer, checkpoints_round_trip_and_bad_ones_are_refused) {
   offloaded_optimizer truncated(numels, small_options(dir));
   EXPECT_THROW(truncated.load(ck), std::runtime_error);
   EXPECT_THROW(truncated.load((dir.path / "none").string()), std::system_error);
+
+  // "ck\0x" would save over, or load, the file "ck": refused, and ck keeps its bytes.
+  const auto size = std::filesystem::file_size(ck);
+  for (const std::string& path : {ck + std::string(1, '\0') + "x", std::string()}) {
+    EXPECT_THROW(o.save(path), std::invalid_argument);
+    EXPECT_THROW(truncated.load(path), std::invalid_argument);
+  }
+  EXPECT_EQ(std::filesystem::file_size(ck), size);
+  EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
 }
 
 TEST(offload_optimizer, bad_arguments_are_refused) {

@@ -352,3 +352,59 @@ def test_unknown_tickets_are_value_errors(tmp_path):
     s.wait(t)
     with pytest.raises(ValueError, match="already waited"):
         s.wait(t)
+
+
+def test_paths_with_a_nul_byte_or_empty_are_value_errors_and_touch_no_file(tmp_path):
+    """The system reads a path up to its first NUL: "kept\\0x" would name "kept". Every entry
+    point that takes a path refuses such a path, and an empty one, before touching a file."""
+    import tensormem.deepspeed as ds
+    from tensormem.offload import OffloadedAdam
+
+    kept = tmp_path / "kept"
+    kept.write_text("id,lower,upper,size\na,0,2,8\n")
+    before = kept.read_bytes()
+    nul = str(kept) + "\0x"
+    handle = ds.aio_handle()
+    swapper = tensormem.TensorSwapper(tensormem.PinnedPool())
+    one = np.zeros(1, dtype=np.uint64)
+    for bad in (nul, ""):
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            handle.sync_pwrite(torch.ones(4), bad)
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            handle.read(torch.ones(4), bad, False)
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            swapper.discard(bad)
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            tensormem.read_trace(bad)
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            tensormem.write_plan_picture(bad, one, one + 2, one + 8, one, 8, 8)
+        with pytest.raises(ValueError, match="empty path|NUL byte"):
+            OffloadedAdam([torch.nn.Parameter(torch.zeros(8))], swap_dirs=[str(tmp_path) + "\0x" if bad else ""])
+    assert handle.wait() == 0
+    assert kept.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
+def test_aio_handle_sizes_and_offsets_are_whole_numbers(tmp_path):
+    """DeepSpeed's handle takes integers: a float offset is a TypeError there, and was read
+    here as the offset truncated (bytes from the wrong place)."""
+    import tensormem.deepspeed as ds
+
+    path = str(tmp_path / "f")
+    handle = ds.aio_handle()
+    handle.sync_pwrite(torch.arange(8, dtype=torch.uint8), path)
+    target = torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(TypeError):
+        handle.sync_pread(target, path, 1.5)
+    with pytest.raises(TypeError):
+        handle.pread(target, path, False, False, 2.0)
+    with pytest.raises(TypeError):
+        handle.read(target, path, False, 1.0)
+    assert handle.wait() == 0 and target.tolist() == [0, 0, 0, 0]
+    for name in ("block_size", "queue_depth", "intra_op_parallelism"):
+        with pytest.raises(TypeError):
+            ds.aio_handle(**{name: 8.5})
+        with pytest.raises(TypeError):
+            ds.aio_handle(**{name: "8"})
+    handle.sync_pread(target, path, np.int64(2))
+    assert target.tolist() == [2, 3, 4, 5]

@@ -393,6 +393,16 @@ TEST_P(integrity, empty_paths_and_paths_with_a_nul_byte_are_refused_before_anyth
   }
   EXPECT_TRUE(fs::is_empty(dir_.path));
   EXPECT_FALSE(fs::exists(".tensormem-spare"));
+
+  // discard and remove_files delete files: with "a\0b" they would delete "a".
+  const std::string kept = dir_.file("kept");
+  std::ofstream(kept) << "kept";
+  const std::string kept_nul = kept + std::string(1, '\0') + "b";
+  EXPECT_THROW(s.discard(kept_nul), std::invalid_argument);
+  EXPECT_THROW(s.discard(""), std::invalid_argument);
+  EXPECT_THROW(tensor_swapper::remove_files(kept_nul), std::invalid_argument);
+  EXPECT_THROW(tensor_swapper::remove_files(""), std::invalid_argument);
+  EXPECT_TRUE(fs::exists(kept));
 }
 
 // A directory made at the path while the tensor is being written (after the check at the

@@ -2,10 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
+#include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
+#include "../swap/swap_test_support.hpp"
 
 namespace tensormem::trace {
 namespace {
@@ -72,6 +77,33 @@ TEST(trace_io, missing_file_is_named) {
   } catch (const trace_error& e) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/trace.csv"), std::string::npos);
   }
+}
+
+// The system reads a path up to its first NUL: reading "t.csv\0x" would read t.csv, and
+// writing it would overwrite t.csv. Such paths, and empty ones, are refused.
+TEST(trace_io, empty_paths_and_paths_with_a_nul_byte_are_refused) {
+  const swap::testing::scratch_dir dir;
+  const std::string kept = dir.file("t.csv");
+  const std::string text = "id,lower,upper,size\nx,0,2,10\n";
+  std::ofstream(kept) << text;
+  const std::string nul = kept + std::string(1, '\0') + "x";
+  const std::vector<core::buffer> b = {{"y", 0, 3, 20, 0}};
+  const std::vector<std::uint64_t> offsets = {0};
+  for (const std::string& path : {nul, std::string()}) {
+    EXPECT_THROW(read_trace(path), std::invalid_argument);
+    EXPECT_THROW(write_trace(path, b), std::invalid_argument);
+    EXPECT_THROW(write_plan_svg(path, b, offsets, 20, 20), std::invalid_argument);
+    EXPECT_THROW(write_plan_html(path, b, offsets, 20, 20, "plan"), std::invalid_argument);
+  }
+  try {
+    read_trace(nul);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a NUL byte"), std::string::npos) << e.what();
+  }
+  std::ifstream in(kept);
+  const std::string after((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(after, text);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path), {}), 1);
 }
 
 TEST(trace_io, round_trip) {

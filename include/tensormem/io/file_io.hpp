@@ -78,7 +78,8 @@ class async_file_io {
 
   /// Queues a read of `bytes` at `file_offset` of `path` into `buffer` (which must stay valid
   /// until `wait` returns). Throws std::system_error naming the path when the file cannot be
-  /// opened or is shorter than `file_offset + bytes`; nothing is queued then. With `validate`,
+  /// opened or is shorter than `file_offset + bytes`, std::invalid_argument for an empty path
+  /// or one holding a NUL byte (io::check_path_argument); nothing is queued then. With `validate`,
   /// `wait` reads the range again through the page cache and compares. Returns the
   /// operation's ticket for `wait_for`.
   std::uint64_t read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,

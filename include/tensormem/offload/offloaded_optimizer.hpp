@@ -105,6 +105,7 @@ class offloaded_optimizer {
   void rewrite(const std::function<void(const group&, float* record)>& edit, std::vector<std::uint64_t> steps = {});
   /// Writes a checkpoint file of the committed state (written to `path`.tmp and renamed, so an
   /// interrupted save leaves the previous file). Never holds more than the pinned budget.
+  /// For `save` and `load`, an empty path or one holding a NUL byte is std::invalid_argument.
   void save(const std::string& path);
   /// Replaces the state with a checkpoint written by `save` for the same parameters and options.
   void load(const std::string& path);

@@ -34,7 +34,7 @@ class offload_error : public std::runtime_error {
 };
 
 struct swap_space_options {
-  std::vector<std::string> folders;     ///< one per device; at least one
+  std::vector<std::string> folders;     ///< one per device; at least one; not empty, no NUL byte
   unsigned rank = 0;                    ///< files live in <folder>/rank<rank>/
   std::size_t stripe_bytes = std::size_t{8} << 20;  ///< a multiple of 4096
   /// Per folder, the most bytes this space's files may take (both generations); empty or 0:

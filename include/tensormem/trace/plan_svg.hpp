@@ -15,7 +15,8 @@ namespace tensormem::trace {
 void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                     std::uint64_t lower_bound);
-/// As above, to a file; throws std::system_error when it cannot be written.
+/// As above, to a file; throws std::system_error when it cannot be written, and
+/// std::invalid_argument for an empty path or one holding a NUL byte (io::check_path_argument).
 void write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                     std::uint64_t lower_bound);
@@ -30,7 +31,8 @@ void write_plan_svg(const std::string& path, std::span<const core::buffer> buffe
 void write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
                      std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                      std::uint64_t lower_bound, const std::string& title);
-/// As above, to a file; throws std::system_error when it cannot be written.
+/// As above, to a file; throws std::system_error when it cannot be written, and
+/// std::invalid_argument for an empty path or one holding a NUL byte (io::check_path_argument).
 void write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
                      std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                      std::uint64_t lower_bound, const std::string& title);
