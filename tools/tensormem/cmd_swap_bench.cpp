@@ -1,7 +1,11 @@
 // `tensormem swap-bench`: tensors out to a directory and back through the swapper.
 
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
@@ -50,6 +54,77 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The longest --overlap compute loop (the loop's calibrated iteration count stays far from
+// 2^64 below it).
+constexpr double most_overlap_seconds = 86400;
+
+// The run's files live in a private folder made inside --dir; it is removed however the run
+// ends: by this object's destructor, or by a watcher thread when SIGINT, SIGTERM or SIGHUP
+// arrives (Ctrl-C during a 4 GiB run would otherwise leave 8 GiB of files). The signals are
+// blocked in every thread of the run (the swapper's threads inherit the mask) and taken by
+// the watcher, which removes the folder and then lets the signal take its default action.
+// A signal the tool was started with ignored (a background job's SIGINT, nohup's SIGHUP)
+// stays ignored.
+class private_folder {
+ public:
+  explicit private_folder(const std::string& parent) {
+    std::string templ = (std::filesystem::path(parent) / "tensormem-swap-bench-XXXXXX").string();
+    if (mkdtemp(templ.data()) == nullptr) {
+      throw std::system_error(errno, std::generic_category(), "cannot make a folder in " + parent);
+    }
+    path_ = templ;
+    sigemptyset(&watched_);
+    for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
+      struct sigaction now {};
+      if (sigaction(sig, nullptr, &now) == 0 && now.sa_handler != SIG_IGN) sigaddset(&watched_, sig);
+    }
+    pthread_sigmask(SIG_BLOCK, &watched_, &old_mask_);
+    watcher_ = std::thread([this] { watch(); });
+  }
+  ~private_folder() {
+    stop_ = true;
+    watcher_.join();
+    remove();
+    // A signal that came after the watcher stopped is delivered here, the folder gone.
+    pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+  }
+  private_folder(const private_folder&) = delete;
+  private_folder& operator=(const private_folder&) = delete;
+  const std::filesystem::path& path() const noexcept { return path_; }
+
+ private:
+  void remove() const noexcept {
+    // A commit in flight may put a file back between the walk and the final rmdir; retry.
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      std::error_code ec;
+      std::filesystem::remove_all(path_, ec);
+      if (!ec && !std::filesystem::exists(path_, ec)) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  void watch() {
+    const timespec tick{0, 50'000'000};
+    while (!stop_) {
+      const int sig = sigtimedwait(&watched_, nullptr, &tick);
+      if (sig <= 0) continue;
+      remove();
+      ::signal(sig, SIG_DFL);
+      sigset_t one;
+      sigemptyset(&one);
+      sigaddset(&one, sig);
+      pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+      raise(sig);
+      _exit(128 + sig);
+    }
+  }
+
+  std::filesystem::path path_;
+  sigset_t watched_{};
+  sigset_t old_mask_{};
+  std::atomic<bool> stop_{false};
+  std::thread watcher_;
+};
+
 void run_swap_bench(const swap_bench_options& o) {
   if (!std::filesystem::is_directory(o.dir)) throw std::invalid_argument(o.dir + " is not a directory");
   if (o.bytes < o.tensor_bytes) {
@@ -57,6 +132,8 @@ void run_swap_bench(const swap_bench_options& o) {
                                 std::to_string(o.tensor_bytes) + "; lower --tensor-bytes");
   }
   const std::uint64_t count = o.bytes / o.tensor_bytes;
+  // Before the pool and the swapper: removed after them, signals blocked in their threads.
+  const private_folder folder(o.dir);
   memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(std::max<std::uint64_t>(o.tensor_bytes, 1 << 20))});
   swap::tensor_swapper swapper(
       pool, {.engine = o.engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring,
@@ -69,18 +146,11 @@ void run_swap_bench(const swap_bench_options& o) {
              .pack_below = static_cast<std::size_t>(o.pack_below)});
   std::vector<swap::tensor_ref> tensors;
   std::vector<std::string> paths;
-  // The files go away however the run ends (success, a failed transfer, an exception).
-  struct remove_on_exit {
-    std::vector<std::string>& paths;
-    ~remove_on_exit() {
-      for (const std::string& p : paths) swap::tensor_swapper::remove_files(p);
-    }
-  } cleanup{paths};
   for (std::uint64_t i = 0; i < count; ++i) {
     auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(o.tensor_bytes), 4096));
     for (std::uint64_t k = 0; k < o.tensor_bytes; k += 4096) p[k] = static_cast<std::byte>(i + k);
     tensors.push_back({p, static_cast<std::size_t>(o.tensor_bytes)});
-    paths.push_back((std::filesystem::path(o.dir) / fmt::format("tensormem-swap-{}-{}.bin", getpid(), i)).string());
+    paths.push_back((folder.path() / fmt::format("{}.bin", i)).string());
   }
   struct free_on_exit {
     memory::pinned_pool& pool;
@@ -89,7 +159,6 @@ void run_swap_bench(const swap_bench_options& o) {
       for (const auto& t : tensors) pool.free(t.data);
     }
   } release{pool, tensors};
-  for (const std::string& p : paths) swap::tensor_swapper::remove_files(p);
   auto check = [](const std::vector<swap::swap_result>& results) {
     for (const auto& r : results) {
       if (r.error != 0) throw std::runtime_error(r.message);
@@ -203,7 +272,7 @@ void run_swap_bench(const swap_bench_options& o) {
 void add_swap_bench_command(CLI::App& app) {
   auto o = std::make_shared<swap_bench_options>();
   CLI::App* cmd = app.add_subcommand("swap-bench", "Swap tensors out to a directory and back; GB/s each way");
-  cmd->add_option("--dir", o->dir, "directory for the swap files")->required();
+  cmd->add_option("--dir", o->dir, "directory for the swap files (in a folder of their own, removed at the end, on Ctrl-C too)")->required();
   cmd->add_option("--bytes", o->bytes, "total bytes (default 4 GiB)")->check(positive_count());
   cmd->add_option("--block", o->block, "bytes per I/O request (default 1 MiB)")->check(positive_count());
   cmd->add_option("--tensor-bytes", o->tensor_bytes, "bytes per tensor (default 64 MiB)")
@@ -220,7 +289,7 @@ void add_swap_bench_command(CLI::App& app) {
                   "pack tensors of at most this many bytes into one file per directory (default 0: a file per tensor)");
   cmd->add_option("--overlap", o->overlap_seconds,
                   "also time a swap-out beside a compute loop of this many seconds; print the overlap ratio")
-      ->check(non_negative_seconds());
+      ->check(non_negative_seconds(most_overlap_seconds));
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] { run_swap_bench(*o); });
 }

@@ -23,11 +23,11 @@ class command_failed : public std::runtime_error {
   int code_;
 };
 
-/// Validator of a time limit: a number of seconds >= 0 (not NaN); the error names the value
-/// briefly (CLI11's own range check prints the 309 digits of DBL_MAX).
-inline CLI::Validator non_negative_seconds() {
+/// Validator of a time limit: a number of seconds >= 0 (not NaN), at most `most`; the error
+/// names the value briefly (CLI11's own range check prints the 309 digits of DBL_MAX).
+inline CLI::Validator non_negative_seconds(double most = std::numeric_limits<double>::infinity()) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
+      [most](std::string& text) -> std::string {
         double value = 0;
         std::size_t used = 0;
         try {
@@ -38,6 +38,7 @@ inline CLI::Validator non_negative_seconds() {
         if (used != text.size() || !(value >= 0)) {
           return "must be a number of seconds >= 0, not '" + text.substr(0, 40) + "'";
         }
+        if (value > most) return "must be at most " + std::to_string(static_cast<long long>(most)) + " seconds, not '" + text.substr(0, 40) + "'";
         return {};
       },
       "SECONDS>=0");
