@@ -59,6 +59,7 @@ void run_arena(const arena_cli_options& o, bool alignment_given, bool capacity_g
     ops = parse_arena_ops(in, o.ops);
   }
   if (capacity == 0) throw std::invalid_argument("--capacity is required with --ops");
+  check_output_path("--svg", o.svg);
   memory::host_resource host;
   arena::contiguous_arena a(host, capacity,
                             {.alignment = alignment,

@@ -43,6 +43,9 @@ void run_plan(plan_cli_options o) {
   if (o.trace.empty() == (o.synthetic == 0)) {
     throw std::invalid_argument("plan: give a trace file or --synthetic N, not both");
   }
+  check_output_path("--out", o.out);
+  check_output_path("--svg", o.svg);
+  check_output_path("--html", o.html);
   std::vector<core::buffer> buffers;
   if (o.synthetic > core::max_plan_buffers) {
     throw std::invalid_argument("plan: --synthetic " + std::to_string(o.synthetic) + ": at most " +

@@ -1,8 +1,12 @@
 #pragma once
 // Sub-commands of the `tensormem` command-line tool.
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <charconv>
 #include <cstdint>
+#include <filesystem>
 #include <stdexcept>
 #include <system_error>
 #include <limits>
@@ -65,6 +69,28 @@ inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<st
         return {};
       },
       "N>=1");
+}
+
+/// Checks, before a long run, that an output file named by `option` can be written (its
+/// folder exists and is writable, the path is not a folder), so that a typo does not cost the
+/// run's result: std::invalid_argument "--out: ...". Writing can still fail later (a full
+/// disk); that is reported then.
+inline void check_output_path(const std::string& option, const std::string& path) {
+  if (path.empty()) return;  // not asked for
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path);
+  if (fs::is_directory(p, ec)) throw std::invalid_argument(option + ": " + path + " is a folder");
+  const fs::path folder = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::is_directory(folder, ec)) {
+    throw std::invalid_argument(option + ": cannot write " + path + ": folder " + folder.string() +
+                                " does not exist");
+  }
+  const bool exists = fs::exists(p, ec);
+  if (::access(exists ? path.c_str() : folder.c_str(), W_OK) != 0) {
+    const std::error_code why(errno, std::generic_category());
+    throw std::invalid_argument(option + ": cannot write " + path + ": " + why.message());
+  }
 }
 
 void add_replay_command(CLI::App& app);
