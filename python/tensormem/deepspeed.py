@@ -28,6 +28,7 @@ side of not losing data:
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
 import threading
@@ -405,6 +406,10 @@ class AsyncTensorSwapper:
     caller's buffer objects. Each file holds the tensor's elements and the padding, what
     DeepSpeed's swap-in reads. Works on this module's ``aio_handle`` or DeepSpeed's.
 
+    A write refused when it is queued (a missing folder, a bad path) does not stop the other
+    tensors of its buffer: all are queued, and ``AIOError`` names every refused path (raised
+    by the call that queued the buffer, or by ``release_buffers`` after every write ended).
+
     tensormem's own ``tensormem.torch.AsyncTensorSwapper`` (on ``TensorSwapper``) is the
     recommended path where DeepSpeed compatibility is not needed: it checksums every block
     (CRC-32C, checked on swap-in), replaces files atomically, and swaps in as well as out.
@@ -489,7 +494,9 @@ class AsyncTensorSwapper:
         if self._filling is not None:
             current = self._staging[self._filling]
             if current.used + aligned > current.buffer.numel():
-                self._queue_filling()
+                refused = self._queue_filling()
+                if refused:  # the other tensors of that buffer are being written
+                    raise AIOError(refused, 0)
         if self._filling is None:
             if not self._free:
                 self._wait_in_flight()  # back-pressure: every buffer is being written
@@ -505,13 +512,27 @@ class AsyncTensorSwapper:
         staging.entries.append((view, os.fspath(path), numel))
         staging.used += aligned
 
-    def _queue_filling(self) -> None:
+    def _queue_filling(self) -> List[Tuple[str, int, str]]:
+        """Queues a write per tensor of the filled buffer. A write refused at queuing (a
+        missing folder, a bad path) does not stop the others: every tensor is tried, and the
+        refused ones are returned as (path, errno, message) for the caller to raise."""
         index, self._filling = self._filling, None
         self._in_flight.append(index)
-        for view, path, _numel in self._staging[index].entries:
-            if self.aio_handle.async_pwrite(view, path) != 0:
-                raise OSError(f"async_pwrite of {path} was refused")
+        staging = self._staging[index]
+        queued, refused = [], []
+        for entry in staging.entries:
+            view, path, _numel = entry
+            try:
+                if self.aio_handle.async_pwrite(view, path) != 0:
+                    raise OSError(errno.EIO, "async_pwrite refused the write", path)
+            except (OSError, ValueError) as e:
+                why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                refused.append((path, getattr(e, "errno", None) or errno.EINVAL, why))
+                continue
+            queued.append(entry)
             self._pending_ops += 1
+        staging.entries = queued  # counted as swapped once written
+        return refused
 
     def _wait_in_flight(self) -> None:
         if self.timers:
@@ -531,7 +552,16 @@ class AsyncTensorSwapper:
             self._in_flight, self._pending_ops = [], 0
 
     def _flush(self) -> None:
-        if self._filling is not None:
-            self._queue_filling()
+        """Queues the filling buffer and waits for every write, even when some were refused
+        (the buffers are never handed back while a write from them is in flight); then raises
+        AIOError naming every tensor that was not written."""
+        refused = self._queue_filling() if self._filling is not None else []
+        failed: List[Tuple[str, int, str]] = []
+        completed = 0
         if self._in_flight:
-            self._wait_in_flight()
+            try:
+                self._wait_in_flight()
+            except AIOError as e:
+                failed, completed = e.errors, e.completed
+        if refused or failed:
+            raise AIOError(refused + failed, completed)

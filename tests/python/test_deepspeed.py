@@ -587,3 +587,32 @@ def test_swapper_refuses_what_deepspeed_asserts_on(tmp_path):
     assert swapper.release_buffers() == [pinned]
     with pytest.raises(ValueError):
         ds.AsyncTensorSwapper(handle, 0, None)
+
+
+@pytest.mark.parametrize("where", ["while filling", "at release"])
+def test_a_refused_write_does_not_drop_the_other_tensors_of_its_buffer(tmp_path, where):
+    """One tensor's write is refused at queuing (its folder does not exist). The tensors
+    after it in the same buffer used to be dropped without a word; now every one is written,
+    the writes in flight are waited for, and AIOError names the refused path."""
+    handle = ds.aio_handle()
+    swapper = ds.AsyncTensorSwapper(handle, numel_alignment=4, timers=None)
+    buffers = [handle.new_cpu_locked_tensor(16, torch.zeros(1)) for _ in range(2)]
+    swapper.add_buffers(buffers)
+    tensors = [torch.full((4,), float(i)) for i in range(4)]
+    paths = [str(tmp_path / "a"), str(tmp_path / "missing" / "b"), str(tmp_path / "c"), str(tmp_path / "d")]
+    swapper.swap_out_tensors(tensors, paths)  # fills the first buffer exactly
+    if where == "while filling":
+        with pytest.raises(ds.AIOError) as e:
+            swapper.swap_out_tensors([torch.full((4,), 9.0)], [str(tmp_path / "e")])  # queues the full buffer
+        assert [err[0] for err in e.value.errors] == [paths[1]] and e.value.errno == errno.ENOENT
+        # The swapper stays usable: the same call again stages the tensor in the other buffer.
+        swapper.swap_out_tensors([torch.full((4,), 9.0)], [str(tmp_path / "e")])
+        assert swapper.release_buffers() == buffers
+        assert pathlib_bytes(str(tmp_path / "e")) == raw_bytes(torch.full((4,), 9.0))
+    else:
+        with pytest.raises(ds.AIOError) as e:
+            swapper.release_buffers()
+        assert [err[0] for err in e.value.errors] == [paths[1]] and e.value.errno == errno.ENOENT
+    for i in (0, 2, 3):
+        assert pathlib_bytes(paths[i]) == raw_bytes(tensors[i]), paths[i]
+    assert handle.wait() == 0  # nothing left in flight
