@@ -84,6 +84,7 @@ class pinned_pool final : public memory_resource {
   memory_kind do_kind() const noexcept override { return memory_kind::pinned_host; }
   bool do_thread_safe() const noexcept override { return true; }
   slab& add_slab(std::size_t bytes, bool dedicated);
+  std::pair<slab*, core::allocation> place(std::size_t need);
   void release_slab(slab* s) noexcept;
 
   pool_options options_;
