@@ -27,7 +27,7 @@ import operator
 import os
 import sys
 import time
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -199,18 +199,25 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         steps = [int(float(state[i]["step"])) if i in state else 0 for i in range(len(self._params))]
         self._core.rewrite(put, steps)
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Streams the committed state to ``path`` (and the hyperparameters to ``path``.json),
-        never holding more than the pinned budget; the previous file survives an interrupted save."""
+        never holding more than the pinned budget; the previous file survives an interrupted save.
+        ``path`` may be a str or a path-like object (``pathlib.Path``)."""
+        path = os.fspath(path)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         tmp = path + ".json.tmp"
         with open(tmp, "w") as f:
             json.dump({"param_groups": groups}, f)
-        self._core.save(path)
+        try:
+            self._core.save(path)
+        except BaseException:
+            os.unlink(tmp)  # a failed save leaves nothing of its own behind
+            raise
         os.replace(tmp, path + ".json")
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Restores a checkpoint written by ``save_checkpoint`` for the same parameters and options."""
+        path = os.fspath(path)
         self._core.load(path)
         try:
             with open(path + ".json") as f:

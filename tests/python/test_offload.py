@@ -240,6 +240,14 @@ def test_kill_and_resume_from_a_streamed_checkpoint(tmp_path):
         opt.load_checkpoint(str(tmp_path / "junk"))
     with pytest.raises(OSError):
         opt.load_checkpoint(str(tmp_path / "missing"))
+    # Path objects are taken (as torch.save takes them); a failed save leaves no file of its own.
+    opt.save_checkpoint(tmp_path / "as_path")
+    opt.load_checkpoint(tmp_path / "as_path")
+    assert opt.param_groups[0]["lr"] == 1e-3
+    (tmp_path / "blocked.tmp").mkdir()  # where the state is first written
+    with pytest.raises(OSError):
+        opt.save_checkpoint(tmp_path / "blocked")
+    assert not (tmp_path / "blocked.json.tmp").exists() and not (tmp_path / "blocked").exists()
 
 
 FULL_SCRIPT = textwrap.dedent("""
