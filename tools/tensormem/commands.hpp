@@ -42,7 +42,10 @@ inline CLI::Validator non_negative_seconds(double most = std::numeric_limits<dou
         if (used != text.size() || !(value >= 0)) {
           return "must be a number of seconds >= 0, not '" + text.substr(0, 40) + "'";
         }
-        if (value > most) return "must be at most " + std::to_string(static_cast<long long>(most)) + " seconds, not '" + text.substr(0, 40) + "'";
+        if (value > most) {
+          return "must be at most " + std::to_string(static_cast<long long>(most)) + " seconds, not '" +
+                 text.substr(0, 40) + "'";
+        }
         return {};
       },
       "SECONDS>=0");

@@ -148,7 +148,8 @@ class tensor_swapper {
   std::size_t unfinished(std::uint64_t ticket);
   /// The spare file kept beside `path` when `reuse_files` is on.
   static std::string spare_path(const std::string& path);
-  /// Deletes a swap file and its spare (missing ones are ignored); an empty path or one holding a NUL byte is std::invalid_argument.
+  /// Deletes a swap file and its spare (missing ones are ignored); an empty path or one
+  /// holding a NUL byte is std::invalid_argument.
   static void remove_files(const std::string& path);
   /// Forgets a path: frees its packed slot and deletes its files (`remove_files`).
   /// Throws std::invalid_argument while the path is in a transfer not yet waited for, and for an

@@ -36,7 +36,8 @@ arena_snapshot snapshot(const arena::contiguous_arena& arena, std::string label,
 /// white; per bar the bytes used and free and the largest hole; an axis in binary units.
 /// Throws std::invalid_argument when a block lies outside the capacity.
 void write_arena_svg(std::ostream& out, std::span<const arena_snapshot> snapshots, std::uint64_t capacity);
-/// As above, to a file; throws std::system_error when it cannot be written; an empty path or one holding a NUL byte is std::invalid_argument.
+/// As above, to a file; throws std::system_error when it cannot be written, and
+/// std::invalid_argument for an empty path or one holding a NUL byte.
 void write_arena_svg(const std::string& path, std::span<const arena_snapshot> snapshots,
                      std::uint64_t capacity);
 

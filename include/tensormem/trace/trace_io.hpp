@@ -48,13 +48,14 @@ std::string brief(std::string_view field);
 /// Throws trace_error on the first problem (missing or extra column, non-numeric, negative or
 /// out-of-range value, lower >= upper, duplicate id, no buffers); nothing is returned then.
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name);
-/// As above, from a file; a file that cannot be opened is a trace_error naming it; an empty path or one holding a NUL byte is std::invalid_argument
-/// (io::check_path_argument).
+/// As above, from a file; a file that cannot be opened is a trace_error naming it; an empty
+/// path or one holding a NUL byte is std::invalid_argument (io::check_path_argument).
 std::vector<core::buffer> read_trace(const std::string& path);
 
 /// Writes `buffers` with a header; the offset column is written when every buffer has one.
 void write_trace(std::ostream& out, const std::vector<core::buffer>& buffers);
-/// As above, to a file; throws std::system_error when it cannot be written; an empty path or one holding a NUL byte is std::invalid_argument.
+/// As above, to a file; throws std::system_error when it cannot be written, and
+/// std::invalid_argument for an empty path or one holding a NUL byte.
 void write_trace(const std::string& path, const std::vector<core::buffer>& buffers);
 
 }  // namespace tensormem::trace
