@@ -416,10 +416,11 @@ class AsyncTensorSwapper:
     """
 
     def __init__(self, aio_handle, numel_alignment: int, timers=None):
-        if int(numel_alignment) <= 0:
+        numel_alignment = operator.index(numel_alignment)  # 1.5 is a TypeError, not 1
+        if numel_alignment <= 0:
             raise SwapperAssertion(f"AsyncTensorSwapper: numel_alignment must be positive, not {numel_alignment}")
         self.aio_handle = aio_handle
-        self.numel_alignment = int(numel_alignment)
+        self.numel_alignment = numel_alignment
         self.timers = timers
         self.dtype: Optional[torch.dtype] = None
         self.max_numel = 0

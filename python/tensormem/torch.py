@@ -238,8 +238,17 @@ class AsyncTensorSwapper:
 
     def __init__(self, aio_handle=None, numel_alignment: int = 1024, timers=None,
                  queue_depth: int = 32, block_bytes: int = 1 << 20, engine: str = "uring"):
-        if not 1 <= queue_depth <= _tensormem.MAX_QUEUE_DEPTH:  # checked here, not at the first transfer
+        # Checked here, not when the first transfer makes the swapper.
+        queue_depth, block_bytes = operator.index(queue_depth), operator.index(block_bytes)
+        numel_alignment = operator.index(numel_alignment)
+        if numel_alignment <= 0:
+            raise ValueError(f"numel_alignment must be positive, not {numel_alignment}")
+        if not 1 <= queue_depth <= _tensormem.MAX_QUEUE_DEPTH:
             raise ValueError(f"queue_depth must be 1 to {_tensormem.MAX_QUEUE_DEPTH}, not {queue_depth}")
+        if block_bytes <= 0 or block_bytes % 4096:
+            raise ValueError(f"block_bytes must be a positive multiple of 4096, not {block_bytes}")
+        if engine not in ("uring", "threads"):
+            raise ValueError(f"engine must be 'uring' or 'threads', not {engine!r}")
         self.numel_alignment = numel_alignment
         self._pool = _tensormem.PinnedPool()
         self._queue_depth = queue_depth

@@ -585,8 +585,13 @@ def test_swapper_refuses_what_deepspeed_asserts_on(tmp_path):
     swapper.add_buffers([pinned])
     swapper.swap_out_tensors([torch.ones(8)], [str(tmp_path / "ok")])
     assert swapper.release_buffers() == [pinned]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="numel_alignment must be positive, not 0"):
         ds.AsyncTensorSwapper(handle, 0, None)
+    # A fractional alignment is refused, not truncated (1.5 would pad every file to 1 element).
+    for alignment in (1.5, "64"):
+        with pytest.raises(TypeError):
+            ds.AsyncTensorSwapper(handle, alignment, None)
+    assert ds.AsyncTensorSwapper(handle, np.int64(64), None).numel_alignment == 64
 
 
 @pytest.mark.parametrize("where", ["while filling", "at release"])

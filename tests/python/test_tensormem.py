@@ -244,6 +244,29 @@ def test_async_tensor_swapper_names_misuse_at_the_call(tmp_path):
     for depth in (0, 32769):
         with pytest.raises(ValueError, match=f"queue_depth must be 1 to 32768, not {depth}"):
             AsyncTensorSwapper(queue_depth=depth)
+    # So are staging blocks it cannot use and an unknown engine (add_buffers divided by 0)
+    for block in (0, -4096, 1000):
+        with pytest.raises(ValueError, match=f"block_bytes must be a positive multiple of 4096, not {block}"):
+            AsyncTensorSwapper(block_bytes=block)
+    with pytest.raises(ValueError, match="engine must be 'uring' or 'threads', not 'aio'"):
+        AsyncTensorSwapper(engine="aio")
+    with pytest.raises(ValueError, match="numel_alignment must be positive, not 0"):
+        AsyncTensorSwapper(numel_alignment=0)
+    # and fractional sizes, not truncated
+    for name in ("queue_depth", "block_bytes", "numel_alignment"):
+        with pytest.raises(TypeError):
+            AsyncTensorSwapper(**{name: 8192.5})
+    made = AsyncTensorSwapper(queue_depth=np.int32(4), block_bytes=np.int64(8192), engine="threads")
+    made.add_buffers([torch.empty(3 * 8192, dtype=torch.uint8)])
+    made.swap_out_tensors([torch.arange(5000, dtype=torch.float32)], [str(tmp_path / "made")])
+    made.synchronize()
+    back = torch.empty(5000, dtype=torch.float32)
+    made.swap_in_tensors([str(tmp_path / "made")], [back])
+    made.synchronize()
+    assert torch.equal(back, torch.arange(5000, dtype=torch.float32))
+    assert made.stats()["engine"] == "threads"
+    made.release_buffers()
+    (tmp_path / "made").unlink()
     assert list(tmp_path.iterdir()) == []
 
 

@@ -104,7 +104,8 @@ void add_arena_command(CLI::App& app) {
   auto o = std::make_shared<arena_cli_options>();
   CLI::App* cmd = app.add_subcommand("arena", "Run alloc/free steps against a contiguous arena");
   auto* capacity = cmd->add_option("--capacity", o->capacity, "arena bytes")->check(positive_count());
-  auto* ops = cmd->add_option("--ops", o->ops, "script: 'alloc ID BYTES' / 'free ID' per line");
+  auto* ops = cmd->add_option("--ops", o->ops, "script: 'alloc ID BYTES' / 'free ID' per line")
+                  ->check(path_given());
   auto* scenario = cmd->add_option("--scenario", o->scenario, "built-in script: fp16-compactions, zero3");
   ops->excludes(scenario);
   cmd->add_option("--policy", o->policy, "defragmentation: minimal (default) or full")
@@ -113,7 +114,8 @@ void add_arena_command(CLI::App& app) {
       ->check(positive_count());
   cmd->add_option("--resolution", o->resolution, "cells in the map (1 to 1000000)")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1000000}));
-  cmd->add_option("--svg", o->svg, "draw the map after each defragmentation and at the end as SVG");
+  cmd->add_option("--svg", o->svg, "draw the map after each defragmentation and at the end as SVG")
+      ->check(path_given());
   cmd->add_flag("--verify", o->verify, "fill tensors with patterns and check them after every step");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o, alignment, capacity, ops, scenario] {

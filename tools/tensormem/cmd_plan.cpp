@@ -41,7 +41,8 @@ std::uint64_t peak_rss_bytes() {
 
 void run_plan(plan_cli_options o) {
   if (o.trace.empty() == (o.synthetic == 0)) {
-    throw std::invalid_argument("plan: give a trace file or --synthetic N, not both");
+    throw std::invalid_argument(o.trace.empty() ? "plan: give a trace file or --synthetic N"
+                                                : "plan: give a trace file or --synthetic N, not both");
   }
   check_output_path("--out", o.out);
   check_output_path("--svg", o.svg);
@@ -109,7 +110,7 @@ void run_plan(plan_cli_options o) {
 void add_plan_command(CLI::App& app) {
   auto opts = std::make_shared<plan_cli_options>();
   CLI::App* cmd = app.add_subcommand("plan", "Plan a trace offline in one arena");
-  cmd->add_option("trace", opts->trace, "trace CSV file (id,lower,upper,size)");
+  cmd->add_option("trace", opts->trace, "trace CSV file (id,lower,upper,size)")->check(path_given());
   cmd->add_option("--synthetic", opts->synthetic,
                   "plan N buffers of the synthetic family instead of a trace (starts uniform over N steps, "
                   "lifetimes 2^U(0,12), sizes 2^U(10,24))")
@@ -120,9 +121,10 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--alignment", opts->alignment, "size and offset alignment (default 1)")
       ->check(positive_count());
   cmd->add_option("--seed", opts->seed, "seed of the randomized search");
-  cmd->add_option("--out", opts->out, "write the trace with an offset column");
-  cmd->add_option("--svg", opts->svg, "draw the plan as SVG");
-  cmd->add_option("--html", opts->html, "write the plan as one interactive HTML page (zoom, hover)");
+  cmd->add_option("--out", opts->out, "write the trace with an offset column")->check(path_given());
+  cmd->add_option("--svg", opts->svg, "draw the plan as SVG")->check(path_given());
+  cmd->add_option("--html", opts->html, "write the plan as one interactive HTML page (zoom, hover)")
+      ->check(path_given());
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] { run_plan(*opts); });
 }

@@ -66,7 +66,7 @@ void add_replay_command(CLI::App& app) {
   auto opts = std::make_shared<replay_options>();
   CLI::App* cmd = app.add_subcommand(
       "replay", "Replay a trace (id,lower,upper,size) through an online allocator");
-  cmd->add_option("trace", opts->trace, "trace CSV file")->required();
+  cmd->add_option("trace", opts->trace, "trace CSV file")->required()->check(path_given());
   cmd->add_option("--allocator", opts->allocator, "best-fit or o1")
       ->check(CLI::IsMember({"best-fit", "o1"}));
   cmd->add_option("--alignment", opts->alignment, "size alignment in bytes (power of two)")

@@ -272,7 +272,9 @@ void run_swap_bench(const swap_bench_options& o) {
 void add_swap_bench_command(CLI::App& app) {
   auto o = std::make_shared<swap_bench_options>();
   CLI::App* cmd = app.add_subcommand("swap-bench", "Swap tensors out to a directory and back; GB/s each way");
-  cmd->add_option("--dir", o->dir, "directory for the swap files (in a folder of their own, removed at the end, on Ctrl-C too)")->required();
+  cmd->add_option("--dir", o->dir, "directory for the swap files (in a folder of their own, removed at the end, on Ctrl-C too)")
+      ->required()
+      ->check(path_given());
   cmd->add_option("--bytes", o->bytes, "total bytes (default 4 GiB)")->check(positive_count());
   cmd->add_option("--block", o->block, "bytes per I/O request (default 1 MiB)")->check(positive_count());
   cmd->add_option("--tensor-bytes", o->tensor_bytes, "bytes per tensor (default 64 MiB)")

@@ -74,6 +74,14 @@ inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<st
       "N>=1");
 }
 
+/// Validator of a file or folder name: an empty one is refused ("an empty path"), not taken
+/// for an option that was left out.
+inline CLI::Validator path_given() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string { return text.empty() ? "an empty path" : std::string{}; },
+      "PATH");
+}
+
 /// Checks, before a long run, that an output file named by `option` can be written (its
 /// folder exists and is writable, the path is not a folder), so that a typo does not cost the
 /// run's result: std::invalid_argument "--out: ...". Writing can still fail later (a full
