@@ -200,30 +200,33 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         self._core.rewrite(put, steps)
 
     def save_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        """Streams the committed state to ``path`` (and the hyperparameters to ``path``.json),
-        never holding more than the pinned budget; the previous file survives an interrupted save.
-        ``path`` may be a str or a path-like object (``pathlib.Path``)."""
+        """Streams the committed state and the hyperparameters (``param_groups`` without the
+        tensors) to one file at ``path``, never holding more than the pinned budget. The file is
+        written to ``path``.tmp, synced and renamed: an interrupted save leaves the previous
+        checkpoint whole, state and hyperparameters together. ``path`` may be a str or a
+        path-like object (``pathlib.Path``)."""
         path = os.fspath(path)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        tmp = path + ".json.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"param_groups": groups}, f)
-        try:
-            self._core.save(path)
-        except BaseException:
-            os.unlink(tmp)  # a failed save leaves nothing of its own behind
-            raise
-        os.replace(tmp, path + ".json")
+        self._core.save(path, json.dumps({"param_groups": groups}).encode())
 
     def load_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        """Restores a checkpoint written by ``save_checkpoint`` for the same parameters and options."""
+        """Restores a checkpoint written by ``save_checkpoint`` for the same parameters and
+        options: a file of other parameters, a truncated file or one whose checksum does not
+        match is refused (``RuntimeError``) and the state stays as it was."""
         path = os.fspath(path)
-        self._core.load(path)
-        try:
-            with open(path + ".json") as f:
-                groups = json.load(f)["param_groups"]
-        except FileNotFoundError:
-            return
+        note = self._core.load(path)
+        if note:
+            groups = json.loads(note)["param_groups"]
+        else:  # a checkpoint of an earlier version: the hyperparameters were in path.json
+            try:
+                with open(path + ".json") as f:
+                    groups = json.load(f)["param_groups"]
+            except FileNotFoundError:
+                return
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"checkpoint {path}: the state was loaded, but it holds the hyperparameters of "
+                             f"{len(groups)} parameter groups and this optimizer has {len(self.param_groups)}; "
+                             "param_groups were left as they were")
         for g, saved in zip(self.param_groups, groups):
             g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
 

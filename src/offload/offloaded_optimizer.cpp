@@ -1,6 +1,7 @@
 #include "tensormem/offload/offloaded_optimizer.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <system_error>
 
 #include "tensormem/io/path_argument.hpp"
+#include "tensormem/swap/crc32c.hpp"
 
 namespace tensormem::offload {
 
@@ -19,6 +21,11 @@ namespace {
 
 constexpr std::uint64_t page_floats = 1024;  // 4096 bytes
 constexpr char checkpoint_magic[8] = {'T', 'M', 'O', 'P', 'T', 'C', 'K', '1'};
+// Version 2 ends with the caller's note and a tail: note bytes, CRC-32C of everything before
+// the tail (header, records, note), 8 bytes of end marker. Version 1 had neither.
+constexpr std::uint64_t checkpoint_version = 2;
+constexpr char checkpoint_end[8] = {'T', 'M', 'O', 'P', 'T', 'E', 'N', 'D'};
+constexpr std::uint64_t tail_bytes = 24;
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -67,7 +74,7 @@ struct file {
 
 // The checkpoint header: magic, then u64 fields, then per parameter (numel, step).
 std::vector<std::uint64_t> header_words(const offloaded_optimizer& o) {
-  std::vector<std::uint64_t> w = {1,  // version
+  std::vector<std::uint64_t> w = {checkpoint_version,
                                   static_cast<std::uint64_t>(o.options().kind),
                                   o.options().offload_master ? 1U : 0U,
                                   o.fields().size(),
@@ -344,7 +351,7 @@ void offloaded_optimizer::rewrite(const std::function<void(const group&, float* 
   if (!steps.empty()) steps_ = std::move(steps);
 }
 
-void offloaded_optimizer::save(const std::string& path) {
+void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   io::check_path_argument("offloaded_optimizer::save", path);
   const std::string tmp = path + ".tmp";
   {
@@ -354,11 +361,21 @@ void offloaded_optimizer::save(const std::string& path) {
     std::memcpy(head.data(), checkpoint_magic, 8);
     std::memcpy(head.data() + 8, words.data(), words.size() * 8);
     out.write_all(head.data(), head.size(), 0);
+    std::uint32_t crc = swap::crc32c(head.data(), head.size());
     std::uint64_t at = head.size();
     visit([&](const group& g, const float* record) {
       out.write_all(record, record_bytes(g), at);
+      crc = swap::crc32c(record, record_bytes(g), crc);
       at += record_bytes(g);
     });
+    out.write_all(note.data(), note.size(), at);
+    at += note.size();
+    crc = swap::crc32c(note.data(), note.size(), crc);
+    char tail[tail_bytes];
+    const std::uint64_t tail_words[2] = {note.size(), crc};
+    std::memcpy(tail, tail_words, 16);
+    std::memcpy(tail + 16, checkpoint_end, 8);
+    out.write_all(tail, tail_bytes, at);
     if (::fsync(out.fd) != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + tmp);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -366,7 +383,7 @@ void offloaded_optimizer::save(const std::string& path) {
   }
 }
 
-void offloaded_optimizer::load(const std::string& path) {
+std::string offloaded_optimizer::load(const std::string& path) {
   io::check_path_argument("offloaded_optimizer::load", path);
   const file in(path, O_RDONLY);
   std::vector<char> head(header_bytes(numels_.size()), 0);
@@ -379,9 +396,14 @@ void offloaded_optimizer::load(const std::string& path) {
   std::vector<std::uint64_t> expected = header_words(*this);
   std::vector<std::uint64_t> words(expected.size());
   std::memcpy(words.data(), head.data() + 8, words.size() * 8);
+  const std::uint64_t version = words[0];
+  if (version != 1 && version != checkpoint_version) {
+    throw std::runtime_error("checkpoint " + path + " has version " + std::to_string(version) +
+                             "; this build reads versions 1 and " + std::to_string(checkpoint_version));
+  }
   static const char* const names[] = {"version", "optimizer kind", "master copy", "fields", "parameters",
                                       "group elements", "groups"};
-  for (std::size_t i = 0; i < 7; ++i) {
+  for (std::size_t i = 1; i < 7; ++i) {
     if (words[i] != expected[i]) {
       throw std::runtime_error("checkpoint " + path + " does not match this optimizer: " + names[i] + " " +
                                std::to_string(words[i]) + ", expected " + std::to_string(expected[i]));
@@ -397,15 +419,55 @@ void offloaded_optimizer::load(const std::string& path) {
     steps[p] = words[8 + 2 * p];
   }
   std::uint64_t largest = 0;
-  for (const group& g : groups_) largest = std::max(largest, record_bytes(g));
+  std::uint64_t records = 0;
+  for (const group& g : groups_) {
+    largest = std::max(largest, record_bytes(g));
+    records += record_bytes(g);
+  }
+  // The size, the end marker and the note are checked before any record is read; the checksum
+  // as the last record is read, so that a damaged file leaves the state as it was.
+  struct stat st {};
+  if (::fstat(in.fd, &st) != 0) throw std::system_error(errno, std::generic_category(), "cannot stat " + path);
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  const std::uint64_t body = head.size() + records;
+  std::string note;
+  std::uint64_t stored_crc = 0;
+  if (version == 1) {
+    if (size < body) throw std::runtime_error("checkpoint " + path + " is truncated");
+  } else {
+    char tail[tail_bytes];
+    if (size < body + tail_bytes) throw std::runtime_error("checkpoint " + path + " is truncated");
+    in.read_all(tail, tail_bytes, size - tail_bytes);
+    std::uint64_t tail_words[2];
+    std::memcpy(tail_words, tail, 16);
+    if (std::memcmp(tail + 16, checkpoint_end, 8) != 0 || tail_words[0] != size - tail_bytes - body) {
+      throw std::runtime_error("checkpoint " + path + " is truncated or damaged: its end marker is missing");
+    }
+    note.resize(tail_words[0]);
+    in.read_all(note.data(), note.size(), body);
+    stored_crc = tail_words[1];
+  }
+  if (version == 1 && size != body) {
+    throw std::runtime_error("checkpoint " + path + " has " + std::to_string(size - body) +
+                             " bytes more than its records");
+  }
+  std::uint32_t crc = swap::crc32c(head.data(), head.size());
   std::uint64_t at = head.size();
   write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
                      [&](const group& g, float* record) {
     in.read_all(record, record_bytes(g), at);
     at += record_bytes(g);
+    if (version == 1) return;
+    crc = swap::crc32c(record, record_bytes(g), crc);
+    if (&g != &groups_.back()) return;
+    crc = swap::crc32c(note.data(), note.size(), crc);
+    if (crc != stored_crc) {
+      throw std::runtime_error("checkpoint " + path + " is damaged: its checksum does not match its contents");
+    }
   });
   steps_ = std::move(steps);
   initialized_ = true;
+  return note;
 }
 
 }  // namespace tensormem::offload

@@ -194,14 +194,20 @@ void bind_offload(py::module_& m) {
              }, std::move(steps));
            }, py::arg("callback"), py::arg("steps") = std::vector<std::uint64_t>{},
            "Like visit, with a writable record; the edited state is committed when every record is written.")
-      .def("save", [](offload::offloaded_optimizer& o, const std::string& path) {
+      .def("save", [](offload::offloaded_optimizer& o, const std::string& path, const py::bytes& note) {
+             const std::string bytes = note;
              py::gil_scoped_release release;
-             o.save(path);
-           }, py::arg("path"))
+             o.save(path, bytes);
+           }, py::arg("path"), py::arg("note") = py::bytes(),
+           "Writes the committed state and `note` (kept with it, checksummed) to `path`.")
       .def("load", [](offload::offloaded_optimizer& o, const std::string& path) {
-             py::gil_scoped_release release;
-             o.load(path);
-           }, py::arg("path"))
+             std::string note;
+             {
+               py::gil_scoped_release release;
+               note = o.load(path);
+             }
+             return py::bytes(note);
+           }, py::arg("path"), "Replaces the state with the checkpoint at `path`; returns its note.")
       .def("stats", [](offload::offloaded_optimizer& o) {
         const offload::swap_space_stats s = o.space().stats();
         const memory::pool_stats p = o.pool().stats();

@@ -525,24 +525,34 @@ TEST(offload_optimizer, a_failed_step_restores_the_parameters_and_keeps_the_stat
   EXPECT_EQ(a.values, b.values);
 }
 
-TEST(offload_optimizer, checkpoints_round_trip_and_bad_ones_are_refused) {
+// An optimizer stepped once, and where its checkpoint goes.
+class offload_checkpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    o.initialize(a.cp());
+    o.step(a.p(), a.g(), hyper);
+  }
   scratch_dir dir;
-  offloaded_optimizer o(numels, small_options(dir));
-  model_params a(numels);
-  o.initialize(a.cp());
-  const std::vector<param_hyper> hyper(numels.size());
-  o.step(a.p(), a.g(), hyper);
+  model_params a{numels};
+  const std::vector<param_hyper> hyper = std::vector<param_hyper>(numels.size());
+  offloaded_optimizer o{numels, small_options(dir)};
   const std::string ck = (dir.path / "ck").string();
+};
+
+std::vector<float> all_records(offloaded_optimizer& o) {
+  std::vector<float> out;
+  o.visit([&](const auto& g, const float* rec) { out.insert(out.end(), rec, rec + 3 * g.stride); });
+  return out;
+}
+
+TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   o.save(ck);
   EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
   offloaded_optimizer r(numels, small_options(dir));
   EXPECT_THROW(r.step(a.p(), a.g(), hyper), std::logic_error);  // neither initialized nor loaded
   r.load(ck);
   EXPECT_EQ(r.steps(), o.steps());
-  std::vector<float> saved, loaded;
-  o.visit([&](const auto& g, const float* rec) { saved.insert(saved.end(), rec, rec + 3 * g.stride); });
-  r.visit([&](const auto& g, const float* rec) { loaded.insert(loaded.end(), rec, rec + 3 * g.stride); });
-  EXPECT_EQ(saved, loaded);
+  EXPECT_EQ(all_records(r), all_records(o));
   model_params b = a;
   o.step(a.p(), a.g(), hyper);
   r.step(b.p(), b.g(), hyper);
@@ -569,6 +579,80 @@ TEST(offload_optimizer, checkpoints_round_trip_and_bad_ones_are_refused) {
   }
   EXPECT_EQ(std::filesystem::file_size(ck), size);
   EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
+}
+
+std::vector<char> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// The note is kept with the state; any byte changed, cut or added is refused and the loaded
+// state stays as it was.
+TEST_F(offload_checkpoint, keeps_its_note_and_damage_is_refused_without_loading) {
+  const std::string note = std::string("{\"lr\": 0.001}") + std::string(1, '\0') + "binary";
+  o.save(ck, note);
+  offloaded_optimizer r(numels, small_options(dir));
+  EXPECT_EQ(r.load(ck), note);
+  const std::vector<float> saved = all_records(o);
+  EXPECT_EQ(all_records(r), saved);
+  o.step(a.p(), a.g(), hyper);  // o moves on; r keeps the checkpoint's state
+  const std::vector<float> kept = all_records(r);
+  const std::vector<std::uint64_t> kept_steps = r.steps();
+  ASSERT_NE(all_records(o), kept);
+
+  const std::vector<char> good = file_bytes(ck);
+  const std::string bad = (dir.path / "bad").string();
+  // A byte of the header, of a record, of the note and of the tail.
+  for (const std::size_t at : {std::size_t{8 + 7 * 8 + 8}, std::size_t{4096 + 5}, good.size() / 2,
+                               good.size() - 24 - 3, good.size() - 24 + 2, good.size() - 1}) {
+    std::vector<char> damaged = good;
+    damaged[at] = static_cast<char>(damaged[at] ^ 0x10);
+    write_bytes(bad, damaged);
+    EXPECT_THROW(r.load(bad), std::runtime_error) << "byte " << at;
+    EXPECT_EQ(all_records(r), kept) << "byte " << at;
+    EXPECT_EQ(r.steps(), kept_steps) << "byte " << at;
+  }
+  try {
+    std::vector<char> damaged = good;
+    damaged[4096 + 5] = static_cast<char>(damaged[4096 + 5] ^ 1);
+    write_bytes(bad, damaged);
+    r.load(bad);
+    ADD_FAILURE() << "a changed record was loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is damaged: its checksum does not match"), std::string::npos) << e.what();
+  }
+  std::vector<char> longer = good;
+  longer.push_back('x');
+  write_bytes(bad, longer);
+  EXPECT_THROW(r.load(bad), std::runtime_error);
+  write_bytes(bad, std::vector<char>(good.begin(), good.end() - 10));
+  EXPECT_THROW(r.load(bad), std::runtime_error);
+  EXPECT_EQ(all_records(r), kept);
+
+  // A version 1 file (no note, no checksum) still loads; with a byte more it is refused.
+  std::vector<char> v1(good.begin(), good.end() - 24 - static_cast<std::ptrdiff_t>(note.size()));
+  const std::uint64_t one = 1;
+  std::memcpy(v1.data() + 8, &one, 8);
+  write_bytes(bad, v1);
+  offloaded_optimizer old(numels, small_options(dir));
+  EXPECT_EQ(old.load(bad), "");
+  EXPECT_EQ(all_records(old), saved);
+  v1.push_back('x');
+  write_bytes(bad, v1);
+  EXPECT_THROW(old.load(bad), std::runtime_error);
+  const std::uint64_t three = 3;
+  std::memcpy(longer.data() + 8, &three, 8);
+  write_bytes(bad, longer);
+  try {
+    old.load(bad);
+    ADD_FAILURE() << "version 3 was loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("has version 3"), std::string::npos) << e.what();
+  }
 }
 
 TEST(offload_optimizer, bad_arguments_are_refused) {

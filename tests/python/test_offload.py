@@ -250,6 +250,58 @@ def test_kill_and_resume_from_a_streamed_checkpoint(tmp_path):
     assert not (tmp_path / "blocked.json.tmp").exists() and not (tmp_path / "blocked").exists()
 
 
+def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = OffloadedAdamW([{"params": model[0].parameters(), "lr": 0.01}, {"params": model[2].parameters()}],
+                         lr=1e-3, weight_decay=0.05, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    run_steps(model, opt, 0, 2)
+    ck = tmp_path / "ck"
+    opt.save_checkpoint(ck)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck")) == ["ck"]  # one file
+    fresh = OffloadedAdamW([{"params": model[0].parameters()}, {"params": model[2].parameters()}],
+                           lr=5.0, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    fresh.load_checkpoint(ck)
+    assert [g["lr"] for g in fresh.param_groups] == [0.01, 1e-3]
+    assert fresh.param_groups[1]["weight_decay"] == 0.05
+    state = {k: v.clone() for k, v in fresh.state_dict()["state"][0].items() if torch.is_tensor(v)}
+
+    # One byte changed anywhere: refused, the loaded state and the hyperparameters stay.
+    good = ck.read_bytes()
+    other = OffloadedAdamW([{"params": model[0].parameters(), "lr": 7.0}, {"params": model[2].parameters()}],
+                           lr=7.0, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    run_steps(model, other, 0, 1)
+    other_state = {k: v.clone() for k, v in other.state_dict()["state"][0].items() if torch.is_tensor(v)}
+    for at in (5000, len(good) - 40):  # a record; the hyperparameters
+        damaged = bytearray(good)
+        damaged[at] ^= 0x01
+        (tmp_path / "bad").write_bytes(bytes(damaged))
+        with pytest.raises(RuntimeError, match="is damaged: its checksum does not match"):
+            other.load_checkpoint(tmp_path / "bad")
+        assert [g["lr"] for g in other.param_groups] == [7.0, 7.0]
+        now = other.state_dict()["state"][0]
+        assert all(torch.equal(now[k], v) for k, v in other_state.items())
+    assert not all(torch.equal(state[k], other_state[k]) for k in state)
+
+    # Another grouping of the same parameters: the state loads, the hyperparameters are refused.
+    one_group = OffloadedAdamW(model.parameters(), lr=5.0, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    with pytest.raises(ValueError, match="hyperparameters of 2 parameter groups and this optimizer has 1"):
+        one_group.load_checkpoint(ck)
+    assert one_group.param_groups[0]["lr"] == 5.0
+
+    # A checkpoint of the earlier format (no note, hyperparameters in ck.json) still loads.
+    note_bytes = int.from_bytes(good[-24:-16], "little")
+    old = bytearray(good[:len(good) - 24 - note_bytes])
+    old[8:16] = (1).to_bytes(8, "little")
+    (tmp_path / "old").write_bytes(bytes(old))
+    (tmp_path / "old.json").write_bytes(good[len(good) - 24 - note_bytes:len(good) - 24])
+    fresh.param_groups[0]["lr"] = 3.0
+    fresh.load_checkpoint(tmp_path / "old")
+    assert [g["lr"] for g in fresh.param_groups] == [0.01, 1e-3]
+    now = fresh.state_dict()["state"][0]
+    assert all(torch.equal(now[k], v) for k, v in state.items())
+
+
 FULL_SCRIPT = textwrap.dedent("""
     import copy, errno, os, sys, torch
     sys.path.insert(0, {here!r})

@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tensormem/memory/pinned_pool.hpp"
@@ -103,12 +104,17 @@ class offloaded_optimizer {
   /// Streams every record through `edit` and commits the edited state (all or nothing).
   /// `steps` (if not empty) replaces the step counts with it.
   void rewrite(const std::function<void(const group&, float* record)>& edit, std::vector<std::uint64_t> steps = {});
-  /// Writes a checkpoint file of the committed state (written to `path`.tmp and renamed, so an
-  /// interrupted save leaves the previous file). Never holds more than the pinned budget.
+  /// Writes a checkpoint file of the committed state (written to `path`.tmp, synced and
+  /// renamed, so an interrupted save leaves the previous file). `note` (any bytes: the
+  /// caller's hyperparameters, say) is kept in the same file, so the two are replaced together.
+  /// The file ends with a CRC-32C of all it holds. Never holds more than the pinned budget.
   /// For `save` and `load`, an empty path or one holding a NUL byte is std::invalid_argument.
-  void save(const std::string& path);
-  /// Replaces the state with a checkpoint written by `save` for the same parameters and options.
-  void load(const std::string& path);
+  void save(const std::string& path, std::string_view note = {});
+  /// Replaces the state with a checkpoint written by `save` for the same parameters and
+  /// options, and returns its note. A file of other parameters or options, a truncated or
+  /// longer file, or one whose checksum does not match, is std::runtime_error, and the state
+  /// stays as it was (the records are committed only once all were read and checked).
+  std::string load(const std::string& path);
 
   swap_space& space() noexcept { return *space_; }
   memory::pinned_pool& pool() noexcept { return *pool_; }
