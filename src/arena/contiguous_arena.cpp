@@ -240,6 +240,10 @@ void contiguous_arena::poison_free_ranges() noexcept {
 }
 
 std::string contiguous_arena::print_allocation(std::size_t resolution) const {
+  if (resolution > max_resolution) {
+    throw std::invalid_argument("contiguous_arena::print_allocation: " + std::to_string(resolution) +
+                                " cells; at most " + std::to_string(max_resolution));
+  }
   std::string line(resolution, '.');
   if (resolution == 0 || capacity_ == 0) return line;
   const long double scale = static_cast<long double>(resolution) / static_cast<long double>(capacity_);

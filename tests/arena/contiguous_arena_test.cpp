@@ -50,6 +50,9 @@ TEST(contiguous_arena, defragments_when_free_bytes_suffice_but_no_hole_does) {
       arena.bind(t[i].id, [&seen](const tensor_block& b) { seen[b.id] = b.data(); });
     }
     EXPECT_EQ(arena.print_allocation(8), "|.||.|||");
+    EXPECT_EQ(arena.print_allocation(contiguous_arena::max_resolution).size(), contiguous_arena::max_resolution);
+    EXPECT_THROW((void)arena.print_allocation(contiguous_arena::max_resolution + 1), std::invalid_argument);
+    EXPECT_THROW((void)arena.print_allocation(std::size_t{1} << 63), std::invalid_argument);
     const tensor_block big = arena.allocate(256);  // 256 free, holes of 128
     fill(big);
     const arena_stats s = arena.stats();

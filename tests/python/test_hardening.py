@@ -253,6 +253,7 @@ def test_sizes_counts_and_ids_out_of_range_are_value_errors_not_signature_mismat
         (lambda: tensormem.ContiguousArena(-4096), u64 + "-4096"),
         (lambda: tensormem.ContiguousArena(4096).release(-1), u64 + "-1"),
         (lambda: tensormem.ContiguousArena(4096).print_allocation(-1), u64 + "-1"),
+        (lambda: tensormem.ContiguousArena(4096).print_allocation(2**63), "9223372036854775808 cells; at most 1000000"),
         (lambda: tensormem.PinnedPool(slab_bytes=-1), u64 + "-1"),
         (lambda: pool.allocate(2**64), u64 + "18446744073709551616"),
         (lambda: tensormem.TensorSwapper(pool, queue_depth=2**32), u32 + "4294967296"),

@@ -99,8 +99,10 @@ class contiguous_arena {
   bool defragment(std::uint64_t bytes);
 
   /// One line of `resolution` cells: '|' where a cell holds any used byte, '.' where it is
-  /// all free (DeepSpeed's picture).
+  /// all free (DeepSpeed's picture). More than `max_resolution` cells is
+  /// std::invalid_argument (2^63 was a length error from std::string, 2^40 a terabyte).
   std::string print_allocation(std::size_t resolution = 200) const;
+  static constexpr std::size_t max_resolution = 1'000'000;
   std::uint64_t max_allocated() const noexcept { return max_allocated_; }
   arena_stats stats() const;
   std::byte* base() const noexcept { return base_; }
