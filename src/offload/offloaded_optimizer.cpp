@@ -354,8 +354,8 @@ void offloaded_optimizer::rewrite(const std::function<void(const group&, float* 
 void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   io::check_path_argument("offloaded_optimizer::save", path);
   const std::string tmp = path + ".tmp";
-  {
-    const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+  try {
     const std::vector<std::uint64_t> words = header_words(*this);
     std::vector<char> head(header_bytes(numels_.size()), 0);
     std::memcpy(head.data(), checkpoint_magic, 8);
@@ -377,9 +377,12 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
     std::memcpy(tail + 16, checkpoint_end, 8);
     out.write_all(tail, tail_bytes, at);
     if (::fsync(out.fd) != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + tmp);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);
+    }
+  } catch (...) {
+    ::unlink(tmp.c_str());  // a failed save (a full disk) leaves no partial file behind
+    throw;
   }
 }
 

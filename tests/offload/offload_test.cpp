@@ -525,6 +525,15 @@ TEST(offload_optimizer, a_failed_step_restores_the_parameters_and_keeps_the_stat
   EXPECT_EQ(a.values, b.values);
 }
 
+std::vector<char> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
 // An optimizer stepped once, and where its checkpoint goes.
 class offload_checkpoint : public ::testing::Test {
  protected:
@@ -579,15 +588,25 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   }
   EXPECT_EQ(std::filesystem::file_size(ck), size);
   EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
-}
 
-std::vector<char> file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const std::string& path, const std::vector<char>& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  // A save that fails (a full disk: the temporary file is /dev/full; a folder where the file
+  // goes) raises, leaves no temporary file and keeps the previous checkpoint.
+  const std::vector<char> before = file_bytes(ck);
+  std::filesystem::create_symlink("/dev/full", ck + ".tmp");
+  try {
+    o.save(ck);
+    ADD_FAILURE() << "a save to a full disk succeeded";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), ENOSPC) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::is_symlink(ck + ".tmp"));
+  EXPECT_EQ(file_bytes(ck), before);
+  const std::string folder = (dir.path / "folder").string();
+  std::filesystem::create_directory(folder);
+  std::filesystem::create_directory(folder + "/inside");
+  EXPECT_THROW(o.save(folder), std::system_error);
+  EXPECT_FALSE(std::filesystem::exists(folder + ".tmp"));
+  EXPECT_TRUE(std::filesystem::is_directory(folder + "/inside"));
 }
 
 // The note is kept with the state; any byte changed, cut or added is refused and the loaded

@@ -283,6 +283,13 @@ def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
         assert all(torch.equal(now[k], v) for k, v in other_state.items())
     assert not all(torch.equal(state[k], other_state[k]) for k in state)
 
+    # A save to a full disk (the temporary file is /dev/full): ENOSPC, no partial file, ck kept.
+    os.symlink("/dev/full", tmp_path / "ck.tmp")
+    with pytest.raises(OSError) as info:
+        opt.save_checkpoint(ck)
+    assert info.value.errno == errno.ENOSPC
+    assert not os.path.lexists(tmp_path / "ck.tmp") and ck.read_bytes() == good
+
     # Another grouping of the same parameters: the state loads, the hyperparameters are refused.
     one_group = OffloadedAdamW(model.parameters(), lr=5.0, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
     with pytest.raises(ValueError, match="hyperparameters of 2 parameter groups and this optimizer has 1"):
