@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import numbers
 import operator
 import os
 import sys
@@ -169,19 +171,33 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": param_groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Loads torch.optim's format. Everything is checked before anything changes: a state
+        of another size, a state for a parameter this optimizer does not have, an entry without
+        one of the optimizer's fields (``None`` is taken as zeros, as torch's SGD writes it) or
+        a step that is not a whole number >= 0 is a ``ValueError``, and the state and
+        ``param_groups`` stay as they were; so they do when writing the state fails."""
         groups_in = state_dict["param_groups"]
         if len(groups_in) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups_in, self.param_groups)):
             raise ValueError("loaded state dict has a different number of parameter groups or parameters")
         state = state_dict["state"]
+        steps = [0] * len(self._params)
         for i, s in state.items():
+            if not isinstance(i, numbers.Integral) or not 0 <= i < len(self._params):
+                raise ValueError(f"state for parameter {i!r}, but this optimizer has {len(self._params)} "
+                                 f"parameters (0 to {len(self._params) - 1})")
+            for f in ["step"] + self._state_fields():
+                if f not in s:
+                    raise ValueError(f"state of parameter {i} has no {f!r}")
             for f in self._state_fields():
-                t = s.get(f)
+                t = s[f]
                 if t is not None and t.numel() != self._params[i].numel():
                     raise ValueError(f"state {f} of parameter {i} has {t.numel()} elements, "
                                      f"expected {self._params[i].numel()}")
-        for g, saved in zip(self.param_groups, groups_in):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+            step = float(s["step"])
+            if not (math.isfinite(step) and 0 <= step < 2**64 and step == int(step)):
+                raise ValueError(f"state of parameter {i}: step must be a whole number >= 0, not {step}")
+            steps[int(i)] = int(step)
         fields = list(self._core.fields)
         groups = {g[0]: g[3] for g in self._core.groups}
 
@@ -196,8 +212,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     row = record[fields.index(f), goff:goff + count]
                     row[:] = 0 if t is None else t.detach().to(torch.float32).reshape(-1)[poff:poff + count].numpy()
 
-        steps = [int(float(state[i]["step"])) if i in state else 0 for i in range(len(self._params))]
         self._core.rewrite(put, steps)
+        for g, saved in zip(self.param_groups, groups_in):
+            g.update({k: v for k, v in saved.items() if k != "params"})
 
     def save_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Streams the committed state and the hyperparameters (``param_groups`` without the

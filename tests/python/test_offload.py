@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,6 +182,56 @@ def test_state_dict_round_trip_into_a_new_optimizer(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref_m.parameters()))
     with pytest.raises(ValueError):
         o2.load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_a_bad_state_dict_is_refused_and_changes_nothing(tmp_path):
+    torch.manual_seed(0)
+    m = mlp()
+    o = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    run_steps(m, o, 0, 2)
+    good = o.state_dict()
+    # A torch state dict with other hyperparameters, each time damaged in one way.
+    other = copy.deepcopy(good)
+    other["param_groups"][0]["lr"] = 0.5
+    for i in other["state"]:
+        other["state"][i]["step"] = torch.tensor(9.0)
+
+    def damaged(edit):
+        d = copy.deepcopy(other)
+        edit(d["state"])
+        return d
+
+    cases = [
+        (lambda s: s[0].pop("exp_avg_sq"), "state of parameter 0 has no 'exp_avg_sq'"),
+        (lambda s: s[1].pop("step"), "state of parameter 1 has no 'step'"),
+        (lambda s: s.__setitem__(7, s[0]), r"state for parameter 7, but this optimizer has 4 parameters \(0 to 3\)"),
+        (lambda s: s.__setitem__("0", s.pop(0)), "state for parameter '0'"),
+        (lambda s: s[3].__setitem__("exp_avg", torch.zeros(5)), "state exp_avg of parameter 3 has 5 elements"),
+    ] + [(lambda s, v=v: s[2].__setitem__("step", torch.tensor(v)),
+          "state of parameter 2: step must be a whole number >= 0")
+         for v in (-3.0, 2.5, float("nan"), float("inf"), 2.0 ** 64)]
+    for edit, message in cases:
+        with pytest.raises(ValueError, match=message):
+            o.load_state_dict(damaged(edit))
+        now = o.state_dict()
+        assert now["param_groups"][0]["lr"] == 1e-3
+        assert all(int(now["state"][i]["step"]) == 2 for i in now["state"])
+        assert all(torch.equal(now["state"][i][f], good["state"][i][f])
+                   for i in good["state"] for f in ("exp_avg", "exp_avg_sq"))
+    # A state that fails only while it is written (a sparse tensor cannot be flattened): the
+    # error comes out of the write, and nothing is committed, hyperparameters included.
+    last = len(good["state"]) - 1
+    sparse = damaged(lambda s: s[last].__setitem__("exp_avg", s[last]["exp_avg"].to_sparse()))
+    with pytest.raises(RuntimeError):
+        o.load_state_dict(sparse)
+    now = o.state_dict()
+    assert now["param_groups"][0]["lr"] == 1e-3 and all(int(v["step"]) == 2 for v in now["state"].values())
+    assert all(torch.equal(now["state"][i]["exp_avg"], good["state"][i]["exp_avg"]) for i in good["state"])
+    # Parameter ids as numpy integers are ids; the undamaged dict loads whole.
+    d = copy.deepcopy(other)
+    d["state"] = {np.int64(i): v for i, v in d["state"].items()}
+    o.load_state_dict(d)
+    assert o.param_groups[0]["lr"] == 0.5 and all(int(v["step"]) == 9 for v in o.state_dict()["state"].values())
 
 
 RESUME_SCRIPT = textwrap.dedent("""
