@@ -186,6 +186,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
             if not isinstance(i, numbers.Integral) or not 0 <= i < len(self._params):
                 raise ValueError(f"state for parameter {i!r}, but this optimizer has {len(self._params)} "
                                  f"parameters (0 to {len(self._params) - 1})")
+            # torch's SGD keeps no step: a momentum buffer means the first step is behind it.
+            if self._kind == "sgd" and "step" not in s:
+                s = dict(s, step=0 if s.get("momentum_buffer") is None else 1)
             for f in ["step"] + self._state_fields():
                 if f not in s:
                     raise ValueError(f"state of parameter {i} has no {f!r}")
