@@ -187,6 +187,9 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     ``training=True`` traces forward, loss (``loss_fn(output)``, by default the sum of every
     output) and backward (gradients of every parameter that requires one), as one graph.
     Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__} "
+                        "(wrap a function with tensormem.model.capture)")
     params = {k: v for k, v in module.named_parameters()}
     state = {**params, **{k: v for k, v in module.named_buffers()}}
     param_bytes = sum(v.numel() * v.element_size() for v in state.values())
@@ -435,7 +438,13 @@ class ModulePlan:
 
 def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_limit: float = 10.0,
                 alignment: int = 64, loss_fn: Optional[Callable] = None) -> ModulePlan:
-    """Traces ``module(*inputs)`` and plans its activations in one arena."""
+    """Traces ``module(*inputs)`` and plans its activations in one arena. The alignment and
+    the time limit are checked before the trace (``ValueError``)."""
+    alignment = operator.index(alignment)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, not {alignment}")
+    if not (isinstance(time_limit, (int, float)) and time_limit >= 0):
+        raise ValueError(f"time_limit must be a number of seconds >= 0, not {time_limit!r}")
     g = trace(module, *inputs, training=training, loss_fn=loss_fn)
     lower, upper, size = g.arrays()
     t0 = time.perf_counter()

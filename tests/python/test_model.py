@@ -189,6 +189,26 @@ def test_misuse_gives_clear_errors():
     with pytest.raises(UnsupportedGraph, match="aten.nonzero.default"):
         trace(Nonzero(), torch.randn(4))
 
+    # A function is not a module; bad planner arguments are refused before the trace runs.
+    with pytest.raises(TypeError, match="expected a torch.nn.Module, not function"):
+        trace(lambda x: x * 2, torch.randn(4))
+    calls = []
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x):
+            calls.append(1)
+            return super().forward(x)
+
+    for kwargs, error, message in [({"alignment": 3}, ValueError, "alignment must be a power of two, not 3"),
+                                   ({"alignment": 0}, ValueError, "not 0"),
+                                   ({"alignment": 2.5}, TypeError, ""),
+                                   ({"time_limit": float("nan")}, ValueError, "time_limit must be .* not nan"),
+                                   ({"time_limit": -1}, ValueError, "not -1")]:
+        with pytest.raises(error, match=message):
+            plan_module(Counted(4, 4), torch.randn(2, 4), **kwargs)
+    assert calls == []
+    assert plan_module(Counted(4, 4), torch.randn(2, 4), alignment=128, time_limit=0.5).alignment == 128
+
 
 def test_command_line(tmp_path):
     import os
