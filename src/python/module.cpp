@@ -267,11 +267,15 @@ class py_swapper {
     return r;
   }
   void synchronize() {
+    // Only the tickets started before this call are released: another thread may start one
+    // while the GIL is released here, and its buffers must stay held until it ends.
+    std::vector<std::uint64_t> started;
+    for (const auto& [ticket, views] : held_) started.push_back(ticket);
     {
       py::gil_scoped_release release;
       swapper_->synchronize();
     }
-    held_.clear();
+    for (const std::uint64_t ticket : started) held_.erase(ticket);
   }
   swap::tensor_swapper& get() { return *swapper_; }
 

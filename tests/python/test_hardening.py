@@ -4,6 +4,7 @@ arrays and one swapper shared by threads."""
 import errno
 import gc
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -353,6 +354,41 @@ def test_unknown_tickets_are_value_errors(tmp_path):
     s.wait(t)
     with pytest.raises(ValueError, match="already waited"):
         s.wait(t)
+
+
+def test_synchronize_keeps_holding_a_ticket_another_thread_started_meanwhile(tmp_path):
+    """synchronize() lets go of the buffers of the tickets started before it was called, not
+    of those another thread starts while it runs: one started after the swapper's own wait
+    returned (the GIL released) may still be reading its buffer."""
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(), engine="threads")
+    big = s.swap_out([np.ones(512 << 20, dtype=np.uint8)], [str(tmp_path / "big")])  # about a second
+    entered = threading.Event()
+
+    def sync():
+        entered.set()
+        s.synchronize()
+
+    helper = threading.Thread(target=sync)
+    helper.start()
+    entered.wait()
+    time.sleep(0.1)  # the helper is inside synchronize, waiting for the big write
+    small = bytearray(range(256)) * 256
+    ticket = s.swap_out([small], [str(tmp_path / "small")])
+    try:
+        running = not s.done(big)
+    except ValueError:  # already collected by the helper's synchronize
+        running = False
+    helper.join()
+    if not running:
+        pytest.skip("the big write ended before the second ticket started: nothing to check")
+    # The second ticket's buffer is still held (a bytearray with an export cannot grow).
+    with pytest.raises(BufferError):
+        small.extend(b"x")
+    with pytest.raises(ValueError, match="unknown or already waited"):
+        s.wait(ticket)  # synchronize collected its result ...
+    s.synchronize()     # ... and the next synchronize lets the buffer go
+    small.extend(b"x")
+    (tmp_path / "big").unlink()
 
 
 def test_paths_with_a_nul_byte_or_empty_are_value_errors_and_touch_no_file(tmp_path):
