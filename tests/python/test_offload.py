@@ -155,6 +155,16 @@ def test_param_groups_lr_changes_and_missing_grads(tmp_path):
         assert torch.equal(st["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
 
 
+def step_side_by_side(pairs, steps):
+    """Steps every (model, optimizer) pair on the same random batches."""
+    for _ in range(steps):
+        x = torch.randn(8, 37)
+        for m, o in pairs:
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+
+
 def test_state_dict_round_trip_into_a_new_optimizer(tmp_path):
     torch.manual_seed(0)
     m = mlp()
@@ -162,23 +172,14 @@ def test_state_dict_round_trip_into_a_new_optimizer(tmp_path):
                        pinned_budget=BUDGET)
     ref_m = copy.deepcopy(m)
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
-    for _ in range(3):
-        x = torch.randn(8, 37)
-        for mm, oo in ((m, o), (ref_m, ref)):
-            oo.zero_grad()
-            mm(x).sum().backward()
-            oo.step()
+    step_side_by_side(((m, o), (ref_m, ref)), 3)
     # torch's state dict loads into ours and ours into torch's.
     o2 = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
                         pinned_budget=BUDGET)
     o2.load_state_dict(ref.state_dict())
     ref2 = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
     ref2.load_state_dict(o.state_dict())
-    x = torch.randn(8, 37)
-    for mm, oo in ((m, o2), (ref_m, ref2)):
-        oo.zero_grad()
-        mm(x).sum().backward()
-        oo.step()
+    step_side_by_side(((m, o2), (ref_m, ref2)), 1)
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref_m.parameters()))
     with pytest.raises(ValueError):
         o2.load_state_dict({"state": {}, "param_groups": []})
@@ -560,12 +561,7 @@ def test_sgd_state_dict_matches_torch_per_group(tmp_path):
 
     ref = torch.optim.SGD(groups(a), lr=1e-2)
     ours = OffloadedSGD(groups(b), lr=1e-2, swap_dirs=[str(tmp_path)], group_bytes=16 << 10, pinned_budget=BUDGET)
-    for _ in range(3):
-        x = torch.randn(8, 37)
-        for m, o in ((a, ref), (b, ours)):
-            o.zero_grad()
-            m(x).sum().backward()
-            o.step()
+    step_side_by_side(((a, ref), (b, ours)), 3)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     theirs, mine = ref.state_dict()["state"], ours.state_dict()["state"]
     for i, st in theirs.items():
@@ -577,10 +573,5 @@ def test_sgd_state_dict_matches_torch_per_group(tmp_path):
     fresh = OffloadedSGD(groups(b), lr=1e-2, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
                          pinned_budget=BUDGET)
     fresh.load_state_dict(ref.state_dict())
-    for _ in range(2):
-        x = torch.randn(8, 37)
-        for m, o in ((a, ref), (b, fresh)):
-            o.zero_grad()
-            m(x).sum().backward()
-            o.step()
+    step_side_by_side(((a, ref), (b, fresh)), 2)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
