@@ -437,6 +437,10 @@ std::string offloaded_optimizer::load(const std::string& path) {
   std::uint64_t stored_crc = 0;
   if (version == 1) {
     if (size < body) throw std::runtime_error("checkpoint " + path + " is truncated");
+    if (size != body) {
+      throw std::runtime_error("checkpoint " + path + " has " + std::to_string(size - body) +
+                               " bytes more than its records");
+    }
   } else {
     char tail[tail_bytes];
     if (size < body + tail_bytes) throw std::runtime_error("checkpoint " + path + " is truncated");
@@ -449,10 +453,6 @@ std::string offloaded_optimizer::load(const std::string& path) {
     note.resize(tail_words[0]);
     in.read_all(note.data(), note.size(), body);
     stored_crc = tail_words[1];
-  }
-  if (version == 1 && size != body) {
-    throw std::runtime_error("checkpoint " + path + " has " + std::to_string(size - body) +
-                             " bytes more than its records");
   }
   std::uint32_t crc = swap::crc32c(head.data(), head.size());
   std::uint64_t at = head.size();
