@@ -125,20 +125,33 @@ class planner_run {
     // Sorts and the release of the placement indexes cannot be interrupted: later phases aim
     // at a deadline earlier by half the first plan's cost (negligible on small inputs).
     if (deadline_ != clock::time_point::max()) deadline_ = std::max(start_, deadline_ - first_cost_ / 2);
-    // Then the classic greedy that is usually best on large inputs (decreasing size, lowest
-    // fitting offset), on two threads where there are two.
+    // Then first fit in two orders, on two threads where there are two: decreasing size
+    // weighted by contention (usually best on large inputs: the buffers that meet the
+    // busiest sections are packed first), then the classic decreasing size.
     if (!done() && worth_starting()) {
       const auto t1 = clock::now();
-      const auto order = order_by(p_, keys_of(p_, order_keys[0]), tie_break::start);
-      const char* name = "greedy size (equal sizes by start) first-fit";
-      if (threads() >= 2 && p_.size() >= split_from) {
-        offer(detail::place_first_fit_split(p_, order, deadline_), name);
-      } else {
-        detail::occupancy_index index(p_.sections, p_.longest);
-        offer(detail::place_in_order(p_, order, detail::fit::first, index, deadline_), name);
-      }
+      offer(first_fit(order_by(p_, contention_key(), tie_break::start)),
+            "greedy size x contention^16 (equal keys by start) first-fit");
       placement_cost_ = clock::now() - t1;
     }
+    if (!done() && worth_starting()) {
+      offer(first_fit(order_by(p_, keys_of(p_, order_keys[0]), tie_break::start)),
+            "greedy size (equal sizes by start) first-fit");
+    }
+  }
+
+  // detail::contention_keys, computed at first use (there is a lower bound above zero once
+  // the first plan is not done).
+  const std::vector<double>& contention_key() {
+    if (contention_key_.empty()) contention_key_ = detail::contention_keys(p_);
+    return contention_key_;
+  }
+
+  // First fit in `order`, split over two threads for large inputs (same offsets).
+  candidate_plan first_fit(const std::vector<std::uint32_t>& order) const {
+    if (threads() >= 2 && p_.size() >= split_from) return detail::place_first_fit_split(p_, order, deadline_);
+    detail::occupancy_index index(p_.sections, p_.longest);
+    return detail::place_in_order(p_, order, detail::fit::first, index, deadline_);
   }
 
   // Below this many buffers the second thread of the split greedy does not pay for itself.
@@ -199,7 +212,7 @@ class planner_run {
     // (unless the deadline stops one). A skyline stops early once one before it in this
     // order has reached the lower bound (it could not be kept).
     if (done() || !worth_starting()) return best_;
-    const std::array<const order_key*, 3> keys = {&order_keys[0], &order_keys[2], &order_keys[1]};
+    const std::array<const order_key*, std::size_t{skyline_slots}> keys = {&order_keys[0], &order_keys[2], &order_keys[1]};
     std::array<std::atomic<bool>, 3> stop = {};
     auto work = [&](std::size_t first, std::size_t step) {
       for (std::size_t i = first; i < keys.size(); i += step) {
@@ -293,25 +306,57 @@ class planner_run {
     }
   }
 
-  // Iterated greedy: skyline and best-fit greedy placement in orders whose keys (size,
-  // length, area) are multiplied by random log-normal factors.
+  // Iterated greedy, two kinds of rounds taking turns: skylines in orders whose keys (size,
+  // area, length) are multiplied by random log-normal factors, and contention-guided first
+  // fit ("squeaky wheel", detail::raise_buffers_above). Round `position` is a skyline when
+  // even, a guided round when odd; with two threads, one runs the skylines, the other the
+  // guided rounds. Each kind's rounds depend only on its earlier ones and on the seed, a
+  // round at the lower bound stops the rounds after it, and of equal arenas the earlier
+  // position is kept: a search that reaches the bound returns the same plan every time, on
+  // one thread or two.
   void perturbation_phase() {
     if (!worth_starting()) return;
-    detail::occupancy_index index(p_.sections, p_.longest);
+    constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
+    std::atomic<std::uint64_t> stop_at{none};
     std::lognormal_distribution<double> noise(0.0, 0.15);
-    for (std::uint64_t round = 0; worth_starting() && !done(); ++round) {
-      const order_key& k = order_keys[(round / 2) % std::size(order_keys)];
-      std::vector<double> key = keys_of(p_, k);
-      for (double& v : key) v *= noise(rng_);
-      if (round % 2 == 0) {
-        offer(detail::place_skyline(p_, key, deadline_), std::string("perturbed skyline ") + k.name);
-      } else {
-        offer(detail::place_in_order(p_, order_by(p_, key), detail::fit::best, index, deadline_),
-              std::string("perturbed greedy ") + k.name);
+    std::vector<double> guided = contention_key();
+    auto work = [&](std::size_t thread, std::size_t count) {
+      detail::occupancy_index index(p_.sections, p_.longest);
+      for (std::uint64_t position = thread; position < stop_at.load() && worth_starting(); position += count) {
+        const std::uint64_t round = position / 2;
+        candidate_plan c;
+        std::string name;
+        if (position % 2 == 0) {
+          const order_key& k = order_keys[round % std::size(order_keys)];
+          std::vector<double> key = keys_of(p_, k);
+          for (double& v : key) v *= noise(rng_);
+          c = detail::place_skyline(p_, key, deadline_);
+          name = std::string("perturbed skyline ") + k.name;
+        } else {
+          const auto order = order_by(p_, guided, tie_break::start);
+          c = count == 1 ? first_fit(order) : detail::place_in_order(p_, order, detail::fit::first, index, deadline_);
+          if (!c.offsets.empty()) detail::raise_buffers_above(p_, c.offsets, guided);
+          name = "contention-guided greedy (round " + std::to_string(round + 1) + ")";
+        }
+        if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
+          std::uint64_t seen = stop_at.load();
+          while (position < seen && !stop_at.compare_exchange_weak(seen, position)) {
+          }
+        }
+        offer(std::move(c), std::move(name), perturbation_slot(position));
+        const std::lock_guard lock(offer_mutex_);
+        report("perturbed greedy");
       }
-      report("perturbed greedy");
-    }
+    };
+    on_threads(std::min<std::size_t>(threads(), 2), work);
   }
+
+  // The offer slot of a perturbation round: after the skylines' (see detail::replaces_best).
+  static int perturbation_slot(std::uint64_t position) {
+    constexpr std::uint64_t most = std::numeric_limits<int>::max() - skyline_slots;
+    return skyline_slots + static_cast<int>(std::min(position, most));
+  }
+  static constexpr int skyline_slots = 3;
 
   const plan_problem& p_;
   const plan_options& o_;
@@ -324,7 +369,8 @@ class planner_run {
   double best_plan_seconds_ = 0;
   clock::duration setup_cost_{};
   clock::duration first_cost_{};
-  clock::duration placement_cost_{};  // decreasing size first fit, zero until it has run
+  clock::duration placement_cost_{};  // the first greedy after the first plan, zero until it has run
+  std::vector<double> contention_key_;  // see contention_key()
   std::mutex offer_mutex_;
   int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
 };

@@ -43,6 +43,27 @@ struct candidate_plan {
 
 std::uint64_t arena_of(const plan_problem& p, std::span<const std::uint64_t> offsets);
 
+/// For each buffer, the most bytes alive in one section of its span: the bytes of the
+/// buffers alive in each section, then a range maximum over [lo, hi) (a segment tree,
+/// O(n log S)). The lower bound is the largest of them.
+std::vector<std::uint64_t> peak_live_over_span(const plan_problem& p);
+
+/// How strongly the contention-weighted orders favour buffers that meet a busy section: a
+/// buffer's weight is its size times (peak_live_over_span / lower bound)^contention_exponent,
+/// so one whose busiest section holds 95.8 % of the lower bound counts half its size.
+inline constexpr double contention_exponent = 16.0;
+
+/// The contention weights in log scale (never overflow, zero sizes give -inf, no NaN):
+/// ln(bytes) + contention_exponent * ln(peak over the span / lower bound). Needs a lower
+/// bound above zero.
+std::vector<double> contention_keys(const plan_problem& p);
+
+/// One step of contention-guided first fit ("squeaky wheel"): every buffer whose end in
+/// `offsets` lies above the lower bound doubles its weight (its log-scale key grows by
+/// ln 2), so that the buffers that stuck out of the last plan are placed earlier next time.
+void raise_buffers_above(const plan_problem& p, std::span<const std::uint64_t> offsets,
+                         std::vector<double>& key);
+
 /// Byte ranges taken by placed buffers, indexed by time, to find the ranges taken by buffers
 /// whose span meets a query span. A segment tree over sections: a buffer's range is added to
 /// `own` of the O(log S) nodes that cover its span and to `sub` of every node on the paths to

@@ -4,7 +4,9 @@
 #include <atomic>
 #include <barrier>
 #include <bit>
+#include <cmath>
 #include <limits>
+#include <numbers>
 #include <numeric>
 #include <span>
 #include <stdexcept>
@@ -62,6 +64,49 @@ plan_problem make_problem(std::span<const buffer> buffers, std::uint64_t alignme
   }
   p.sections = section;
   return p;
+}
+
+std::vector<std::uint64_t> peak_live_over_span(const plan_problem& p) {
+  const std::size_t sections = std::max<std::size_t>(p.sections, 1);
+  // Leaves at [sections, 2 * sections): the bytes alive in each section (a difference array
+  // summed in place; unsigned wrap-around is exact, the true sums fit in 64 bits).
+  std::vector<std::uint64_t> tree(2 * sections, 0);
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    tree[sections + p.lo[i]] += p.bytes[i];
+    if (p.hi[i] < sections) tree[sections + p.hi[i]] -= p.bytes[i];
+  }
+  for (std::size_t s = 1; s < sections; ++s) tree[sections + s] += tree[sections + s - 1];
+  for (std::size_t k = sections - 1; k >= 1; --k) tree[k] = std::max(tree[2 * k], tree[2 * k + 1]);
+  std::vector<std::uint64_t> peak(p.size());
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    std::uint64_t most = 0;
+    for (std::size_t l = sections + p.lo[i], r = sections + p.hi[i]; l < r; l >>= 1, r >>= 1) {
+      if ((l & 1) != 0) most = std::max(most, tree[l++]);
+      if ((r & 1) != 0) most = std::max(most, tree[--r]);
+    }
+    peak[i] = most;
+  }
+  return peak;
+}
+
+std::vector<double> contention_keys(const plan_problem& p) {
+  if (p.lower_bound == 0) throw std::logic_error("contention_keys: a lower bound of zero");
+  const std::vector<std::uint64_t> peak = peak_live_over_span(p);
+  const double bound = static_cast<double>(p.lower_bound);
+  std::vector<double> key(p.size());
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    const double share = static_cast<double>(peak[i]) / bound;
+    key[i] = p.bytes[i] == 0 ? -std::numeric_limits<double>::infinity()
+                             : std::log(static_cast<double>(p.bytes[i])) + contention_exponent * std::log(share);
+  }
+  return key;
+}
+
+void raise_buffers_above(const plan_problem& p, std::span<const std::uint64_t> offsets,
+                         std::vector<double>& key) {
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (offsets[i] + p.bytes[i] > p.lower_bound) key[i] += std::numbers::ln2;
+  }
 }
 
 std::uint64_t arena_of(const plan_problem& p, std::span<const std::uint64_t> offsets) {

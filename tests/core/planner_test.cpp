@@ -9,6 +9,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <limits>
+#include <numbers>
 #include <numeric>
 #include <random>
 #include <string>
@@ -332,6 +335,99 @@ std::vector<std::uint32_t> naive_order(const detail::plan_problem& p,
   return order;
 }
 
+// For each buffer, the most bytes alive in one section of its span, section by section.
+std::vector<std::uint64_t> naive_peaks(const detail::plan_problem& p) {
+  std::vector<std::uint64_t> peak(p.size(), 0);
+  for (std::uint32_t b = 0; b < p.size(); ++b) {
+    for (std::uint32_t s = p.lo[b]; s < p.hi[b]; ++s) {
+      std::uint64_t live = 0;
+      for (std::uint32_t c = 0; c < p.size(); ++c) {
+        if (p.lo[c] <= s && s < p.hi[c]) live += p.bytes[c];
+      }
+      peak[b] = std::max(peak[b], live);
+    }
+  }
+  return peak;
+}
+
+// The segment tree's peaks against the section-by-section count (zero sizes, one-section
+// spans, spans over the whole horizon); the contention keys and the guided rounds' raise.
+TEST(planner_greedy, peaks_over_spans_equal_the_naive_ones) {
+  std::mt19937_64 rng(13);
+  for (int instance = 0; instance < 40; ++instance) {
+    const std::uint64_t horizon = 1 + rng() % 300;
+    const std::size_t n = 1 + rng() % 200;
+    const auto b = random_buffers(rng, n, horizon, instance % 2 == 0 ? 8 : horizon, [&]() -> std::uint64_t {
+      return rng() % 6 == 0 ? 0 : 1 + rng() % 5000;
+    });
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    const auto peak = detail::peak_live_over_span(p);
+    ASSERT_EQ(peak, naive_peaks(p)) << "instance " << instance;
+    EXPECT_EQ(p.lower_bound, *std::max_element(peak.begin(), peak.end()));
+    if (p.lower_bound == 0) {
+      EXPECT_THROW(detail::contention_keys(p), std::logic_error);
+      continue;
+    }
+    const auto key = detail::contention_keys(p);
+    for (std::uint32_t i = 0; i < p.size(); ++i) {
+      ASSERT_FALSE(std::isnan(key[i]));
+      if (p.bytes[i] == 0) {
+        EXPECT_EQ(key[i], -std::numeric_limits<double>::infinity());
+      } else {
+        const double share = static_cast<double>(peak[i]) / static_cast<double>(p.lower_bound);
+        EXPECT_NEAR(std::exp(key[i]), static_cast<double>(p.bytes[i]) * std::pow(share, detail::contention_exponent),
+                    1e-9 * static_cast<double>(p.bytes[i]));
+      }
+    }
+  }
+  // Raised: the buffers that end above the lower bound (20), not one that ends at it.
+  const detail::plan_problem two = detail::make_problem(std::vector<buffer>{{"a", 0, 2, 10, {}}, {"b", 1, 3, 10, {}}}, 1);
+  std::vector<double> key = {1.0, 1.0};
+  detail::raise_buffers_above(two, std::vector<std::uint64_t>{0, 10}, key);
+  EXPECT_EQ(key, (std::vector<double>{1.0, 1.0}));
+  detail::raise_buffers_above(two, std::vector<std::uint64_t>{11, 0}, key);
+  EXPECT_EQ(key, (std::vector<double>{1.0 + std::numbers::ln2, 1.0}));
+  // All sizes zero: no lower bound to weigh against.
+  const detail::plan_problem zero = detail::make_problem(std::vector<buffer>{{"z", 0, 2, 0, {}}}, 1);
+  EXPECT_THROW(detail::contention_keys(zero), std::logic_error);
+}
+
+// On the synthetic family the contention-weighted order beats decreasing size, and the
+// contention-guided rounds (each doubling the weight of the buffers that ended above the
+// lower bound) go lower still.
+TEST(planner_greedy, contention_guided_rounds_go_below_decreasing_size) {
+  const auto b = synthetic_lifetimes(10'000, 1);
+  const detail::plan_problem p = detail::make_problem(b, 1);
+  detail::occupancy_index index(p.sections, p.longest);
+  const auto size = [&](std::uint32_t i) { return static_cast<double>(p.bytes[i]); };
+  const auto by_start = [&](std::uint32_t x, std::uint32_t y) { return p.lo[x] < p.lo[y]; };
+  const std::uint64_t by_size = detail::place_in_order(p, naive_order(p, size, by_start), detail::fit::first, index).arena;
+  std::vector<double> key = detail::contention_keys(p);
+  std::uint64_t first = 0;
+  std::uint64_t best = UINT64_MAX;
+  for (int round = 0; round < 10; ++round) {
+    const auto order = naive_order(p, [&](std::uint32_t i) { return key[i]; }, [&](std::uint32_t x, std::uint32_t y) {
+      return p.bytes[x] != p.bytes[y] ? p.bytes[x] > p.bytes[y] : p.lo[x] < p.lo[y];
+    });
+    const auto c = detail::place_in_order(p, order, detail::fit::first, index);
+    ASSERT_EQ(validate(b, c.offsets, c.arena, 1), "");
+    if (round == 0) first = c.arena;
+    best = std::min(best, c.arena);
+    const std::vector<double> before = key;
+    detail::raise_buffers_above(p, c.offsets, key);
+    for (std::uint32_t i = 0; i < p.size(); ++i) {
+      const bool above = c.offsets[i] + p.bytes[i] > p.lower_bound;
+      ASSERT_EQ(key[i], above ? before[i] + std::numbers::ln2 : before[i]) << "buffer " << i;
+    }
+  }
+  EXPECT_LT(first, by_size);
+  EXPECT_LT(best, first);
+  std::printf("synthetic 10,000: decreasing size %.5f, contention-weighted %.5f, best of 10 guided rounds %.5f x LB\n",
+              static_cast<double>(by_size) / static_cast<double>(p.lower_bound),
+              static_cast<double>(first) / static_cast<double>(p.lower_bound),
+              static_cast<double>(best) / static_cast<double>(p.lower_bound));
+}
+
 // The planner's documented promise without the search: never larger than any classic
 // greedy order it knows, each placed here by the naive greedy. Sizes come from a few values,
 // so that equal sizes are common and the order among them matters (among equal sizes, first
@@ -365,6 +461,16 @@ TEST(planner_greedy, never_worse_than_the_classic_orders) {
     }
     const std::uint64_t classic = best;
     best = std::min(best, detail::arena_of(p, naive_greedy(p, naive_order(p, size, by_start), detail::fit::first)));
+    // Decreasing size x (busiest section met / lower bound)^16, ties by size then start.
+    const auto peak = naive_peaks(p);
+    const auto weight = [&](std::uint32_t i) {
+      return size(i) * std::pow(static_cast<double>(peak[i]) / static_cast<double>(p.lower_bound),
+                                detail::contention_exponent);
+    };
+    const auto by_size_start = [&](std::uint32_t x, std::uint32_t y) {
+      return p.bytes[x] != p.bytes[y] ? p.bytes[x] > p.bytes[y] : p.lo[x] < p.lo[y];
+    };
+    best = std::min(best, detail::arena_of(p, naive_greedy(p, naive_order(p, weight, by_size_start), detail::fit::first)));
     EXPECT_LE(got.arena_bytes, classic) << "classic, instance " << instance;
     EXPECT_LE(got.arena_bytes, best) << "instance " << instance << " (" << got.strategy << ")";
   }
@@ -439,6 +545,27 @@ TEST(planner_greedy, skylines_on_two_threads_keep_the_plan_of_one) {
   EXPECT_EQ(one.arena_bytes, one.lower_bound);
   EXPECT_EQ(two.offsets, one.offsets);
   EXPECT_EQ(two.strategy, one.strategy);
+}
+
+// Past the greedy orders and the skylines (more than 4,096 sections: no canonical search),
+// the contention-guided rounds reach the lower bound on this instance; on one thread or two
+// (skylines on one, guided rounds on the other) the plan kept is the same.
+TEST(planner, guided_rounds_reach_the_bound_alike_on_one_thread_or_two) {
+  std::mt19937_64 rng(5);
+  const auto b = random_buffers(rng, 3000, 100'000, 4000, [&] { return 64 * (1 + rng() % 8); });
+  plan_options o;
+  o.time_limit_seconds = 120;
+  o.threads = 1;
+  const plan_result one = checked_plan(b, o);
+  o.threads = 2;
+  const plan_result two = checked_plan(b, o);
+  EXPECT_EQ(one.arena_bytes, one.lower_bound);
+  EXPECT_EQ(one.strategy.rfind("contention-guided greedy (round ", 0), 0U) << one.strategy;
+  EXPECT_EQ(two.offsets, one.offsets);
+  EXPECT_EQ(two.strategy, one.strategy);
+  EXPECT_LT(two.seconds, 100.0);  // both threads stop at the bound, not at the time limit
+  o.search = false;
+  EXPECT_GT(checked_plan(b, o).arena_bytes, one.lower_bound);
 }
 
 TEST(planner, random_instances_are_valid) {
