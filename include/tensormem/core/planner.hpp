@@ -33,8 +33,9 @@ struct plan_options {
   std::uint64_t seed = 1;
   /// false: the first plan and the greedy phase only.
   bool search = true;
-  /// Threads for the greedy phase and the skylines; 0 = one per hardware thread. The result
-  /// does not depend on it, unless the time limit stops a placement.
+  /// Threads for the greedy phase, the skylines and the perturbation rounds; 0 = one per
+  /// hardware thread. The result does not depend on it, unless the time limit stops a
+  /// placement.
   unsigned threads = 0;
   /// Optional progress callback, called at most about ten times a second, from one of the
   /// planner's threads, never from two at once.
