@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
@@ -25,6 +26,18 @@ void check_path_argument(std::string_view who, std::string_view path) {
   if (const auto nul = path.find('\0'); nul != std::string_view::npos) {
     throw std::invalid_argument(std::string(who) + ": the path '" + std::string(path.substr(0, nul)) +
                                 "\\0...' holds a NUL byte");
+  }
+}
+
+void sync_folder_of(std::string_view who, const std::string& path) {
+  std::string folder = std::filesystem::path(path).parent_path().string();
+  if (folder.empty()) folder = ".";
+  const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int error = fd < 0 || ::fsync(fd) != 0 ? errno : 0;
+  if (fd >= 0) ::close(fd);
+  if (error != 0) {
+    throw std::system_error(error, std::generic_category(),
+                            std::string(who) + ": cannot sync the folder '" + folder + "' of " + path);
   }
 }
 

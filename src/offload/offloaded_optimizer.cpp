@@ -384,6 +384,8 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
     ::unlink(tmp.c_str());  // a failed save (a full disk) leaves no partial file behind
     throw;
   }
+  // The new checkpoint is in place; it survives a crash once its folder is synced too.
+  io::sync_folder_of("offloaded_optimizer::save", path);
 }
 
 std::string offloaded_optimizer::load(const std::string& path) {

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "tensormem/io/file_io.hpp"
+#include "tensormem/io/path_argument.hpp"
 #include "../swap/swap_test_support.hpp"
 
 namespace tensormem::io {
@@ -223,6 +224,24 @@ class truncating_engine final : public swap::testing::forwarding_engine {
  private:
   std::string path_;
 };
+
+// A file's folder is synced after a rename into it (a checkpoint's save); a folder that is
+// not there is an error naming it and the caller.
+TEST(file_io, the_folder_of_a_path_is_synced_or_named_in_the_error) {
+  scratch_dir dir;
+  EXPECT_NO_THROW(sync_folder_of("test", (dir.path / "ck").string()));
+  EXPECT_NO_THROW(sync_folder_of("test", "ck"));  // no folder named: the current one
+  const std::string missing = (dir.path / "gone" / "ck").string();
+  try {
+    sync_folder_of("offloaded_optimizer::save", missing);
+    ADD_FAILURE() << "no error";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find("offloaded_optimizer::save: cannot sync the folder '" +
+                                         (dir.path / "gone").string() + "' of " + missing),
+              std::string::npos) << e.what();
+  }
+}
 
 TEST(file_io, a_short_read_fails_its_operation_alone) {
   scratch_dir dir;

@@ -1,6 +1,8 @@
 #pragma once
-// The check every entry point that takes a file or folder path makes before using it.
+// The check every entry point that takes a file or folder path makes before using it, and
+// the folder sync that makes a file renamed into place survive a crash.
 
+#include <string>
 #include <string_view>
 
 namespace tensormem::io {
@@ -9,5 +11,10 @@ namespace tensormem::io {
 /// path, and a path holding a NUL byte (the system reads a path up to its first NUL, so
 /// "a\0b" would name "a"). Throws std::invalid_argument "<who>: ...".
 void check_path_argument(std::string_view who, std::string_view path);
+
+/// Syncs the folder that holds `path` (the current folder when the path names none), so that
+/// a rename into it survives a crash. Throws std::system_error "<who>: cannot sync the
+/// folder '<folder>' of <path>: <reason>".
+void sync_folder_of(std::string_view who, const std::string& path);
 
 }  // namespace tensormem::io

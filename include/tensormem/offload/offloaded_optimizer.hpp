@@ -105,7 +105,9 @@ class offloaded_optimizer {
   /// `steps` (if not empty) replaces the step counts with it.
   void rewrite(const std::function<void(const group&, float* record)>& edit, std::vector<std::uint64_t> steps = {});
   /// Writes a checkpoint file of the committed state (written to `path`.tmp, synced and
-  /// renamed, so an interrupted save leaves the previous file). `note` (any bytes: the
+  /// renamed, so an interrupted save leaves the previous file; then the folder is synced, so
+  /// that the new file survives a crash, std::system_error naming the folder if it cannot
+  /// be: the new file is in place then). `note` (any bytes: the
   /// caller's hyperparameters, say) is kept in the same file, so the two are replaced together.
   /// The file ends with a CRC-32C of all it holds. Never holds more than the pinned budget.
   /// For `save` and `load`, an empty path or one holding a NUL byte is std::invalid_argument.
