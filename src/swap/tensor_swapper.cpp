@@ -26,7 +26,6 @@ namespace tensormem::swap {
 namespace {
 
 constexpr std::size_t header_bytes = 4096;
-constexpr std::size_t io_alignment = 4096;
 constexpr char magic[8] = {'T', 'M', 'S', 'W', 'A', 'P', '0', '2'};
 constexpr std::size_t no_staging = static_cast<std::size_t>(-1);
 constexpr std::size_t key_room = 4000;

@@ -276,11 +276,12 @@ void add_swap_bench_command(CLI::App& app) {
       ->required()
       ->check(path_given());
   cmd->add_option("--bytes", o->bytes, "total bytes (default 4 GiB)")->check(positive_count());
-  cmd->add_option("--block", o->block, "bytes per I/O request (default 1 MiB)")->check(positive_count());
+  cmd->add_option("--block", o->block, "bytes per I/O request, a multiple of 4096 (default 1 MiB)")
+      ->check(positive_count(std::numeric_limits<decltype(o->block)>::max(), swap::io_alignment));
   cmd->add_option("--tensor-bytes", o->tensor_bytes, "bytes per tensor (default 64 MiB)")
       ->check(positive_count());
   cmd->add_option("--queue-depth", o->queue_depth, "requests in flight (default 32)")
-      ->check(positive_count(std::numeric_limits<decltype(o->queue_depth)>::max()));
+      ->check(positive_count(io::max_queue_depth));
   cmd->add_option("--engine", o->engine, "uring or threads")->check(CLI::IsMember({"uring", "threads"}));
   auto* direct = cmd->add_flag("--direct", o->direct_flag, "O_DIRECT (the default)");
   auto* buffered = cmd->add_flag("--buffered", o->buffered, "page-cache I/O");

@@ -52,12 +52,14 @@ inline CLI::Validator non_negative_seconds(double most = std::numeric_limits<dou
 }
 
 /// Validator of a count or a size: a whole number >= 1 in decimal digits, at most `most`
-/// (the largest value of the option's type); the error names the value briefly (CLI11's
-/// PositiveNumber answers "not in range 0.000000 to" the 309 digits of DBL_MAX, and accepts
-/// "1.5"; a value past a 32-bit option's type got "Could not convert").
-inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<std::uint64_t>::max()) {
+/// (the largest value of the option's type) and a multiple of `multiple`; the error names
+/// the value briefly (CLI11's PositiveNumber answers "not in range 0.000000 to" the 309
+/// digits of DBL_MAX, and accepts "1.5"; a value past a 32-bit option's type got "Could not
+/// convert").
+inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<std::uint64_t>::max(),
+                                     std::uint64_t multiple = 1) {
   return CLI::Validator(
-      [most](std::string& text) -> std::string {
+      [most, multiple](std::string& text) -> std::string {
         std::uint64_t value = 0;
         const char* end = text.data() + text.size();
         const auto [ptr, ec] = std::from_chars(text.data(), end, value);
@@ -69,6 +71,7 @@ inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<st
           return "must be a whole number >= 1, not '" + text.substr(0, 40) + "'";
         }
         if (value > most) return "must be at most " + std::to_string(most) + ", not '" + text + "'";
+        if (value % multiple != 0) return "must be a multiple of " + std::to_string(multiple) + ", not '" + text + "'";
         return {};
       },
       "N>=1");

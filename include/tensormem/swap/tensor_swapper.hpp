@@ -20,10 +20,14 @@
 
 namespace tensormem::swap {
 
+/// Swap files are read and written in blocks of a multiple of this many bytes, at offsets
+/// that are multiples of it (O_DIRECT's alignment on the file systems in use).
+inline constexpr std::size_t io_alignment = 4096;
+
 struct swap_options {
   io::engine_kind engine = io::engine_kind::uring;  ///< falls back to threads, reported
   unsigned queue_depth = 32;                       ///< requests in flight, at most io::max_queue_depth
-  std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per I/O request (multiple of 4096)
+  std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per I/O request (multiple of io_alignment)
   std::size_t staging_buffers = 8;                 ///< pinned buffers of block_bytes each
   bool direct = true;      ///< O_DIRECT where the filesystem allows it (reported otherwise)
   bool checksums = true;   ///< CRC-32C written with each tensor and verified on swap-in
