@@ -11,6 +11,7 @@
 #include <limits>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <thread>
@@ -321,7 +322,7 @@ class planner_run {
     std::lognormal_distribution<double> noise(0.0, 0.15);
     std::vector<double> guided = contention_key();
     auto work = [&](std::size_t thread, std::size_t count) {
-      detail::occupancy_index index(p_.sections, p_.longest);
+      std::optional<detail::occupancy_index> index;  // the guided rounds' when on a thread of their own
       for (std::uint64_t position = thread; position < stop_at.load() && worth_starting(); position += count) {
         const std::uint64_t round = position / 2;
         candidate_plan c;
@@ -334,7 +335,12 @@ class planner_run {
           name = std::string("perturbed skyline ") + k.name;
         } else {
           const auto order = order_by(p_, guided, tie_break::start);
-          c = count == 1 ? first_fit(order) : detail::place_in_order(p_, order, detail::fit::first, index, deadline_);
+          if (count == 1) {
+            c = first_fit(order);
+          } else {
+            if (!index) index.emplace(p_.sections, p_.longest);
+            c = detail::place_in_order(p_, order, detail::fit::first, *index, deadline_);
+          }
           if (!c.offsets.empty()) detail::raise_buffers_above(p_, c.offsets, guided);
           name = "contention-guided greedy (round " + std::to_string(round + 1) + ")";
         }
