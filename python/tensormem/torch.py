@@ -245,8 +245,9 @@ class AsyncTensorSwapper:
             raise ValueError(f"numel_alignment must be positive, not {numel_alignment}")
         if not 1 <= queue_depth <= _tensormem.MAX_QUEUE_DEPTH:
             raise ValueError(f"queue_depth must be 1 to {_tensormem.MAX_QUEUE_DEPTH}, not {queue_depth}")
-        if block_bytes <= 0 or block_bytes % 4096:
-            raise ValueError(f"block_bytes must be a positive multiple of 4096, not {block_bytes}")
+        if block_bytes <= 0 or block_bytes % _tensormem.SWAP_BLOCK_ALIGNMENT:
+            raise ValueError(f"block_bytes must be a positive multiple of {_tensormem.SWAP_BLOCK_ALIGNMENT}, "
+                             f"not {block_bytes}")
         if engine not in ("uring", "threads"):
             raise ValueError(f"engine must be 'uring' or 'threads', not {engine!r}")
         self.numel_alignment = numel_alignment

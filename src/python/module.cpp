@@ -432,6 +432,7 @@ PYBIND11_MODULE(_tensormem, m) {
   bind_allocator<core::tlsf_allocator>(m, "TlsfAllocator", "O(1) TLSF-family allocator.");
   m.attr("GROWING") = core::growing;
   m.attr("MAX_QUEUE_DEPTH") = io::max_queue_depth;  // io_uring's limit on one ring
+  m.attr("SWAP_BLOCK_ALIGNMENT") = swap::io_alignment;  // swapper block sizes are multiples of it
 
   m.def("read_trace", [](const std::string& path) {
     const auto b = trace::read_trace(path);

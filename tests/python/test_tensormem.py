@@ -245,6 +245,7 @@ def test_async_tensor_swapper_names_misuse_at_the_call(tmp_path):
         with pytest.raises(ValueError, match=f"queue_depth must be 1 to 32768, not {depth}"):
             AsyncTensorSwapper(queue_depth=depth)
     # So are staging blocks it cannot use and an unknown engine (add_buffers divided by 0)
+    assert tensormem.SWAP_BLOCK_ALIGNMENT == 4096
     for block in (0, -4096, 1000):
         with pytest.raises(ValueError, match=f"block_bytes must be a positive multiple of 4096, not {block}"):
             AsyncTensorSwapper(block_bytes=block)
