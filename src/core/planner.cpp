@@ -319,11 +319,17 @@ class planner_run {
     if (!worth_starting()) return;
     constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
     std::atomic<std::uint64_t> stop_at{none};
+    // Each thread's round in progress, and whether a round before it reached the bound (a
+    // skyline then gives up early: it could not be kept).
+    std::array<std::atomic<std::uint64_t>, 2> current = {};
+    std::array<std::atomic<bool>, 2> beaten = {};
     std::lognormal_distribution<double> noise(0.0, 0.15);
     std::vector<double> guided = contention_key();
     auto work = [&](std::size_t thread, std::size_t count) {
       std::optional<detail::occupancy_index> index;  // the guided rounds' when on a thread of their own
-      for (std::uint64_t position = thread; position < stop_at.load() && worth_starting(); position += count) {
+      for (std::uint64_t position = thread;; position += count) {
+        current[thread].store(position);
+        if (position >= stop_at.load() || !worth_starting()) break;
         const std::uint64_t round = position / 2;
         candidate_plan c;
         std::string name;
@@ -331,7 +337,7 @@ class planner_run {
           const order_key& k = order_keys[round % std::size(order_keys)];
           std::vector<double> key = keys_of(p_, k);
           for (double& v : key) v *= noise(rng_);
-          c = detail::place_skyline(p_, key, deadline_);
+          c = detail::place_skyline(p_, key, deadline_, &beaten[thread]);
           name = std::string("perturbed skyline ") + k.name;
         } else {
           const auto order = order_by(p_, guided, tie_break::start);
@@ -347,6 +353,9 @@ class planner_run {
         if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
           std::uint64_t seen = stop_at.load();
           while (position < seen && !stop_at.compare_exchange_weak(seen, position)) {
+          }
+          for (std::size_t t = 0; t < count; ++t) {
+            if (current[t].load() > position) beaten[t].store(true);
           }
         }
         offer(std::move(c), std::move(name), perturbation_slot(position));
