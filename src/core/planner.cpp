@@ -126,19 +126,42 @@ class planner_run {
     // Sorts and the release of the placement indexes cannot be interrupted: later phases aim
     // at a deadline earlier by half the first plan's cost (negligible on small inputs).
     if (deadline_ != clock::time_point::max()) deadline_ = std::max(start_, deadline_ - first_cost_ / 2);
-    // Then first fit in two orders, on two threads where there are two: decreasing size
-    // weighted by contention (usually best on large inputs: the buffers that meet the
-    // busiest sections are packed first), then the classic decreasing size.
-    if (!done() && worth_starting()) {
-      const auto t1 = clock::now();
-      offer(first_fit(order_by(p_, contention_key(), tie_break::start)),
-            "greedy size x contention^16 (equal keys by start) first-fit");
+    // Then first fit in two orders: decreasing size weighted by contention (usually best on
+    // large inputs: the buffers that meet the busiest sections are packed first), then the
+    // classic decreasing size. With two threads, either each pass is split across both (few
+    // buffers alive across the cut) or the two passes run at once, a thread each.
+    if (done() || !worth_starting()) return;
+    const char* names[2] = {"greedy size x contention^16 (equal keys by start) first-fit",
+                            "greedy size (equal sizes by start) first-fit"};
+    auto order_of = [&](std::size_t which) {
+      return order_by(p_, which == 0 ? contention_key() : keys_of(p_, order_keys[0]), tie_break::start);
+    };
+    const auto t1 = clock::now();
+    if (threads() >= 2 && !split_pays()) {
+      contention_key();  // computed once, before the threads share it
+      std::array<candidate_plan, 2> plans;
+      auto work = [&](std::size_t which, std::size_t) {
+        detail::occupancy_index index(p_.sections, p_.longest);
+        plans[which] = detail::place_in_order(p_, order_of(which), detail::fit::first, index, deadline_);
+      };
+      on_threads(2, work);
       placement_cost_ = clock::now() - t1;
+      for (std::size_t which = 0; which < 2; ++which) offer(std::move(plans[which]), names[which]);
+      return;
     }
-    if (!done() && worth_starting()) {
-      offer(first_fit(order_by(p_, keys_of(p_, order_keys[0]), tie_break::start)),
-            "greedy size (equal sizes by start) first-fit");
+    offer(first_fit(order_of(0)), names[0]);
+    placement_cost_ = clock::now() - t1;
+    if (!done() && worth_starting()) offer(first_fit(order_of(1)), names[1]);
+  }
+
+  // Whether first fit split across two threads pays: it waits at a barrier for every buffer
+  // alive across the cut, and with more than 1 % of them (IOPDDL traces: 4-13 %) it was 2-4
+  // times slower than one thread; with 0.5 % (the synthetic family) 1.6 times faster.
+  bool split_pays() {
+    if (!split_pays_) {
+      split_pays_ = p_.size() >= split_from && detail::buffers_across_median_start(p_) * 100 < p_.size();
     }
+    return *split_pays_;
   }
 
   // detail::contention_keys, computed at first use (there is a lower bound above zero once
@@ -148,9 +171,9 @@ class planner_run {
     return contention_key_;
   }
 
-  // First fit in `order`, split over two threads for large inputs (same offsets).
-  candidate_plan first_fit(const std::vector<std::uint32_t>& order) const {
-    if (threads() >= 2 && p_.size() >= split_from) return detail::place_first_fit_split(p_, order, deadline_);
+  // First fit in `order`, split over two threads where that pays (same offsets).
+  candidate_plan first_fit(const std::vector<std::uint32_t>& order) {
+    if (threads() >= 2 && split_pays()) return detail::place_first_fit_split(p_, order, deadline_);
     detail::occupancy_index index(p_.sections, p_.longest);
     return detail::place_in_order(p_, order, detail::fit::first, index, deadline_);
   }
@@ -386,6 +409,7 @@ class planner_run {
   clock::duration first_cost_{};
   clock::duration placement_cost_{};  // the first greedy after the first plan, zero until it has run
   std::vector<double> contention_key_;  // see contention_key()
+  std::optional<bool> split_pays_;      // see split_pays()
   std::mutex offer_mutex_;
   int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
 };

@@ -115,6 +115,10 @@ candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32
                               fit policy, occupancy_index& index,
                               clock::time_point deadline = clock::time_point::max());
 
+/// The number of buffers alive across the median start section: place_first_fit_split's
+/// cut, where its two threads meet for each of them.
+std::size_t buffers_across_median_start(const plan_problem& p);
+
 /// place_in_order(p, order, fit::first, ...) on two threads, with the same result: the time
 /// line is cut at the median start; a buffer before the cut only meets buffers before or
 /// across it, so each side is placed by its own thread on its own index, and the two meet at

@@ -333,18 +333,32 @@ candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32
   return out;
 }
 
+namespace {
+
+// The median start section (p not empty).
+std::uint32_t median_start(const plan_problem& p) {
+  std::vector<std::uint32_t> starts(p.lo);
+  auto at = starts.begin() + static_cast<std::ptrdiff_t>(p.size() / 2);
+  std::nth_element(starts.begin(), at, starts.end());
+  return *at;
+}
+
+}  // namespace
+
+std::size_t buffers_across_median_start(const plan_problem& p) {
+  if (p.size() == 0) return 0;
+  const std::uint32_t cut = median_start(p);
+  std::size_t across = 0;
+  for (std::size_t b = 0; b < p.size(); ++b) if (p.lo[b] < cut && p.hi[b] > cut) ++across;
+  return across;
+}
+
 candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std::uint32_t> order,
                                      clock::time_point deadline) {
   const std::size_t n = p.size();
   if (n == 0) return {};
   // The cut: the median start section. side 0: before it, 1: after it, 2: alive across it.
-  std::uint32_t cut = 0;
-  {
-    std::vector<std::uint32_t> starts(p.lo);
-    auto at = starts.begin() + static_cast<std::ptrdiff_t>(n / 2);
-    std::nth_element(starts.begin(), at, starts.end());
-    cut = *at;
-  }
+  const std::uint32_t cut = median_start(p);
   std::vector<std::uint8_t> side(n);
   for (std::size_t b = 0; b < n; ++b) {
     side[b] = p.hi[b] <= cut ? 0 : p.lo[b] >= cut ? 1 : 2;

@@ -568,6 +568,34 @@ TEST(planner, guided_rounds_reach_the_bound_alike_on_one_thread_or_two) {
   EXPECT_GT(checked_plan(b, o).arena_bytes, one.lower_bound);
 }
 
+// The two first greedy passes run at once, a thread each, where the split does not pay
+// (many buffers alive across its cut): the plan is the one of one thread, ties included
+// (four sizes: both passes often give the same arena). And the count that decides it
+// against a sort.
+TEST(planner, first_passes_on_two_threads_keep_the_plan_of_one) {
+  std::mt19937_64 rng(17);
+  for (int instance = 0; instance < 24; ++instance) {
+    const auto b = random_buffers(rng, 200 + rng() % 800, 1000, instance % 2 == 0 ? 900 : 50,
+                                  [&] { return instance % 3 == 0 ? 64 : 64 * (1 + rng() % 4); });
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    std::vector<std::uint32_t> starts(p.lo);
+    std::sort(starts.begin(), starts.end());
+    const std::uint32_t cut = starts[starts.size() / 2];
+    std::size_t across = 0;
+    for (std::size_t i = 0; i < p.size(); ++i) across += p.lo[i] < cut && cut < p.hi[i] ? 1U : 0U;
+    EXPECT_EQ(detail::buffers_across_median_start(p), across) << "instance " << instance;
+    plan_options o;
+    o.search = false;
+    o.time_limit_seconds = 60;
+    o.threads = 1;
+    const plan_result one = checked_plan(b, o);
+    o.threads = 2;
+    const plan_result two = checked_plan(b, o);
+    EXPECT_EQ(two.offsets, one.offsets) << "instance " << instance;
+    EXPECT_EQ(two.strategy, one.strategy) << "instance " << instance;
+  }
+}
+
 TEST(planner, random_instances_are_valid) {
   std::mt19937_64 rng(11);
   for (int instance = 0; instance < 30; ++instance) {
