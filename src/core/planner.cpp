@@ -102,8 +102,9 @@ class planner_run {
 
   // The first plan: the buffers replayed in time order (the problem's sorted events) through
   // the O(1) online allocator, O(n) after that sort and kept whatever the time limit; then,
-  // within the deadline, decreasing size first fit (usually much better). The O(1) allocator
-  // places like exact best fit on the public traces at a third of its cost.
+  // within the deadline, first fit in the contention-weighted and the decreasing-size
+  // orders (usually much better). The O(1) allocator places like exact best fit on the
+  // public traces at a third of its cost.
   void first_plan() {
     const auto t0 = clock::now();
     tlsf_allocator online(growing, o_.alignment);
