@@ -65,12 +65,14 @@ void raise_buffers_above(const plan_problem& p, std::span<const std::uint64_t> o
                          std::vector<double>& key);
 
 /// Byte ranges taken by placed buffers, indexed by time, to find the ranges taken by buffers
-/// whose span meets a query span. A segment tree over sections: a buffer's range is added to
-/// `own` of the O(log S) nodes that cover its span and to `sub` of every node on the paths to
-/// its first and last section. A query collects `sub` of the nodes that cover its span and
-/// `own` of the nodes on the paths to its ends; every set is kept merged (sorted, disjoint),
-/// so wide time windows collapse into a few ranges. Reports only true conflicts, and every
-/// conflicting buffer's range is covered by what is reported.
+/// whose span meets a query span [lo, hi). Such a buffer is either alive in section lo or
+/// starts in (lo, hi). Two segment trees over sections, each node holding a merged set of
+/// ranges (sorted, disjoint; touching ranges fuse): `alive` gets a buffer's range at the
+/// O(log S) nodes that cover its span, and is read on the path from lo's leaf up (a stabbing
+/// query); `started` gets it on the path from its first section's leaf up, and is read at
+/// the nodes that cover [lo + 1, hi). So a buffer is written to about log S + levels sets and
+/// a query reads as many, all of them true conflicts, and every conflicting buffer's range is
+/// covered by what is reported.
 class occupancy_index {
  public:
   using range = std::pair<std::uint64_t, std::uint64_t>;  // [offset, end)
@@ -90,10 +92,13 @@ class occupancy_index {
  private:
   using range_set = std::vector<range>;
   static void add(range_set& set, std::uint64_t offset, std::uint64_t end);
+  // Calls visit(set) for each set a query of [lo, hi) reads.
+  template <class Visit>
+  void for_each_set(std::uint32_t lo, std::uint32_t hi, Visit&& visit) const;
   std::size_t leaves_;
   std::size_t levels_;  // levels that can hold a range: spans of at most `longest` sections
-  std::vector<range_set> own_;
-  std::vector<range_set> sub_;
+  std::vector<range_set> alive_;    // at the nodes that cover a buffer's span
+  std::vector<range_set> started_;  // on the path up from a buffer's first section
   std::vector<std::size_t> runs_;
   std::vector<range> scratch_;
   struct cursor {

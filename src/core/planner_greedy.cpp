@@ -141,13 +141,13 @@ void sift_down_top(std::span<T> heap, Later later) {
 occupancy_index::occupancy_index(std::uint32_t sections, std::uint32_t longest)
     : leaves_(1), levels_(static_cast<std::size_t>(std::bit_width(longest))) {
   while (leaves_ < sections + std::size_t{1}) leaves_ <<= 1;
-  own_.resize(2 * leaves_);
-  sub_.resize(2 * leaves_);
+  alive_.resize(2 * leaves_);
+  started_.resize(2 * leaves_);
 }
 
 void occupancy_index::clear() {
-  for (auto& v : own_) v.clear();
-  for (auto& v : sub_) v.clear();
+  for (auto& v : alive_) v.clear();
+  for (auto& v : started_) v.clear();
 }
 
 void occupancy_index::add(range_set& set, std::uint64_t offset, std::uint64_t end) {
@@ -170,22 +170,26 @@ void occupancy_index::add(range_set& set, std::uint64_t offset, std::uint64_t en
 
 void occupancy_index::insert(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset,
                              std::uint64_t end) {
+  // Nodes at levels_ and above are wider than any span: neither set is ever used there.
   for (std::size_t l = lo + leaves_, r = hi + leaves_; l < r; l >>= 1, r >>= 1) {
-    if (l & 1U) {
-      add(own_[l], offset, end);
-      add(sub_[l++], offset, end);
-    }
-    if (r & 1U) {
-      add(own_[--r], offset, end);
-      add(sub_[r], offset, end);
-    }
+    if (l & 1U) add(alive_[l++], offset, end);
+    if (r & 1U) add(alive_[--r], offset, end);
   }
-  // Nodes above levels_ are wider than any query: their `sub` is never read.
-  std::size_t a = lo + leaves_;
-  std::size_t b = hi - 1 + leaves_;
-  for (std::size_t level = 0; level < levels_ && a >= 1; ++level, a >>= 1, b >>= 1) {
-    add(sub_[a], offset, end);
-    if (b != a) add(sub_[b], offset, end);
+  for (std::size_t level = 0, a = lo + leaves_; level < levels_ && a >= 1; ++level, a >>= 1) {
+    add(started_[a], offset, end);
+  }
+}
+
+template <class Visit>
+void occupancy_index::for_each_set(std::uint32_t lo, std::uint32_t hi, Visit&& visit) const {
+  // Alive in section lo: on the path from its leaf up.
+  for (std::size_t level = 0, a = lo + leaves_; level < levels_ && a >= 1; ++level, a >>= 1) {
+    visit(alive_[a]);
+  }
+  // Started in (lo, hi): the nodes that cover [lo + 1, hi).
+  for (std::size_t l = lo + 1 + leaves_, r = hi + leaves_; l < r; l >>= 1, r >>= 1) {
+    if (l & 1U) visit(started_[l++]);
+    if (r & 1U) visit(started_[--r]);
   }
 }
 
@@ -197,17 +201,7 @@ void occupancy_index::collect(std::uint32_t lo, std::uint32_t hi, std::vector<ra
     out.insert(out.end(), set.begin(), set.end());
     runs_.push_back(out.size());
   };
-  for (std::size_t l = lo + leaves_, r = hi + leaves_; l < r; l >>= 1, r >>= 1) {
-    if (l & 1U) append(sub_[l++]);
-    if (r & 1U) append(sub_[--r]);
-  }
-  // Nodes above levels_ are wider than any buffer: their `own` is empty.
-  std::size_t a = lo + leaves_;
-  std::size_t b = hi - 1 + leaves_;
-  for (std::size_t level = 0; level < levels_ && a >= 1; ++level, a >>= 1, b >>= 1) {
-    append(own_[a]);
-    if (b != a) append(own_[b]);
-  }
+  for_each_set(lo, hi, append);
   // Every set is sorted and disjoint: merge the runs pairwise into their union (touching
   // ranges fuse), O(N log runs), and smaller at each round.
   std::size_t begin = 0;  // where the current merged run starts in scratch_
@@ -250,15 +244,7 @@ std::uint64_t occupancy_index::first_fit(std::uint32_t lo, std::uint32_t hi, std
   auto append = [&](const range_set& set) {
     if (!set.empty()) cursors_.push_back({set.front().first, set.data(), set.data() + set.size()});
   };
-  for (std::size_t l = lo + leaves_, r = hi + leaves_; l < r; l >>= 1, r >>= 1) {
-    if (l & 1U) append(sub_[l++]);
-    if (r & 1U) append(sub_[--r]);
-  }
-  for (std::size_t level = 0, a = lo + leaves_, b = hi - 1 + leaves_; level < levels_ && a >= 1;
-       ++level, a >>= 1, b >>= 1) {
-    append(own_[a]);
-    if (b != a) append(own_[b]);
-  }
+  for_each_set(lo, hi, append);
   // A min-heap of the sets' next ranges by offset: the union is walked from the bottom, and
   // the first gap of `bytes` or more at or above `from` below the next range is the answer.
   auto later = [](const cursor& x, const cursor& y) { return x.offset > y.offset; };
