@@ -259,27 +259,42 @@ class py_swapper {
   }
   std::vector<swap::swap_result> wait(std::uint64_t ticket) {
     std::vector<swap::swap_result> r;
-    {
+    try {
       py::gil_scoped_release release;
       r = swapper_->wait(ticket);
+    } catch (...) {
+      release_collected();  // another thread's synchronize may have collected it
+      throw;
     }
     held_.erase(ticket);  // GIL held again: the views can be released
     return r;
   }
   void synchronize() {
-    // Only the tickets started before this call are released: another thread may start one
-    // while the GIL is released here, and its buffers must stay held until it ends.
-    std::vector<std::uint64_t> started;
-    for (const auto& [ticket, views] : held_) started.push_back(ticket);
     {
       py::gil_scoped_release release;
       swapper_->synchronize();
     }
-    for (const std::uint64_t ticket : started) held_.erase(ticket);
+    // It collects the tickets other threads start while it runs, too; one started after it
+    // ended is still outstanding, and its buffers stay held.
+    release_collected();
   }
   swap::tensor_swapper& get() { return *swapper_; }
 
  private:
+  // Lets go of the buffers of every ticket the swapper has collected (its transfers ended),
+  // by whichever call and thread collected it. Called with the GIL held; the swapper is
+  // asked with it released, as everywhere. A collected ticket never comes back, so a ticket
+  // another thread starts meanwhile is simply not among those erased.
+  void release_collected() {
+    std::vector<std::uint64_t> tickets;
+    for (const auto& entry : held_) tickets.push_back(entry.first);
+    std::erase_if(tickets, [this](std::uint64_t ticket) {
+      py::gil_scoped_release release;
+      return swapper_->outstanding(ticket);
+    });
+    for (const std::uint64_t ticket : tickets) held_.erase(ticket);
+  }
+
   std::shared_ptr<memory::pinned_pool> pool_;
   std::unique_ptr<swap::tensor_swapper> swapper_;
   std::map<std::uint64_t, std::vector<held_view>> held_;  // touched only with the GIL held
@@ -691,6 +706,12 @@ PYBIND11_MODULE(_tensormem, m) {
              py::gil_scoped_release release;
              return s.get().done(ticket);
            }, py::arg("ticket"), "True when every transfer of the ticket finished (wait() would not block).")
+      .def("outstanding", [](py_swapper& s, u64 ticket) {
+             py::gil_scoped_release release;
+             return s.get().outstanding(ticket);
+           }, py::arg("ticket"),
+           "True until the ticket is collected by wait() or synchronize(), from any thread; after "
+           "that its buffers are no longer held.")
       .def("discard", [](py_swapper& s, const std::string& path) {
              py::gil_scoped_release release;
              s.get().discard(path);

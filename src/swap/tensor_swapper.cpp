@@ -884,6 +884,11 @@ std::uint64_t tensor_swapper::swap_in(std::span<const std::string> paths,
 
 bool tensor_swapper::done(std::uint64_t ticket) { return unfinished(ticket) == 0; }
 
+bool tensor_swapper::outstanding(std::uint64_t ticket) const {
+  const std::lock_guard lock(mutex_);
+  return tickets_.contains(ticket);
+}
+
 std::size_t tensor_swapper::unfinished(std::uint64_t ticket) {
   const std::lock_guard lock(mutex_);
   const auto it = tickets_.find(ticket);

@@ -67,7 +67,10 @@ TEST_P(async_test, a_swap_out_progresses_while_the_caller_sleeps) {
   EXPECT_EQ(complete, count) << "bytes reached the disk only while the caller was inside the swapper";
   EXPECT_TRUE(s.done(ticket));
   EXPECT_EQ(s.unfinished(ticket), 0u);
+  EXPECT_TRUE(s.outstanding(ticket));  // done, but not collected yet
   for (const auto& r : s.wait(ticket)) EXPECT_EQ(r.error, 0) << r.message;
+  EXPECT_FALSE(s.outstanding(ticket));
+  EXPECT_FALSE(s.outstanding(ticket + 1));  // never started
   EXPECT_THROW((void)s.unfinished(ticket), std::invalid_argument);  // already waited
 }
 

@@ -147,6 +147,9 @@ class tensor_swapper {
   std::vector<swap_result> wait(std::uint64_t ticket);
   /// True when every transfer of the ticket has finished (`wait` would not block).
   bool done(std::uint64_t ticket);
+  /// True while the ticket has not been collected by `wait` or `synchronize` (from any
+  /// thread); once it has, every transfer of it has ended and its tensors are free to reuse.
+  bool outstanding(std::uint64_t ticket) const;
   /// Tensors of the ticket whose transfers have not finished yet (0 when `done`); throws
   /// std::invalid_argument for an unknown or already waited ticket, as `done` does.
   std::size_t unfinished(std::uint64_t ticket);
