@@ -10,6 +10,7 @@ from ._tensormem import (  # noqa: F401
     GROWING,
     MAX_QUEUE_DEPTH,
     SWAP_BLOCK_ALIGNMENT,
+    IO_ENGINES,
     Allocation,
     BestFitAllocator,
     ContiguousArena,
@@ -32,7 +33,8 @@ from ._tensormem import (  # noqa: F401
 )
 
 __all__ = [
-    "GROWING", "MAX_QUEUE_DEPTH", "SWAP_BLOCK_ALIGNMENT", "Allocation", "BestFitAllocator", "ContiguousArena", "MemoryView", "OperatorGraph",
+    "GROWING", "MAX_QUEUE_DEPTH", "SWAP_BLOCK_ALIGNMENT", "IO_ENGINES", "Allocation", "BestFitAllocator",
+    "ContiguousArena", "MemoryView", "OperatorGraph",
     "derive_lifetimes", "make_transformer_step", "PinnedBuffer", "PinnedPool", "TensorSwapper", "TlsfAllocator",
     "__version__", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
     "write_plan_picture",

@@ -5,6 +5,7 @@ import numpy as np
 GROWING: int
 MAX_QUEUE_DEPTH: int  # the deepest swapper queue (io_uring's limit on one ring)
 SWAP_BLOCK_ALIGNMENT: int  # swapper block sizes (block_bytes) are multiples of it (4096)
+IO_ENGINES: Tuple[str, ...]  # the names an `engine` argument takes ("uring", "threads")
 __version__: str
 
 class Allocation:

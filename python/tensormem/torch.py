@@ -248,8 +248,8 @@ class AsyncTensorSwapper:
         if block_bytes <= 0 or block_bytes % _tensormem.SWAP_BLOCK_ALIGNMENT:
             raise ValueError(f"block_bytes must be a positive multiple of {_tensormem.SWAP_BLOCK_ALIGNMENT}, "
                              f"not {block_bytes}")
-        if engine not in ("uring", "threads"):
-            raise ValueError(f"engine must be 'uring' or 'threads', not {engine!r}")
+        if engine not in _tensormem.IO_ENGINES:
+            raise ValueError(f"engine must be {' or '.join(map(repr, _tensormem.IO_ENGINES))}, not {engine!r}")
         self.numel_alignment = numel_alignment
         self._pool = _tensormem.PinnedPool()
         self._queue_depth = queue_depth

@@ -32,12 +32,15 @@
 #include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
+#include "engine_name.hpp"
 #include "whole_number.hpp"
 
 namespace py = pybind11;
 using namespace tensormem;
 using python::u64;  // sizes, offsets, alignments, ids: ValueError outside 0..2^64 - 1
 using python::whole;
+using python::engine_kinds;  // "uring", "threads": what an `engine` argument names
+using python::engine_of;
 
 namespace {
 
@@ -300,12 +303,6 @@ class py_swapper {
   std::map<std::uint64_t, std::vector<held_view>> held_;  // touched only with the GIL held
 };
 
-io::engine_kind engine_of(const std::string& name) {
-  if (name == "uring") return io::engine_kind::uring;
-  if (name == "threads") return io::engine_kind::threads;
-  throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + name + "'");
-}
-
 py::list results_to_python(const std::vector<swap::swap_result>& results) {
   py::list out;
   for (const auto& r : results) {
@@ -448,6 +445,9 @@ PYBIND11_MODULE(_tensormem, m) {
   m.attr("GROWING") = core::growing;
   m.attr("MAX_QUEUE_DEPTH") = io::max_queue_depth;  // io_uring's limit on one ring
   m.attr("SWAP_BLOCK_ALIGNMENT") = swap::io_alignment;  // swapper block sizes are multiples of it
+  py::tuple engines(engine_kinds.size());
+  for (std::size_t i = 0; i < engine_kinds.size(); ++i) engines[i] = std::string(io::to_string(engine_kinds[i]));
+  m.attr("IO_ENGINES") = engines;  // the names an `engine` argument takes
 
   m.def("read_trace", [](const std::string& path) {
     const auto b = trace::read_trace(path);
@@ -744,14 +744,11 @@ PYBIND11_MODULE(_tensormem, m) {
                                 "Raw reads and writes of memory given by address (see tensormem.deepspeed).")
       .def(py::init([](whole<std::size_t> block_bytes, whole<unsigned> queue_depth, whole<unsigned> rings, const std::string& engine,
                        bool direct) {
-             if (engine != "uring" && engine != "threads") {
-               throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + engine + "'");
-             }
              io::file_io_options o;
              o.block_bytes = block_bytes;
              o.queue_depth = queue_depth;
              o.rings = rings;
-             o.engine = engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring;
+             o.engine = engine_of(engine);
              o.direct = direct;
              return std::make_unique<io::async_file_io>(o);
            }),

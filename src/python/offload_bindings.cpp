@@ -10,12 +10,14 @@
 #include <vector>
 
 #include "tensormem/offload/offloaded_optimizer.hpp"
+#include "engine_name.hpp"
 #include "whole_number.hpp"
 
 namespace py = pybind11;
 using namespace tensormem;
 using python::u64;
 using python::whole;
+using python::engine_of;
 
 namespace {
 
@@ -107,9 +109,6 @@ void bind_offload(py::module_& m) {
                        whole<unsigned> rank, whole<std::size_t> stripe_bytes, const std::vector<u64>& capacity_bytes,
                        const std::string& engine, whole<unsigned> rings, whole<std::size_t> block_bytes,
                        const std::string& name, const std::string& simd) {
-             if (engine != "uring" && engine != "threads") {
-               throw std::invalid_argument("engine must be 'uring' or 'threads', not '" + engine + "'");
-             }
              offload::optimizer_options o;
              o.kind = parse_kind(kind);
              o.offload_master = offload_master;
@@ -119,7 +118,7 @@ void bind_offload(py::module_& m) {
              o.swap.rank = rank;
              o.swap.stripe_bytes = stripe_bytes;
              o.swap.capacity_bytes.assign(capacity_bytes.begin(), capacity_bytes.end());
-             o.swap.io.engine = engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring;
+             o.swap.io.engine = engine_of(engine);
              o.swap.io.rings = rings;
              o.swap.io.block_bytes = block_bytes;
              o.name = name;

@@ -83,10 +83,25 @@ def test_a_held_buffer_cannot_be_resized_until_wait(tmp_path):
     assert target[:256] == bytes(range(256))
 
 
-def test_unknown_engine_is_refused():
+def test_unknown_engine_is_refused_by_every_entry_point(tmp_path):
+    from tensormem import _tensormem
+    from tensormem.offload import OffloadedAdam
+
+    assert tensormem.IO_ENGINES == ("uring", "threads")
     pool = tensormem.PinnedPool(slab_bytes=1 << 20)
-    with pytest.raises(ValueError, match="engine must be 'uring' or 'threads'"):
+    message = "engine must be 'uring' or 'threads', not 'bogus'"
+    with pytest.raises(ValueError, match=message):
         tensormem.TensorSwapper(pool, engine="bogus")
+    with pytest.raises(ValueError, match=message):
+        _tensormem.AsyncFileIO(engine="bogus")
+    with pytest.raises(ValueError, match=message):
+        _tensormem.OffloadedOptimizer([16], swap_dirs=[str(tmp_path)], engine="bogus")
+    with pytest.raises(ValueError, match=message):
+        OffloadedAdam([torch.nn.Parameter(torch.zeros(16))], swap_dirs=[str(tmp_path)], engine="bogus")
+    for engine in tensormem.IO_ENGINES:  # and every name it lists is taken
+        tensormem.TensorSwapper(pool, engine=engine)
+        _tensormem.AsyncFileIO(engine=engine)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_one_swapper_shared_by_four_threads(tmp_path):
