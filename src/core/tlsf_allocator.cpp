@@ -15,11 +15,19 @@ tlsf_allocator::tlsf_allocator(std::uint64_t capacity, std::uint64_t alignment)
     : block_chain_allocator(capacity, alignment, "tlsf_allocator") {
   unit_shift_ = static_cast<unsigned>(std::countr_zero(alignment));
   bin_heads_.fill(none);
+  // No block holds more units than the capacity: a small arena needs fewer exact lists.
+  const std::uint64_t most_units = capacity == growing ? exact_units : capacity >> unit_shift_;
+  exact_limit_ = static_cast<std::uint32_t>(std::min<std::uint64_t>(exact_units, most_units + 1));
+  exact_heads_.assign(exact_limit_, none);
+  exact_bits_.assign((exact_limit_ + 63U) / 64U, 0);
 }
 
 // Class of a unit count, rounded down: exact below 2^M, then M mantissa bits per octave.
 unsigned tlsf_allocator::floor_class(std::uint64_t bytes) const noexcept {
-  const std::uint64_t units = bytes >> unit_shift_;
+  return class_of_units(bytes >> unit_shift_);
+}
+
+unsigned tlsf_allocator::class_of_units(std::uint64_t units) noexcept {
   if (units < leaf_bins) return static_cast<unsigned>(units);
   const unsigned exponent = static_cast<unsigned>(std::bit_width(units)) - 1U - mantissa_bits;
   const auto mantissa = static_cast<unsigned>((units >> exponent) - leaf_bins);
@@ -35,8 +43,52 @@ unsigned tlsf_allocator::ceil_class(std::uint64_t bytes) const noexcept {
   return low_bits != 0 ? cls + 1U : cls;
 }
 
+// The smallest unit count at or above `units` whose exact list is non-empty, or none.
+TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::exact_at_or_above(std::uint64_t units) const noexcept {
+  if (units >= exact_limit_) return none;
+  const auto u = static_cast<std::uint32_t>(units);
+  const std::uint32_t word = u >> 6U;
+  if (const std::uint64_t here = exact_bits_[word] & (~std::uint64_t{0} << (u & 63U)); here != 0) {
+    return (word << 6U) | static_cast<std::uint32_t>(std::countr_zero(here));
+  }
+  std::uint32_t mid = word >> 6U;
+  const std::uint32_t next_word = (word & 63U) + 1U;
+  std::uint64_t words = next_word < 64U ? exact_mid_[mid] & (~std::uint64_t{0} << next_word) : 0;
+  if (words == 0) {
+    const std::uint64_t mids = mid + 1U < 64U ? exact_top_ & (~std::uint64_t{0} << (mid + 1U)) : 0;
+    if (mids == 0) return none;
+    mid = static_cast<std::uint32_t>(std::countr_zero(mids));
+    words = exact_mid_[mid];
+  }
+  const std::uint32_t w = (mid << 6U) | static_cast<std::uint32_t>(std::countr_zero(words));
+  return (w << 6U) | static_cast<std::uint32_t>(std::countr_zero(exact_bits_[w]));
+}
+
+// The lowest offset among the first exact_scan blocks of a non-empty exact list.
+TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::lowest_in_exact(std::uint32_t units) const noexcept {
+  std::uint32_t best = exact_heads_[units];
+  unsigned steps = 1;
+  for (std::uint32_t n = nodes_[best].next_bin; n != none && steps < exact_scan; n = nodes_[n].next_bin, ++steps) {
+    if (nodes_[n].offset < nodes_[best].offset) best = n;
+  }
+  return best;
+}
+
 TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   node& x = nodes_[n];
+  ++free_block_count_;
+  if (const std::uint64_t units = x.bytes >> unit_shift_; units < exact_limit_) {
+    const auto u = static_cast<std::uint32_t>(units);
+    x.st = detail::block_state::free;
+    x.prev_bin = none;
+    x.next_bin = exact_heads_[u];
+    if (x.next_bin != none) nodes_[x.next_bin].prev_bin = n;
+    exact_heads_[u] = n;
+    exact_bits_[u >> 6U] |= std::uint64_t{1} << (u & 63U);
+    exact_mid_[u >> 12U] |= std::uint64_t{1} << ((u >> 6U) & 63U);
+    exact_top_ |= std::uint64_t{1} << (u >> 12U);
+    return;
+  }
   const unsigned cls = floor_class(x.bytes);
   x.st = detail::block_state::free;
   x.prev_bin = none;
@@ -47,11 +99,26 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   window_max_[cls] = std::max(window_max_[cls], x.bytes);
   top_bitmap_ |= std::uint64_t{1} << (cls >> mantissa_bits);
   leaf_bitmaps_[cls >> mantissa_bits] |= std::uint64_t{1} << (cls & (leaf_bins - 1U));
-  ++free_block_count_;
 }
 
 TENSORMEM_HOT_INLINE void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
   node& x = nodes_[n];
+  --free_block_count_;
+  if (const std::uint64_t units = x.bytes >> unit_shift_; units < exact_limit_) {
+    const auto u = static_cast<std::uint32_t>(units);
+    if (x.prev_bin != none) {
+      nodes_[x.prev_bin].next_bin = x.next_bin;
+    } else {
+      exact_heads_[u] = x.next_bin;
+      if (x.next_bin == none && (exact_bits_[u >> 6U] &= ~(std::uint64_t{1} << (u & 63U))) == 0 &&
+          (exact_mid_[u >> 12U] &= ~(std::uint64_t{1} << ((u >> 6U) & 63U))) == 0) {
+        exact_top_ &= ~(std::uint64_t{1} << (u >> 12U));
+      }
+    }
+    if (x.next_bin != none) nodes_[x.next_bin].prev_bin = x.prev_bin;
+    x.prev_bin = x.next_bin = none;
+    return;
+  }
   const unsigned cls = floor_class(x.bytes);
   // A block from beyond the window may move into it: its largest size is no longer known.
   if (--bin_length_[cls] >= scan_limit) window_max_[cls] = ~std::uint64_t{0};
@@ -68,7 +135,6 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
   }
   if (x.next_bin != none) nodes_[x.next_bin].prev_bin = x.prev_bin;
   x.prev_bin = x.next_bin = none;
-  --free_block_count_;
 }
 
 TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::first_bin_at_or_above(unsigned cls) const noexcept {
@@ -112,13 +178,21 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   // guarantee): room for two new nodes, for their recycling, and for the live map entry.
   reserve_nodes(2);
 
-  const unsigned down = floor_class(need);
-  const unsigned up = ceil_class(need);
   std::uint32_t n = none;
-  if (down != up && window_max_[down] >= need) n = best_in_bin(down, need);
-  if (n == none) {
-    const std::uint32_t cls = first_bin_at_or_above(up);
-    if (cls != none) n = best_in_bin(cls, need);
+  if (const std::uint64_t units = need >> unit_shift_; units < exact_units) {
+    if (const std::uint32_t u = exact_at_or_above(units); u != none) {
+      n = lowest_in_exact(u);
+    } else if (const std::uint32_t cls = first_bin_at_or_above(class_of_units(exact_units)); cls != none) {
+      n = best_in_bin(cls, need);  // every listed block holds exact_units or more
+    }
+  } else {
+    const unsigned down = floor_class(need);
+    const unsigned up = ceil_class(need);
+    if (down != up && window_max_[down] >= need) n = best_in_bin(down, need);
+    if (n == none) {
+      const std::uint32_t cls = first_bin_at_or_above(up);
+      if (cls != none) n = best_in_bin(cls, need);
+    }
   }
   // A free tail that fits but sits beyond the scan limit of its list is still taken before
   // the arena grows.
@@ -168,13 +242,18 @@ void tlsf_allocator::release(std::uint32_t n) noexcept {
 
 allocator_stats tlsf_allocator::stats() const {
   std::uint64_t largest = 0;
+  auto highest = [](std::uint64_t bits) { return 63U - static_cast<unsigned>(std::countl_zero(bits)); };
   if (top_bitmap_ != 0) {
-    const auto top = 63U - static_cast<unsigned>(std::countl_zero(top_bitmap_));
-    const auto leaf = 63U - static_cast<unsigned>(std::countl_zero(leaf_bitmaps_[top]));
+    const auto top = highest(top_bitmap_);
+    const auto leaf = highest(leaf_bitmaps_[top]);
     for (std::uint32_t n = bin_heads_[(top << mantissa_bits) | leaf]; n != none;
          n = nodes_[n].next_bin) {
       largest = std::max(largest, nodes_[n].bytes);
     }
+  } else if (exact_top_ != 0) {  // every exact list holds less than any class list
+    const auto mid = highest(exact_top_);
+    const auto word = (mid << 6U) | highest(exact_mid_[mid]);
+    largest = std::uint64_t{(word << 6U) | highest(exact_bits_[word])} << unit_shift_;
   }
   return chain_stats(free_block_count_, largest);
 }
@@ -185,13 +264,32 @@ std::string tlsf_allocator::check_invariants() const {
     return error;
   if (free_count != free_block_count_) return "free block count is wrong";
   std::size_t binned = 0;
+  for (std::uint32_t u = 0; u < exact_limit_; ++u) {
+    const bool bit = ((exact_bits_[u >> 6U] >> (u & 63U)) & 1U) != 0;
+    if (bit != (exact_heads_[u] != none)) return "bitmap disagrees with exact list " + std::to_string(u);
+    std::uint32_t prev = none;
+    for (std::uint32_t n = exact_heads_[u]; n != none; n = nodes_[n].next_bin) {
+      const node& x = nodes_[n];
+      if (x.st != detail::block_state::free || x.bytes != std::uint64_t{u} << unit_shift_ || x.prev_bin != prev)
+        return "exact list " + std::to_string(u) + " holds a wrong node";
+      prev = n;
+      if (++binned > free_count) return "lists hold more nodes than free blocks";
+    }
+  }
+  for (std::uint32_t w = 0; w < exact_bits_.size(); ++w) {
+    if ((((exact_mid_[w >> 6U] >> (w & 63U)) & 1U) != 0) != (exact_bits_[w] != 0)) return "exact mid bitmap wrong";
+  }
+  for (std::uint32_t m = 0; m < exact_mid_.size(); ++m) {
+    if ((((exact_top_ >> m) & 1U) != 0) != (exact_mid_[m] != 0)) return "exact top bitmap wrong";
+  }
   for (unsigned cls = 0; cls < bin_count; ++cls) {
     const bool bit = ((leaf_bitmaps_[cls >> mantissa_bits] >> (cls & (leaf_bins - 1U))) & 1U) != 0;
     if (bit != (bin_heads_[cls] != none)) return "bitmap disagrees with list " + std::to_string(cls);
     std::uint32_t prev = none;
     for (std::uint32_t n = bin_heads_[cls]; n != none; n = nodes_[n].next_bin) {
       const node& x = nodes_[n];
-      if (x.st != detail::block_state::free || floor_class(x.bytes) != cls || x.prev_bin != prev)
+      if (x.st != detail::block_state::free || floor_class(x.bytes) != cls || x.prev_bin != prev ||
+          (x.bytes >> unit_shift_) < exact_limit_)
         return "list " + std::to_string(cls) + " holds a wrong node";
       prev = n;
       if (++binned > free_count) return "lists hold more nodes than free blocks";

@@ -212,23 +212,40 @@ TEST(allocator_random, tlsf_is_consistent_fixed_capacity) {
                              env_or("TENSORMEM_RANDOM_OPS", default_ops) / 2, false);
 }
 
-/// tlsf_allocator's documented policy written plainly: one LIFO list per size class (front =
-/// most recently freed), the first `scan_limit` blocks of the request's own class, then of
-/// the first non-empty class at or above its rounded-up class, then a free tail, then growth.
-/// Classes come from the allocator's own size_class_floor/ceil (tested against a model in
+/// tlsf_allocator's documented policy written plainly (alignment 1: a unit is a byte): one
+/// LIFO list per size below exact_units and one per size class above (front = most recently
+/// freed). A request below exact_units takes the smallest listed size that holds it (the lower
+/// offset of the first exact_scan blocks of that size), else a block of the first non-empty
+/// class; a larger one scans the first `scan_limit` blocks of its own class, then of the first
+/// non-empty class at or above its rounded-up class; then a free tail, then growth. Classes
+/// come from the allocator's own size_class_floor/ceil (tested against a model in
 /// contract_test).
 class naive_tlsf {
  public:
   explicit naive_tlsf(const tlsf_allocator& classes) : classes_(classes) {}
 
   std::uint64_t allocate(std::uint64_t need) {
-    const unsigned down = classes_.size_class_floor(need);
-    const unsigned up = classes_.size_class_ceil(need);
     std::optional<std::uint64_t> pick;
-    if (down != up && lists_.contains(down)) pick = best_in(down, need);
-    if (!pick) {
-      const auto it = lists_.lower_bound(up);
-      if (it != lists_.end()) pick = best_in(it->first, need);
+    if (need < tlsf_allocator::exact_units) {
+      if (const auto it = exact_.lower_bound(need); it != exact_.end()) {
+        const auto& l = it->second;
+        pick = l.front();
+        for (std::size_t i = 1; i < std::min<std::size_t>(l.size(), tlsf_allocator::exact_scan); ++i) {
+          pick = std::min(*pick, l[i]);
+        }
+      } else if (const auto c = lists_.lower_bound(classes_.size_class_floor(tlsf_allocator::exact_units));
+                 c != lists_.end()) {
+        pick = best_in(c->first, need);
+        ++small_from_classes;
+      }
+    } else {
+      const unsigned down = classes_.size_class_floor(need);
+      const unsigned up = classes_.size_class_ceil(need);
+      if (down != up && lists_.contains(down)) pick = best_in(down, need);
+      if (!pick) {
+        const auto it = lists_.lower_bound(up);
+        if (it != lists_.end()) pick = best_in(it->first, need);
+      }
     }
     if (!pick && !blocks_.empty()) {
       const auto& [offset, b] = *blocks_.rbegin();
@@ -279,6 +296,11 @@ class naive_tlsf {
   }
 
   std::uint64_t peak() const { return peak_; }
+  std::uint64_t largest_free() const {
+    std::uint64_t most = 0;
+    for (const auto& [offset, b] : blocks_) most = b.free ? std::max(most, b.bytes) : most;
+    return most;
+  }
 
  private:
   struct block {
@@ -296,23 +318,37 @@ class naive_tlsf {
     }
     return best;
   }
-  void list(std::uint64_t offset) { lists_[classes_.size_class_floor(blocks_.at(offset).bytes)].push_front(offset); }
-  void unlist(std::uint64_t offset) {
-    const unsigned cls = classes_.size_class_floor(blocks_.at(offset).bytes);
-    auto& l = lists_.at(cls);
+  void list(std::uint64_t offset) {
+    const std::uint64_t bytes = blocks_.at(offset).bytes;
+    if (bytes < tlsf_allocator::exact_units) exact_[bytes].push_front(offset);
+    else lists_[classes_.size_class_floor(bytes)].push_front(offset);
+  }
+  template <class Lists, class Key>
+  static void unlist_from(Lists& lists, Key key, std::uint64_t offset) {
+    auto& l = lists.at(key);
     l.erase(std::find(l.begin(), l.end(), offset));
-    if (l.empty()) lists_.erase(cls);
+    if (l.empty()) lists.erase(key);
+  }
+  void unlist(std::uint64_t offset) {
+    const std::uint64_t bytes = blocks_.at(offset).bytes;
+    if (bytes < tlsf_allocator::exact_units) unlist_from(exact_, bytes, offset);
+    else unlist_from(lists_, classes_.size_class_floor(bytes), offset);
   }
 
   const tlsf_allocator& classes_;
   std::uint64_t peak_ = 0;
-  std::map<std::uint64_t, block> blocks_;               // offset -> block, below the peak
-  std::map<unsigned, std::deque<std::uint64_t>> lists_;  // non-empty classes only
+  std::map<std::uint64_t, block> blocks_;                     // offset -> block, below the peak
+  std::map<std::uint64_t, std::deque<std::uint64_t>> exact_;  // non-empty exact sizes only
+  std::map<unsigned, std::deque<std::uint64_t>> lists_;       // non-empty classes only
+
+ public:
+  std::uint64_t small_from_classes = 0;  // small requests served by a class block
 };
 
 // Step by step, tlsf_allocator places every block where the plain model of its policy does.
-// Sizes come in a few narrow bands so that lists grow past the scan limit and blocks move in
-// and out of each list's scanned window.
+// Sizes come in a few narrow bands, below and above exact_units, so that lists grow past the
+// scan limits and blocks move in and out of each list's scanned window; small requests are
+// sometimes served by blocks of the classes.
 TEST(allocator_random, tlsf_matches_a_plain_model_of_its_policy) {
   const std::uint64_t seed = env_or("TENSORMEM_SEED", default_seed) + 6;
   SCOPED_TRACE("seed " + std::to_string(seed) + " (set TENSORMEM_SEED to replay)");
@@ -323,7 +359,7 @@ TEST(allocator_random, tlsf_matches_a_plain_model_of_its_policy) {
   const std::uint64_t ops = env_or("TENSORMEM_RANDOM_OPS", default_ops) / 10;
   for (std::uint64_t step = 0; step < ops; ++step) {
     if (live.empty() || (live.size() < 2000 && rng() % 100 < 52)) {
-      const std::uint64_t band = std::uint64_t{64} << (rng() % 2);
+      const std::uint64_t band = (rng() % 2 == 0 ? std::uint64_t{64} : tlsf_allocator::exact_units) << (rng() % 2);
       const std::uint64_t bytes = band + rng() % (band / 8);
       const allocation got = *a.allocate(bytes);
       ASSERT_EQ(got.offset, model.allocate(bytes)) << "step " << step << " bytes " << bytes;
@@ -336,8 +372,12 @@ TEST(allocator_random, tlsf_matches_a_plain_model_of_its_policy) {
       live.pop_back();
     }
     ASSERT_EQ(a.peak(), model.peak()) << "step " << step;
+    if (step % 64 == 0) {
+      ASSERT_EQ(a.stats().largest_free_bytes, model.largest_free()) << "step " << step;
+    }
   }
   EXPECT_EQ(a.check_invariants(), "");
+  EXPECT_GT(model.small_from_classes, 0U) << "no small request was served by a class block";
 }
 
 // allocate_at against an interval map: it succeeds exactly when the aligned range fits the

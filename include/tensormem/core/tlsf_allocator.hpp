@@ -17,19 +17,25 @@ namespace tensormem::core {
 /// S. Aaltonen's OffsetAllocator). Same interface and growing/fixed modes as
 /// best_fit_allocator.
 ///
-/// Algorithm. Sizes are counted in units of `alignment`. A unit count u has a size class
-/// with `mantissa_bits` bits of mantissa: counts below 2^mantissa_bits have a class each,
-/// larger ones share a class per 1/16 of a power of two. Free blocks live in one doubly
-/// linked list per class; a 64-bit top bitmap and one bitmap per power of two say which
-/// lists are non-empty. To allocate u units:
-///  1. Look in u's own class (rounded down): among its first `scan_limit` blocks, take the
-///     smallest that fits (lowest offset among equals). Any fit there beats every block of
-///     a higher class.
-///  2. Otherwise round the class up, find the first non-empty list at or above it with two
+/// Algorithm. Sizes are counted in units of `alignment`. Unit counts below `exact_units`
+/// (2^16: 16 MiB at the default alignment of 256, 64 KiB at 1) have a free list each, and a
+/// three-level bitmap (64-bit words, 1,024 + 16 + 1) says which are non-empty. Larger unit
+/// counts have size classes with `mantissa_bits` bits of mantissa (a class per 1/16 of a
+/// power of two), one list each, and a 64-bit top bitmap and one bitmap per power of two.
+/// Lists are doubly linked, newest first. To allocate u units:
+///  1. Below exact_units: find the smallest non-empty exact list of at least u units (at
+///     most three find-first-set operations) and take the lower offset of its first
+///     `exact_scan` blocks: the size exact best fit would take. If none, take from the first
+///     non-empty class (every block there fits) as in step 3.
+///  2. Otherwise look in u's own class (rounded down): among its first `scan_limit` blocks,
+///     take the smallest that fits (lowest offset among equals). Any fit there beats every
+///     block of a higher class.
+///  3. Otherwise round the class up, find the first non-empty list at or above it with two
 ///     find-first-set operations (every block there fits), and take the smallest of its
 ///     first `scan_limit` blocks.
-///  3. Otherwise grow the arena at its end, extending a free block that ends at the
-///     high-water mark, exactly as best_fit_allocator does.
+///  4. Otherwise take a free block that ends at the high-water mark if it is large enough,
+///     or grow the arena at its end, extending such a block, exactly as best_fit_allocator
+///     does.
 /// The remainder of a split block goes back to its list. Block metadata lives in a node pool
 /// outside the managed range; nodes link to their address neighbours, so freeing merges with
 /// both sides in O(1). An allocation handle carries its node index, so `deallocate` never
@@ -38,9 +44,13 @@ namespace tensormem::core {
 /// only use handles never pay for it.
 ///
 /// Complexity: O(1) per operation (at most 2 * scan_limit list steps, amortized O(1) for
-/// metadata growth).
+/// metadata growth). Memory: the exact lists' heads and bitmap, 4 bytes and 1 bit per unit
+/// count below exact_units, capped by the capacity in units (264 KiB in growing mode), plus
+/// the node pool.
 /// Waste bound: no internal waste beyond rounding to `alignment` (blocks are split exactly).
-/// The policy differs from exact best fit in two ways, which bound the fragmentation it can
+/// Below exact_units the size taken is exact best fit's (among equal sizes, the lower
+/// offset of the first two listed, where best fit takes the lowest of all). Above it, the
+/// policy differs from exact best fit in two ways, which bound the fragmentation it can
 /// add: a free block whose size lies within the request's own class but beyond the first
 /// `scan_limit` entries of that list is skipped, so a request of r bytes may grow the arena
 /// while a hole of fewer than r * (1 + 2^-mantissa_bits) bytes is free; and inside a class
@@ -62,6 +72,10 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
  public:
   static constexpr unsigned mantissa_bits = 4;
   static constexpr unsigned scan_limit = 8;
+  /// Unit counts below this have a list each (exact sizes).
+  static constexpr std::uint32_t exact_units = 1U << 16;
+  /// Of the blocks of one exact size, the lowest offset among this many listed first is taken.
+  static constexpr unsigned exact_scan = 2;
 
   explicit tlsf_allocator(std::uint64_t capacity = growing, std::uint64_t alignment = 256);
 
@@ -82,11 +96,15 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   static constexpr unsigned bin_count = (65U - mantissa_bits) * leaf_bins;
   using node = detail::tlsf_node;
 
+  static constexpr std::uint32_t exact_words = exact_units / 64;
+  std::uint32_t exact_at_or_above(std::uint64_t units) const noexcept;
+  std::uint32_t lowest_in_exact(std::uint32_t units) const noexcept;
   void bin_insert(std::uint32_t n) noexcept;
   void bin_remove(std::uint32_t n) noexcept;
   std::uint32_t first_bin_at_or_above(unsigned cls) const noexcept;
   std::uint32_t best_in_bin(unsigned cls, std::uint64_t need) noexcept;
   void release(std::uint32_t n) noexcept;
+  static unsigned class_of_units(std::uint64_t units) noexcept;
   unsigned floor_class(std::uint64_t bytes) const noexcept;
   unsigned ceil_class(std::uint64_t bytes) const noexcept;
 
@@ -99,6 +117,13 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   // blocks (exact after each scan), so that a class that holds no fit is not scanned.
   std::array<std::uint32_t, bin_count> bin_length_{};
   std::array<std::uint64_t, bin_count> window_max_{};
+  // Exact lists (unit counts below exact_limit_): heads by unit count, and a bitmap of the
+  // non-empty ones in three levels (a bit per list, per non-zero word, per non-zero mid word).
+  std::uint32_t exact_limit_ = 0;  // exact_units, or fewer where the capacity holds fewer units
+  std::vector<std::uint32_t> exact_heads_;
+  std::vector<std::uint64_t> exact_bits_;
+  std::array<std::uint64_t, exact_words / 64> exact_mid_{};
+  std::uint64_t exact_top_ = 0;
 };
 
 }  // namespace tensormem::core
