@@ -3,6 +3,7 @@
 //
 //   build/bin/planner_bench [--benchmark_filter=greedy]
 //   build/bin/planner_bench --benchmark_filter=scale     # synthetic family, 10^5 and 10^6 buffers
+//   build/bin/planner_bench --benchmark_filter=placement # one greedy pass, one thread, 10^5 buffers
 //
 // Counters: seconds (wall time of one plan), first_plan / best_plan (when the first complete
 // plan and the returned one were found), ratio (arena / lower bound).
@@ -11,9 +12,13 @@
 
 #include "bench_support.hpp"
 
+#include <algorithm>
+#include <chrono>
+#include <numeric>
 #include <string>
 #include <vector>
 
+#include "planner_detail.hpp"
 #include "tensormem/core/planner.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
@@ -53,6 +58,29 @@ void bm_scale(benchmark::State& state, std::size_t n, double time_limit) {
   bm_buffers(state, core::synthetic_lifetimes(n, 1), time_limit, true);
 }
 
+// One greedy pass over the synthetic family (seed 1) in decreasing size, on one thread: the
+// cost of the occupancy index's queries and insertions (placement/first_fit, placement/best_fit).
+void bm_placement(benchmark::State& state, std::size_t n, core::detail::fit policy) {
+  const std::vector<core::buffer> buffers = core::synthetic_lifetimes(n, 1);
+  const core::detail::plan_problem p = core::detail::make_problem(buffers, 1);
+  std::vector<std::uint32_t> order(p.size());
+  std::iota(order.begin(), order.end(), 0U);
+  std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) { return p.bytes[a] > p.bytes[b]; });
+  core::detail::occupancy_index index(p.sections, p.longest);
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    const core::detail::candidate_plan c = core::detail::place_in_order(p, order, policy, index);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!core::validate(buffers, c.offsets, c.arena).empty()) {
+      state.SkipWithError("invalid plan");
+      return;
+    }
+    state.SetIterationTime(seconds);
+    state.counters["seconds"] = seconds;
+    state.counters["ratio"] = static_cast<double>(c.arena) / static_cast<double>(p.lower_bound);
+  }
+}
+
 void register_all() {
   struct entry {
     const char* file;
@@ -74,6 +102,11 @@ void register_all() {
     const std::string stem = name.substr(0, name.find('.'));
     benchmark::RegisterBenchmark(("plan/" + stem).c_str(), bm_plan, name, t.time_limit, true)
         ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+  }
+  for (const auto& [name, policy] : {std::pair{"first_fit", core::detail::fit::first}, std::pair{"best_fit", core::detail::fit::best}}) {
+    benchmark::RegisterBenchmark((std::string("placement/") + name + "/100000").c_str(), bm_placement,
+                                 std::size_t{100'000}, policy)
+        ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
   }
   for (const std::size_t n : {std::size_t{100'000}, std::size_t{1'000'000}}) {
     for (const double t : {1.0, 10.0}) {
