@@ -86,7 +86,8 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   std::string check_invariants() const;
 
   /// The size class of an aligned byte count, rounded down (where a free block of that size
-  /// is listed) and up (the first class whose every block holds that many bytes).
+  /// is listed, if it holds exact_units units or more) and up (the first class whose every
+  /// block holds that many bytes).
   unsigned size_class_floor(std::uint64_t bytes) const noexcept { return floor_class(bytes); }
   unsigned size_class_ceil(std::uint64_t bytes) const noexcept { return ceil_class(bytes); }
 
