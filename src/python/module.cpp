@@ -291,10 +291,10 @@ class py_swapper {
   void release_collected() {
     std::vector<std::uint64_t> tickets;
     for (const auto& entry : held_) tickets.push_back(entry.first);
-    std::erase_if(tickets, [this](std::uint64_t ticket) {
+    {
       py::gil_scoped_release release;
-      return swapper_->outstanding(ticket);
-    });
+      std::erase_if(tickets, [this](std::uint64_t ticket) { return swapper_->outstanding(ticket); });
+    }
     for (const std::uint64_t ticket : tickets) held_.erase(ticket);
   }
 
