@@ -409,6 +409,20 @@ def test_synchronize_keeps_holding_a_ticket_another_thread_started_meanwhile(tmp
     (tmp_path / "big").unlink()
 
 
+def test_outstanding_answers_for_any_ticket_and_refuses_what_is_not_one(tmp_path):
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(slab_bytes=1 << 20), engine="threads")
+    ticket = s.swap_out([np.ones(4096, np.uint8)], [str(tmp_path / "t")])
+    assert s.outstanding(ticket)
+    assert not s.outstanding(ticket + 1) and not s.outstanding(2**64 - 1)  # never started
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="expected a whole number"):
+            s.outstanding(bad)
+    with pytest.raises(TypeError):
+        s.outstanding(1.5)
+    s.wait(ticket)
+    assert not s.outstanding(ticket)
+
+
 def test_paths_with_a_nul_byte_or_empty_are_value_errors_and_touch_no_file(tmp_path):
     """The system reads a path up to its first NUL: "kept\\0x" would name "kept". Every entry
     point that takes a path refuses such a path, and an empty one, before touching a file."""
