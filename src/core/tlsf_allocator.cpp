@@ -76,21 +76,22 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::lowest_in_exact(std::uint32_t
 
 TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   node& x = nodes_[n];
-  ++free_block_count_;
   if (const std::uint64_t units = x.bytes >> unit_shift_; units < exact_limit_) {
     const auto u = static_cast<std::uint32_t>(units);
-    x.st = detail::block_state::free;
     x.prev_bin = none;
     x.next_bin = exact_heads_[u];
-    if (x.next_bin != none) nodes_[x.next_bin].prev_bin = n;
     exact_heads_[u] = n;
+    if (x.next_bin != none) {
+      nodes_[x.next_bin].prev_bin = n;
+      return;
+    }
+    // The list was empty: its bit and the bits above it may be clear.
     exact_bits_[u >> 6U] |= std::uint64_t{1} << (u & 63U);
     exact_mid_[u >> 12U] |= std::uint64_t{1} << ((u >> 6U) & 63U);
     exact_top_ |= std::uint64_t{1} << (u >> 12U);
     return;
   }
   const unsigned cls = floor_class(x.bytes);
-  x.st = detail::block_state::free;
   x.prev_bin = none;
   x.next_bin = bin_heads_[cls];
   if (x.next_bin != none) nodes_[x.next_bin].prev_bin = n;
@@ -103,7 +104,6 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
 
 TENSORMEM_HOT_INLINE void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
   node& x = nodes_[n];
-  --free_block_count_;
   if (const std::uint64_t units = x.bytes >> unit_shift_; units < exact_limit_) {
     const auto u = static_cast<std::uint32_t>(units);
     if (x.prev_bin != none) {
@@ -196,7 +196,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   }
   // A free tail that fits but sits beyond the scan limit of its list is still taken before
   // the arena grows.
-  if (n == none && tail_ != none && nodes_[tail_].st == detail::block_state::free &&
+  if (n == none && tail_ != none && nodes_[tail_].state() == detail::block_state::free &&
       nodes_[tail_].bytes >= need) {
     n = tail_;
   }
@@ -214,7 +214,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   } else {
     // Grow at the end, extending a free block that ends at the high-water mark.
     // (A free tail of need bytes or more was taken above: extending it never goes negative.)
-    const bool extend = tail_ != none && nodes_[tail_].st == detail::block_state::free && nodes_[tail_].bytes < need;
+    const bool extend = tail_ != none && nodes_[tail_].state() == detail::block_state::free && nodes_[tail_].bytes < need;
     const std::uint64_t extra = extend ? need - nodes_[tail_].bytes : need;
     if (extra > capacity_ || peak_ > capacity_ - extra) return std::nullopt;
     if (extend) {
@@ -255,14 +255,14 @@ allocator_stats tlsf_allocator::stats() const {
     const auto word = (mid << 6U) | highest(exact_mid_[mid]);
     largest = std::uint64_t{(word << 6U) | highest(exact_bits_[word])} << unit_shift_;
   }
-  return chain_stats(free_block_count_, largest);
+  return chain_stats(free_blocks(), largest);
 }
 
 std::string tlsf_allocator::check_invariants() const {
   std::size_t free_count = 0;
   if (std::string error = check_chain([](std::uint32_t) { return std::string(); }, free_count); !error.empty())
     return error;
-  if (free_count != free_block_count_) return "free block count is wrong";
+  if (free_count != free_blocks()) return "free block count is wrong";
   std::size_t binned = 0;
   for (std::uint32_t u = 0; u < exact_limit_; ++u) {
     const bool bit = ((exact_bits_[u >> 6U] >> (u & 63U)) & 1U) != 0;
@@ -270,7 +270,7 @@ std::string tlsf_allocator::check_invariants() const {
     std::uint32_t prev = none;
     for (std::uint32_t n = exact_heads_[u]; n != none; n = nodes_[n].next_bin) {
       const node& x = nodes_[n];
-      if (x.st != detail::block_state::free || x.bytes != std::uint64_t{u} << unit_shift_ || x.prev_bin != prev)
+      if (x.state() != detail::block_state::free || x.bytes != std::uint64_t{u} << unit_shift_ || x.prev_bin != prev)
         return "exact list " + std::to_string(u) + " holds a wrong node";
       prev = n;
       if (++binned > free_count) return "lists hold more nodes than free blocks";
@@ -288,7 +288,7 @@ std::string tlsf_allocator::check_invariants() const {
     std::uint32_t prev = none;
     for (std::uint32_t n = bin_heads_[cls]; n != none; n = nodes_[n].next_bin) {
       const node& x = nodes_[n];
-      if (x.st != detail::block_state::free || floor_class(x.bytes) != cls || x.prev_bin != prev ||
+      if (x.state() != detail::block_state::free || floor_class(x.bytes) != cls || x.prev_bin != prev ||
           (x.bytes >> unit_shift_) < exact_limit_)
         return "list " + std::to_string(cls) + " holds a wrong node";
       prev = n;

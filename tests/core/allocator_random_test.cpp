@@ -114,6 +114,7 @@ void run_random(const random_config& cfg, std::uint64_t seed, std::uint64_t ops,
     std::uint64_t asked;
   };
   std::vector<live_block> live;
+  std::deque<allocation> freed;  // the handles of the last blocks freed: stale from then on
   std::map<std::uint64_t, std::uint64_t> intervals;  // offset -> aligned bytes
   std::uint64_t used = 0;
   std::uniform_real_distribution<double> log_size(0.0, std::log2(static_cast<double>(cfg.max_bytes)));
@@ -128,6 +129,9 @@ void run_random(const random_config& cfg, std::uint64_t seed, std::uint64_t ops,
       ASSERT_EQ(a.try_free(b.handle.offset, b.handle.bytes + cfg.alignment),
                 free_status::size_mismatch);
       ASSERT_EQ(a.try_free(a.peak() + cfg.alignment, 1), free_status::not_allocated);
+      // A freed block's node may since be free, merged away or live again (often at the same
+      // offset and size): its old handle is refused in every case.
+      for (const allocation& stale : freed) ASSERT_EQ(a.try_deallocate(stale), free_status::stale_handle);
       ASSERT_EQ(a.stats().used_bytes, before.used_bytes);
       ASSERT_EQ(a.stats().free_blocks, before.free_blocks);
     } else if (want_alloc) {
@@ -175,6 +179,8 @@ void run_random(const random_config& cfg, std::uint64_t seed, std::uint64_t ops,
       if (step % 2 == 0) a.free(b.handle.offset, b.asked);
       else a.deallocate(b.handle);
       if (exact) ref.free(b.handle.offset, b.asked);
+      if (b.asked != 0) freed.push_back(b.handle);
+      if (freed.size() > 16) freed.pop_front();
       intervals.erase(b.handle.offset);
       used -= b.handle.bytes;
     }

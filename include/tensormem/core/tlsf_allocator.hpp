@@ -46,7 +46,8 @@ namespace tensormem::core {
 /// Complexity: O(1) per operation (at most 2 * scan_limit list steps, amortized O(1) for
 /// metadata growth). Memory: the exact lists' heads and bitmap, 4 bytes and 1 bit per unit
 /// count below exact_units, capped by the capacity in units (264 KiB in growing mode), plus
-/// the node pool.
+/// the node pool: 32 bytes a block, one cache line holding two nodes. A handle's generation
+/// is unique to its allocation (a counter of allocations, 32 bits).
 /// Waste bound: no internal waste beyond rounding to `alignment` (blocks are split exactly).
 /// Below exact_units the size taken is exact best fit's (among equal sizes, the lower
 /// offset of the first two listed, where best fit takes the lowest of all). Above it, the
@@ -62,10 +63,27 @@ namespace tensormem::core {
 class tlsf_allocator;
 
 namespace detail {
-struct tlsf_node : chain_block {
-  std::uint32_t prev_bin = none;  // the free list of its size class
+/// 32 bytes, aligned to 32, so that no node spans two cache lines. The state lives in the
+/// list links: a free node holds the links of its free list (`none` at either end); a used
+/// node holds `used_mark` and its generation; an unused node, `unused_mark`.
+struct alignas(32) tlsf_node : chain_links {
+  static constexpr std::uint32_t used_mark = 0xfffffffdU;
+  static constexpr std::uint32_t unused_mark = 0xfffffffcU;
+  std::uint32_t prev_bin = unused_mark;
   std::uint32_t next_bin = none;
+
+  block_state state() const noexcept {
+    return prev_bin == used_mark ? block_state::used
+                                 : prev_bin == unused_mark ? block_state::unused : block_state::free;
+  }
+  std::uint32_t generation() const noexcept { return next_bin; }
+  void mark_used(std::uint32_t generation) noexcept {
+    prev_bin = used_mark;
+    next_bin = generation;
+  }
+  void mark_unused() noexcept { prev_bin = unused_mark; }
 };
+static_assert(sizeof(tlsf_node) == 32);
 }  // namespace detail
 
 class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, detail::tlsf_node> {
@@ -110,7 +128,6 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   unsigned ceil_class(std::uint64_t bytes) const noexcept;
 
   unsigned unit_shift_ = 0;
-  std::uint64_t free_block_count_ = 0;
   std::uint64_t top_bitmap_ = 0;
   std::array<std::uint64_t, 64> leaf_bitmaps_{};
   std::array<std::uint32_t, bin_count> bin_heads_{};

@@ -17,15 +17,31 @@ namespace tensormem::core::detail {
 enum class block_state : std::uint8_t { unused, free, used };
 
 /// One block of the arena below the high-water mark, linked to its address neighbours.
-/// An allocator's node type derives from it and adds its free-list links.
-struct chain_block {
+/// An allocator's node type derives from it and adds its state (free, used or unused), the
+/// generation of a used block, and its free-list links, through these members:
+///   block_state state() const; std::uint32_t generation() const (of a used block);
+///   void mark_used(std::uint32_t generation); void mark_unused().
+/// (A node becomes free when its allocator lists it.)
+struct chain_links {
   static constexpr std::uint32_t none = 0xffffffffU;
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
   std::uint32_t prev = none;
   std::uint32_t next = none;
-  std::uint32_t generation = 0;  // bumped whenever the block stops being a live allocation
+};
+
+/// A node whose state and generation are fields of their own (best_fit_allocator's).
+struct chain_block : chain_links {
+  std::uint32_t gen = 0;
   block_state st = block_state::unused;
+
+  block_state state() const noexcept { return st; }
+  std::uint32_t generation() const noexcept { return gen; }
+  void mark_used(std::uint32_t g) noexcept {
+    st = block_state::used;
+    gen = g;
+  }
+  void mark_unused() noexcept { st = block_state::unused; }
 };
 
 /// Base of an allocator (CRTP) whose blocks are `Node`s in a pool, chained by address.
@@ -57,7 +73,7 @@ class block_chain_allocator {
     if (a.owner != owner_) return free_status::foreign_handle;
     if (a.node >= nodes_.size()) return free_status::stale_handle;
     const Node& x = nodes_[a.node];
-    if (x.st != block_state::used || x.offset != a.offset || x.generation != a.generation)
+    if (x.state() != block_state::used || x.offset != a.offset || x.generation() != a.generation)
       return free_status::stale_handle;
     if (x.bytes != a.bytes) return free_status::size_mismatch;
     derived().release(a.node);
@@ -93,13 +109,16 @@ class block_chain_allocator {
   template <class F>
   void for_each_block(F&& f) const {
     for (std::uint32_t n = head_; n != none; n = nodes_[n].next) {
-      f(nodes_[n].offset, nodes_[n].bytes, nodes_[n].st == block_state::free);
+      f(nodes_[n].offset, nodes_[n].bytes, nodes_[n].state() == block_state::free);
     }
   }
 
  protected:
-  static constexpr std::uint32_t none = chain_block::none;
+  static constexpr std::uint32_t none = chain_links::none;
   static constexpr std::uint32_t zero_node = 0xfffffffeU;
+  /// Node indices stay below this: the values above mark states in node types that keep
+  /// them in a link field.
+  static constexpr std::uint32_t most_nodes = 0xfffffff0U;
 
   block_chain_allocator(std::uint64_t capacity, std::uint64_t alignment, const char* name)
       : capacity_(capacity), alignment_(alignment), owner_(next_owner_id()), name_(name) {
@@ -110,7 +129,7 @@ class block_chain_allocator {
   /// that the allocation that follows and any later free change state without allocating.
   void reserve_nodes(std::size_t count) {
     if (nodes_.size() + count > nodes_.capacity()) {
-      if (nodes_.size() + count >= zero_node) throw std::length_error(std::string(name_) + ": too many blocks");
+      if (nodes_.size() + count >= most_nodes) throw std::length_error(std::string(name_) + ": too many blocks");
       const std::size_t want = std::max<std::size_t>(64, nodes_.capacity() * 2);
       unused_nodes_.reserve(want);
       nodes_.reserve(want);
@@ -129,19 +148,21 @@ class block_chain_allocator {
   }
 
   void release_node(std::uint32_t n) noexcept {
-    nodes_[n].st = block_state::unused;
-    ++nodes_[n].generation;
+    nodes_[n].mark_unused();
     unused_nodes_.push_back(n);  // capacity reserved: nodes_ never shrinks below it
   }
 
   /// Marks node n (its offset and bytes set) a live allocation of `need` bytes.
   allocation make_used(std::uint32_t n, std::uint64_t need) noexcept {
     Node& x = nodes_[n];
-    x.st = block_state::used;
+    // Every allocation gets a generation of its own: a handle to a block freed and then
+    // allocated again (same node, offset and size) is told apart from the new one.
+    const std::uint32_t generation = next_generation_++;
+    x.mark_used(generation);
     used_ += need;
     ++live_count_;
     if (indexed_) live_.insert(x.offset, n);
-    return allocation{x.offset, need, n, x.generation, owner_};
+    return allocation{x.offset, need, n, generation, owner_};
   }
 
   /// The accounting of releasing used node n (before merging).
@@ -150,7 +171,6 @@ class block_chain_allocator {
     if (indexed_) live_.erase(x.offset);
     --live_count_;
     used_ -= x.bytes;
-    ++x.generation;
   }
 
   /// Links node r right after node n (r's offset and bytes are set by the caller).
@@ -176,7 +196,7 @@ class block_chain_allocator {
   template <class Unlist>
   void absorb_free_neighbours(std::uint32_t n, Unlist&& unlist) noexcept {
     Node& x = nodes_[n];
-    if (const std::uint32_t p = x.prev; p != none && nodes_[p].st == block_state::free) {
+    if (const std::uint32_t p = x.prev; p != none && nodes_[p].state() == block_state::free) {
       unlist(p);
       x.offset = nodes_[p].offset;
       x.bytes += nodes_[p].bytes;
@@ -185,7 +205,7 @@ class block_chain_allocator {
       else head_ = n;
       release_node(p);
     }
-    if (const std::uint32_t q = x.next; q != none && nodes_[q].st == block_state::free) {
+    if (const std::uint32_t q = x.next; q != none && nodes_[q].state() == block_state::free) {
       unlist(q);
       x.bytes += nodes_[q].bytes;
       x.next = nodes_[q].next;
@@ -204,6 +224,10 @@ class block_chain_allocator {
     return n;
   }
 
+  /// Blocks in the chain that are not live allocations: every node is in the chain or
+  /// waiting in unused_nodes_.
+  std::uint64_t free_blocks() const noexcept { return nodes_.size() - unused_nodes_.size() - live_count_; }
+
   /// The statistics, from the allocator's count of free blocks and its largest free block
   /// (the untouched part of a fixed arena past the high-water mark is added here).
   allocator_stats chain_stats(std::uint64_t free_blocks, std::uint64_t largest_free) const {
@@ -215,7 +239,7 @@ class block_chain_allocator {
     s.free_bytes = end - used_;
     s.free_blocks = free_blocks;
     s.largest_free_bytes = largest_free;
-    const bool tail_free = tail_ != none && nodes_[tail_].st == block_state::free;
+    const bool tail_free = tail_ != none && nodes_[tail_].state() == block_state::free;
     add_untouched_tail(s, end, peak_, tail_free ? nodes_[tail_].bytes : 0);
     return s;
   }
@@ -239,8 +263,8 @@ class block_chain_allocator {
       if (x.offset != cursor) return "gap or overlap at offset " + std::to_string(x.offset);
       if (x.bytes == 0 || !is_aligned(x.bytes, alignment_) || !is_aligned(x.offset, alignment_))
         return "misaligned or empty block at offset " + std::to_string(x.offset);
-      if (x.st == block_state::unused) return "unused node in the address chain";
-      const bool is_free = x.st == block_state::free;
+      if (x.state() == block_state::unused) return "unused node in the address chain";
+      const bool is_free = x.state() == block_state::free;
       if (is_free && prev_free) return "unmerged free neighbours at " + std::to_string(x.offset);
       if (is_free) {
         ++free_count;
@@ -269,6 +293,7 @@ class block_chain_allocator {
   std::uint64_t peak_ = 0;
   std::uint64_t used_ = 0;
   std::uint64_t live_count_ = 0;
+  std::uint32_t next_generation_ = 0;  // of the next allocation (wraps after 2^32)
   std::uint32_t head_ = none;  // node at offset 0
   std::uint32_t tail_ = none;  // node that ends at peak_
   std::vector<Node> nodes_;
@@ -282,7 +307,7 @@ class block_chain_allocator {
     offset_map index;
     index.reserve(live_count_ + 1);
     for (std::uint32_t n = head_; n != none; n = nodes_[n].next) {
-      if (nodes_[n].st == block_state::used) index.insert(nodes_[n].offset, n);
+      if (nodes_[n].state() == block_state::used) index.insert(nodes_[n].offset, n);
     }
     live_ = std::move(index);
     indexed_ = true;
@@ -293,7 +318,7 @@ class block_chain_allocator {
   std::uint32_t find_live(std::uint64_t offset) const noexcept {
     if (indexed_) return live_.find(offset);
     const std::uint32_t n = block_containing(offset);
-    if (n == none || nodes_[n].offset != offset || nodes_[n].st != block_state::used) return offset_map::not_found;
+    if (n == none || nodes_[n].offset != offset || nodes_[n].state() != block_state::used) return offset_map::not_found;
     return n;
   }
 
