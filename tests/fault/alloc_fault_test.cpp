@@ -26,17 +26,32 @@ namespace {
 thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fails
 }  // namespace
 
-void* operator new(std::size_t bytes) {
+namespace {
+void fail_when_due() {
   if (countdown == 0) {
     countdown = -1;
     throw std::bad_alloc();
   }
   if (countdown > 0) --countdown;
+}
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  fail_when_due();
   if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
   throw std::bad_alloc();
 }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+// Over-aligned types (the O(1) allocator's nodes) come through these.
+void* operator new(std::size_t bytes, std::align_val_t alignment) {
+  fail_when_due();
+  const auto a = static_cast<std::size_t>(alignment);
+  if (void* p = std::aligned_alloc(a, (bytes + a - 1) / a * a + (bytes == 0 ? a : 0))) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 namespace tensormem {
 namespace {
