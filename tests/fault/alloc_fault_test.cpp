@@ -24,9 +24,7 @@
 
 namespace {
 thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fails
-}  // namespace
 
-namespace {
 void fail_when_due() {
   if (countdown == 0) {
     countdown = -1;
