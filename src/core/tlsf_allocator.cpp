@@ -74,67 +74,71 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::lowest_in_exact(std::uint32_t
   return best;
 }
 
-TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
+// Links node n at the front of the list that starts at `head`; true if the list was empty.
+TENSORMEM_HOT_INLINE bool tlsf_allocator::push_front(std::uint32_t& head, std::uint32_t n) noexcept {
   node& x = nodes_[n];
-  if (const std::uint64_t units = x.bytes >> unit_shift_; units < exact_limit_) {
+  x.prev_bin = none;
+  x.next_bin = head;
+  head = n;
+  if (x.next_bin == none) return true;
+  nodes_[x.next_bin].prev_bin = n;
+  return false;
+}
+
+// Unlinks node n from the list that starts at `head`; true if the list is now empty. The
+// node stays free, in no list.
+TENSORMEM_HOT_INLINE bool tlsf_allocator::unlink(std::uint32_t& head, std::uint32_t n) noexcept {
+  node& x = nodes_[n];
+  const std::uint32_t prev = x.prev_bin;
+  const std::uint32_t next = x.next_bin;
+  x.prev_bin = x.next_bin = none;
+  if (next != none) nodes_[next].prev_bin = prev;
+  if (prev != none) {
+    nodes_[prev].next_bin = next;
+    return false;
+  }
+  head = next;
+  return next == none;
+}
+
+TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
+  const std::uint64_t bytes = nodes_[n].bytes;
+  if (const std::uint64_t units = bytes >> unit_shift_; units < exact_limit_) {
     const auto u = static_cast<std::uint32_t>(units);
-    x.prev_bin = none;
-    x.next_bin = exact_heads_[u];
-    exact_heads_[u] = n;
-    if (x.next_bin != none) {
-      nodes_[x.next_bin].prev_bin = n;
-      return;
+    if (push_front(exact_heads_[u], n)) {  // the list was empty: its bit and those above may be clear
+      exact_bits_[u >> 6U] |= std::uint64_t{1} << (u & 63U);
+      exact_mid_[u >> 12U] |= std::uint64_t{1} << ((u >> 6U) & 63U);
+      exact_top_ |= std::uint64_t{1} << (u >> 12U);
     }
-    // The list was empty: its bit and the bits above it may be clear.
-    exact_bits_[u >> 6U] |= std::uint64_t{1} << (u & 63U);
-    exact_mid_[u >> 12U] |= std::uint64_t{1} << ((u >> 6U) & 63U);
-    exact_top_ |= std::uint64_t{1} << (u >> 12U);
     return;
   }
-  const unsigned cls = floor_class(x.bytes);
-  x.prev_bin = none;
-  x.next_bin = bin_heads_[cls];
-  if (x.next_bin != none) nodes_[x.next_bin].prev_bin = n;
-  bin_heads_[cls] = n;
+  const unsigned cls = floor_class(bytes);
+  push_front(bin_heads_[cls], n);
   ++bin_length_[cls];
-  window_max_[cls] = std::max(window_max_[cls], x.bytes);
+  window_max_[cls] = std::max(window_max_[cls], bytes);
   top_bitmap_ |= std::uint64_t{1} << (cls >> mantissa_bits);
   leaf_bitmaps_[cls >> mantissa_bits] |= std::uint64_t{1} << (cls & (leaf_bins - 1U));
 }
 
 TENSORMEM_HOT_INLINE void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
-  node& x = nodes_[n];
-  if (const std::uint64_t units = x.bytes >> unit_shift_; units < exact_limit_) {
+  const std::uint64_t bytes = nodes_[n].bytes;
+  if (const std::uint64_t units = bytes >> unit_shift_; units < exact_limit_) {
     const auto u = static_cast<std::uint32_t>(units);
-    if (x.prev_bin != none) {
-      nodes_[x.prev_bin].next_bin = x.next_bin;
-    } else {
-      exact_heads_[u] = x.next_bin;
-      if (x.next_bin == none && (exact_bits_[u >> 6U] &= ~(std::uint64_t{1} << (u & 63U))) == 0 &&
-          (exact_mid_[u >> 12U] &= ~(std::uint64_t{1} << ((u >> 6U) & 63U))) == 0) {
-        exact_top_ &= ~(std::uint64_t{1} << (u >> 12U));
-      }
+    if (unlink(exact_heads_[u], n) && (exact_bits_[u >> 6U] &= ~(std::uint64_t{1} << (u & 63U))) == 0 &&
+        (exact_mid_[u >> 12U] &= ~(std::uint64_t{1} << ((u >> 6U) & 63U))) == 0) {
+      exact_top_ &= ~(std::uint64_t{1} << (u >> 12U));
     }
-    if (x.next_bin != none) nodes_[x.next_bin].prev_bin = x.prev_bin;
-    x.prev_bin = x.next_bin = none;
     return;
   }
-  const unsigned cls = floor_class(x.bytes);
+  const unsigned cls = floor_class(bytes);
   // A block from beyond the window may move into it: its largest size is no longer known.
   if (--bin_length_[cls] >= scan_limit) window_max_[cls] = ~std::uint64_t{0};
   else if (bin_length_[cls] == 0) window_max_[cls] = 0;
-  if (x.prev_bin != none) {
-    nodes_[x.prev_bin].next_bin = x.next_bin;
-  } else {
-    bin_heads_[cls] = x.next_bin;
-    if (x.next_bin == none) {
-      const unsigned top = cls >> mantissa_bits;
-      leaf_bitmaps_[top] &= ~(std::uint64_t{1} << (cls & (leaf_bins - 1U)));
-      if (leaf_bitmaps_[top] == 0) top_bitmap_ &= ~(std::uint64_t{1} << top);
-    }
+  if (unlink(bin_heads_[cls], n)) {
+    const unsigned top = cls >> mantissa_bits;
+    leaf_bitmaps_[top] &= ~(std::uint64_t{1} << (cls & (leaf_bins - 1U)));
+    if (leaf_bitmaps_[top] == 0) top_bitmap_ &= ~(std::uint64_t{1} << top);
   }
-  if (x.next_bin != none) nodes_[x.next_bin].prev_bin = x.prev_bin;
-  x.prev_bin = x.next_bin = none;
 }
 
 TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::first_bin_at_or_above(unsigned cls) const noexcept {

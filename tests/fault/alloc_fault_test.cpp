@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -45,7 +46,7 @@ void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void* operator new(std::size_t bytes, std::align_val_t alignment) {
   fail_when_due();
   const auto a = static_cast<std::size_t>(alignment);
-  if (void* p = std::aligned_alloc(a, (bytes + a - 1) / a * a + (bytes == 0 ? a : 0))) return p;
+  if (void* p = std::aligned_alloc(a, std::max(a, (bytes + a - 1) / a * a))) return p;  // a multiple of a
   throw std::bad_alloc();
 }
 void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
