@@ -4,6 +4,7 @@
 //   build/bin/planner_bench [--benchmark_filter=greedy]
 //   build/bin/planner_bench --benchmark_filter=scale     # synthetic family, 10^5 and 10^6 buffers
 //   build/bin/planner_bench --benchmark_filter=placement # one greedy pass, one thread, 10^5 buffers
+//   build/bin/planner_bench --benchmark_filter=read      # a 10^6-line trace read from memory
 //
 // Counters: seconds (wall time of one plan), first_plan / best_plan (when the first complete
 // plan and the returned one were found), ratio (arena / lower bound).
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -81,6 +83,27 @@ void bm_placement(benchmark::State& state, std::size_t n, core::detail::fit poli
   }
 }
 
+// The synthetic family (seed 1) written as a trace and read back from memory: what
+// `tensormem plan TRACE` spends before planning (counters: seconds, MB_per_s).
+void bm_read(benchmark::State& state, std::size_t n) {
+  std::ostringstream out;
+  trace::write_trace(out, core::synthetic_lifetimes(n, 1));
+  const std::string text = out.str();
+  for (auto _ : state) {
+    std::istringstream in(text);
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<core::buffer> buffers = trace::read_trace(in, "synthetic.csv");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (buffers.size() != n) {
+      state.SkipWithError("wrong buffer count");
+      return;
+    }
+    state.SetIterationTime(seconds);
+    state.counters["seconds"] = seconds;
+    state.counters["MB_per_s"] = static_cast<double>(text.size()) / seconds / 1e6;
+  }
+}
+
 void register_all() {
   struct entry {
     const char* file;
@@ -108,6 +131,8 @@ void register_all() {
                                  std::size_t{100'000}, policy)
         ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("read/1000000", bm_read, std::size_t{1'000'000})
+      ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
   for (const std::size_t n : {std::size_t{100'000}, std::size_t{1'000'000}}) {
     for (const double t : {1.0, 10.0}) {
       benchmark::RegisterBenchmark(("scale/" + std::to_string(n) + "/T=" + std::to_string(static_cast<int>(t))).c_str(),

@@ -3,12 +3,15 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <charconv>
+#include <cstring>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <string_view>
 #include <system_error>
-#include <unordered_map>
 
 #include "tensormem/io/path_argument.hpp"
 #include "write_file.hpp"
@@ -17,26 +20,135 @@ namespace tensormem::trace {
 
 namespace {
 
-std::vector<std::string_view> split(std::string_view line) {
-  std::vector<std::string_view> fields;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t comma = line.find(',', start);
-    if (comma == std::string_view::npos) {
-      fields.push_back(line.substr(start));
-      return fields;
-    }
-    fields.push_back(line.substr(start, comma - start));
-    start = comma + 1;
-  }
-}
-
 std::string_view trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r'))
     s.remove_suffix(1);
   return s;
 }
+
+// The fields of a line split at commas: the first `kept` of them, and how many there are.
+struct split_line {
+  static constexpr std::size_t kept = 6;
+  std::array<std::string_view, kept> fields;
+  std::size_t count = 0;
+};
+
+split_line split(std::string_view line) {
+  split_line out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = line.find(',', start);
+    const std::string_view field = line.substr(start, comma == std::string_view::npos ? comma : comma - start);
+    if (out.count < split_line::kept) out.fields[out.count] = trim(field);
+    ++out.count;
+    if (comma == std::string_view::npos) return out;
+    start = comma + 1;
+  }
+}
+
+// Lines of a stream read in large blocks (a line is a view into the block, valid until the
+// next call). A line longer than max_line_bytes is an error, never buffered whole.
+class line_reader {
+ public:
+  line_reader(std::istream& in, const std::string& name) : in_(in), name_(name) {}
+
+  // The next line without its '\n'; false at the end of input. `line_number` names the
+  // line in an error.
+  bool next(std::string_view& line, std::size_t line_number) {
+    std::size_t scanned = begin_;  // no '\n' in [begin_, scanned)
+    for (;;) {
+      if (const void* nl = std::memchr(block_.data() + scanned, '\n', end_ - scanned)) {
+        const auto at = static_cast<std::size_t>(static_cast<const char*>(nl) - block_.data());
+        check_length(at - begin_, line_number);
+        line = std::string_view(block_.data() + begin_, at - begin_);
+        begin_ = at + 1;
+        return true;
+      }
+      check_length(end_ - begin_, line_number);
+      if (at_end_) {
+        if (begin_ == end_) return false;
+        line = std::string_view(block_.data() + begin_, end_ - begin_);
+        begin_ = end_;
+        return true;
+      }
+      // Keep the partial line, at the front, and read more behind it.
+      const std::size_t partial = end_ - begin_;
+      std::memmove(block_.data(), block_.data() + begin_, partial);
+      begin_ = 0;
+      end_ = scanned = partial;
+      block_.resize(partial + read_size);
+      const std::streamsize got = in_.rdbuf()->sgetn(block_.data() + end_, static_cast<std::streamsize>(read_size));
+      if (got <= 0) {
+        at_end_ = true;
+        in_.setstate(std::ios::eofbit);
+      } else {
+        end_ += static_cast<std::size_t>(got);
+      }
+    }
+  }
+
+ private:
+  static constexpr std::size_t read_size = std::size_t{1} << 20;
+
+  void check_length(std::size_t bytes, std::size_t line_number) const {
+    if (bytes > max_line_bytes) {
+      throw trace_error(name_ + ":" + std::to_string(line_number) + ": line longer than " +
+                        std::to_string(max_line_bytes) + " bytes");
+    }
+  }
+
+  std::istream& in_;
+  const std::string& name_;
+  std::vector<char> block_;
+  std::size_t begin_ = 0;
+  std::size_t end_ = 0;
+  bool at_end_ = false;
+};
+
+// The buffers read so far, indexed by id: open addressing on (hash of the id, position),
+// so that a probe or a rehash reads the buffers only when two hashes are equal.
+class id_index {
+ public:
+  explicit id_index(const std::vector<core::buffer>& buffers) : buffers_(buffers), slots_(1024) {}
+
+  // Adds buffers_[i]; returns the position of an earlier buffer with the same id, if any.
+  std::optional<std::size_t> insert(std::size_t i) {
+    if (2 * (count_ + 1) > slots_.size()) grow();
+    const std::string_view id = buffers_[i].id;
+    const std::size_t hash = std::hash<std::string_view>{}(id);
+    for (std::size_t s = hash & (slots_.size() - 1);; s = (s + 1) & (slots_.size() - 1)) {
+      if (slots_[s].position == empty) {
+        slots_[s] = {hash, i};
+        ++count_;
+        return std::nullopt;
+      }
+      if (slots_[s].hash == hash && buffers_[slots_[s].position].id == id) return slots_[s].position;
+    }
+  }
+
+ private:
+  static constexpr std::size_t empty = ~std::size_t{0};
+  struct slot {
+    std::size_t hash = 0;
+    std::size_t position = empty;
+  };
+
+  void grow() {
+    std::vector<slot> old(slots_.size() * 2);
+    old.swap(slots_);
+    for (const slot& x : old) {
+      if (x.position == empty) continue;
+      std::size_t s = x.hash & (slots_.size() - 1);
+      while (slots_[s].position != empty) s = (s + 1) & (slots_.size() - 1);
+      slots_[s] = x;
+    }
+  }
+
+  const std::vector<core::buffer>& buffers_;
+  std::vector<slot> slots_;
+  std::size_t count_ = 0;
+};
 
 }  // namespace
 
@@ -86,7 +198,6 @@ std::string brief(std::string_view field) {
 }
 
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) {
-  std::string line;
   std::size_t line_number = 0;
   auto fail = [&](const std::string& what) -> trace_error {
     return trace_error(name + ":" + std::to_string(line_number) + ": " + what);
@@ -95,29 +206,32 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
   bool has_offset = false;
   bool header_seen = false;
   std::vector<core::buffer> buffers;
-  std::unordered_map<std::string, std::size_t> line_of_id;
+  std::vector<std::size_t> line_of;  // of each buffer, for the duplicate-id message
+  id_index ids(buffers);
+  line_reader lines(in, name);
+  std::string_view raw;
 
-  while (read_line(in, line, max_line_bytes, name, line_number + 1)) {
+  while (lines.next(raw, line_number + 1)) {
     ++line_number;
-    std::string_view text = trim(line);
+    std::string_view text = trim(raw);
     if (!header_seen && starts_with_byte_order_mark(text)) text = trim(text.substr(3));
     if (text.empty()) continue;
-    std::vector<std::string_view> fields = split(text);
-    for (auto& f : fields) f = trim(f);
+    const split_line split_text = split(text);
+    const auto& fields = split_text.fields;
     if (!header_seen) {
       header_seen = true;
-      const bool base = fields.size() >= 4 && fields[0] == "id" && fields[1] == "lower" &&
+      const bool base = split_text.count >= 4 && fields[0] == "id" && fields[1] == "lower" &&
                         fields[2] == "upper" && fields[3] == "size";
-      has_offset = fields.size() == 5 && fields[4] == "offset";
-      if (!base || (fields.size() != 4 && !has_offset)) {
+      has_offset = split_text.count == 5 && fields[4] == "offset";
+      if (!base || (split_text.count != 4 && !has_offset)) {
         throw fail("expected the header 'id,lower,upper,size' or 'id,lower,upper,size,offset'");
       }
       continue;
     }
     const std::size_t want = has_offset ? 5 : 4;
-    if (fields.size() != want) {
+    if (split_text.count != want) {
       const bool quoted = text.find('"') != std::string_view::npos;
-      throw fail("expected " + std::to_string(want) + " columns, found " + std::to_string(fields.size()) +
+      throw fail("expected " + std::to_string(want) + " columns, found " + std::to_string(split_text.count) +
                  (quoted ? " (quotes are not read: an id cannot hold a comma)" : ""));
     }
     static constexpr const char* column_names[] = {"id", "lower", "upper", "size", "offset"};
@@ -144,11 +258,12 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
       throw fail("lower " + std::to_string(b.lower) + " is not below upper " +
                  std::to_string(b.upper) + " (lifetimes are half-open)");
     }
-    if (const auto [it, inserted] = line_of_id.emplace(b.id, line_number); !inserted) {
-      throw fail("duplicate id " + brief(b.id) + " (first on line " + std::to_string(it->second) +
+    buffers.push_back(std::move(b));
+    line_of.push_back(line_number);
+    if (const auto first = ids.insert(buffers.size() - 1)) {
+      throw fail("duplicate id " + brief(buffers.back().id) + " (first on line " + std::to_string(line_of[*first]) +
                  ")");
     }
-    buffers.push_back(std::move(b));
   }
   if (in.bad()) throw fail("read error");
   if (!header_seen) throw trace_error(name + ":1: empty file: expected a header");

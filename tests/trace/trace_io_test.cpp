@@ -106,6 +106,49 @@ TEST(trace_io, empty_paths_and_paths_with_a_nul_byte_are_refused) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path), {}), 1);
 }
 
+// A trace of several MiB is read in blocks: lines that straddle a block boundary, a line of
+// exactly max_line_bytes there, a last line without '\n', and repeated ids found after the id
+// index has grown many times.
+TEST(trace_io, large_traces_read_across_blocks) {
+  constexpr std::size_t count = 150000;
+  std::string text = "id,lower,upper,size\n";
+  std::vector<core::buffer> want;
+  std::size_t long_line = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    core::buffer b{"t" + std::to_string(i), i, i + 1 + i % 97, (i * 7919) % 100003 + 1, std::nullopt};
+    std::string tail = "," + std::to_string(b.lower) + "," + std::to_string(b.upper) + "," + std::to_string(b.bytes);
+    // The first line that would end past 2 MiB is made exactly max_line_bytes long.
+    if (long_line == 0 && text.size() + max_line_bytes > (std::size_t{2} << 20)) {
+      b.id += std::string(max_line_bytes - b.id.size() - tail.size(), 'x');
+      long_line = want.size() + 2;
+    }
+    text += b.id + tail + (i + 1 < count ? (i % 5 == 0 ? "\r\n" : "\n") : "");
+    want.push_back(b);
+  }
+  ASSERT_GT(text.size(), std::size_t{3} << 20);
+  std::istringstream in(text);
+  const auto got = read_trace(in, "big.csv");
+  ASSERT_EQ(got.size(), count);
+  for (std::size_t i = 0; i < count; ++i) {
+    ASSERT_EQ(got[i].id, want[i].id) << i;
+    ASSERT_EQ(got[i].lower, want[i].lower) << i;
+    ASSERT_EQ(got[i].upper, want[i].upper) << i;
+    ASSERT_EQ(got[i].bytes, want[i].bytes) << i;
+  }
+  // That line was exactly max_line_bytes long and crossed the boundary.
+  const std::size_t start = text.find("\n" + want[long_line - 2].id) + 1;
+  EXPECT_EQ(text.find('\n', start) - start, max_line_bytes);
+  EXPECT_LT(start, std::size_t{2} << 20);
+  EXPECT_GT(start + max_line_bytes, std::size_t{2} << 20);
+  // One byte more on that line is refused, naming it.
+  std::string longer = text;
+  longer.insert(longer.find(std::string(64, 'x')), "x");
+  EXPECT_EQ(error_of(longer), "t.csv:" + std::to_string(long_line) + ": line longer than 65536 bytes");
+  // An id repeated far down the file names both lines.
+  EXPECT_EQ(error_of(text + "\nt4321,0,1,1\n"),
+            "t.csv:" + std::to_string(count + 2) + ": duplicate id 't4321' (first on line 4323)");
+}
+
 TEST(trace_io, round_trip) {
   std::vector<core::buffer> b = {{"x", 0, 2, 10, 0}, {"y", 1, 3, 20, 10}};
   std::ostringstream out;
