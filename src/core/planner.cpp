@@ -129,8 +129,9 @@ class planner_run {
     if (deadline_ != clock::time_point::max()) deadline_ = std::max(start_, deadline_ - first_cost_ / 2);
     // Then first fit in two orders: decreasing size weighted by contention (usually best on
     // large inputs: the buffers that meet the busiest sections are packed first), then the
-    // classic decreasing size. With two threads, either each pass is split across both (few
-    // buffers alive across the cut) or the two passes run at once, a thread each.
+    // classic decreasing size, or, where few buffers are alive across the median start (the
+    // split greedy pays), the first contention-guided round instead. With two threads, each
+    // pass is split across both there, and elsewhere the two passes run at once.
     if (done() || !worth_starting()) return;
     const char* names[2] = {"greedy size x contention^16 (equal keys by start) first-fit",
                             "greedy size (equal sizes by start) first-fit"};
@@ -147,12 +148,43 @@ class planner_run {
       };
       on_threads(2, work);
       placement_cost_ = clock::now() - t1;
+      start_guided_rounds(plans[0]);
       for (std::size_t which = 0; which < 2; ++which) offer(std::move(plans[which]), names[which]);
       return;
     }
-    offer(first_fit(order_of(0)), names[0]);
+    candidate_plan contention = first_fit(order_of(0));
     placement_cost_ = clock::now() - t1;
-    if (!done() && worth_starting()) offer(first_fit(order_of(1)), names[1]);
+    start_guided_rounds(contention);
+    offer(std::move(contention), names[0]);
+    if (done() || !worth_starting()) return;
+    if (!split_pays()) {
+      offer(first_fit(order_of(1)), names[1]);
+      return;
+    }
+    // Inputs large and spread in time (few buffers alive across the cut), where (synthetic
+    // family, 10^5 and 10^6 buffers) decreasing size never beat the contention order: the
+    // first contention-guided round instead. Decreasing size still runs among the classic
+    // orders. On one thread or two, the same passes in the same order.
+    candidate_plan guided = first_fit(guided_order());
+    std::string name = end_guided_round(guided);
+    offer(std::move(guided), std::move(name));
+  }
+
+  // The contention-guided rounds start from the contention order's plan: its buffers that
+  // ended above the lower bound are raised once (an empty plan, stopped by the deadline,
+  // raises none).
+  void start_guided_rounds(const candidate_plan& contention) {
+    guided_ = contention_key();
+    if (!contention.offsets.empty()) detail::raise_buffers_above(p_, contention.offsets, guided_);
+  }
+
+  std::vector<std::uint32_t> guided_order() const { return order_by(p_, guided_, tie_break::start); }
+
+  // After a guided round: raises the buffers that stuck out of its plan for the next round;
+  // returns the round's name. (Only one thread runs guided rounds.)
+  std::string end_guided_round(const candidate_plan& c) {
+    if (!c.offsets.empty()) detail::raise_buffers_above(p_, c.offsets, guided_);
+    return "contention-guided greedy (round " + std::to_string(++guided_rounds_) + ")";
   }
 
   // Whether first fit split across two threads pays: it waits at a barrier for every buffer
@@ -333,8 +365,9 @@ class planner_run {
 
   // Iterated greedy, two kinds of rounds taking turns: skylines in orders whose keys (size,
   // area, length) are multiplied by random log-normal factors, and contention-guided first
-  // fit ("squeaky wheel", detail::raise_buffers_above). Round `position` is a skyline when
-  // even, a guided round when odd; with two threads, one runs the skylines, the other the
+  // fit ("squeaky wheel", detail::raise_buffers_above; they go on from the contention
+  // order's plan and any guided round before). Round `position` is a skyline when even, a
+  // guided round when odd; with two threads, one runs the skylines, the other the
   // guided rounds. Each kind's rounds depend only on its earlier ones and on the seed, a
   // round at the lower bound stops the rounds after it, and of equal arenas the earlier
   // position is kept: a search that reaches the bound returns the same plan every time, on
@@ -348,7 +381,7 @@ class planner_run {
     std::array<std::atomic<std::uint64_t>, 2> current = {};
     std::array<std::atomic<bool>, 2> beaten = {};
     std::lognormal_distribution<double> noise(0.0, 0.15);
-    std::vector<double> guided = contention_key();
+    if (guided_.empty()) start_guided_rounds({});
     auto work = [&](std::size_t thread, std::size_t count) {
       std::optional<detail::occupancy_index> index;  // the guided rounds' when on a thread of their own
       for (std::uint64_t position = thread;; position += count) {
@@ -364,15 +397,13 @@ class planner_run {
           c = detail::place_skyline(p_, key, deadline_, &beaten[thread]);
           name = std::string("perturbed skyline ") + k.name;
         } else {
-          const auto order = order_by(p_, guided, tie_break::start);
           if (count == 1) {
-            c = first_fit(order);
+            c = first_fit(guided_order());
           } else {
             if (!index) index.emplace(p_.sections, p_.longest);
-            c = detail::place_in_order(p_, order, detail::fit::first, *index, deadline_);
+            c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
           }
-          if (!c.offsets.empty()) detail::raise_buffers_above(p_, c.offsets, guided);
-          name = "contention-guided greedy (round " + std::to_string(round + 1) + ")";
+          name = end_guided_round(c);
         }
         if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
           std::uint64_t seen = stop_at.load();
@@ -410,6 +441,8 @@ class planner_run {
   clock::duration first_cost_{};
   clock::duration placement_cost_{};  // the first greedy after the first plan, zero until it has run
   std::vector<double> contention_key_;  // see contention_key()
+  std::vector<double> guided_;          // the next guided round's keys (see start_guided_rounds)
+  std::uint64_t guided_rounds_ = 0;     // guided rounds run so far
   std::optional<bool> split_pays_;      // see split_pays()
   std::mutex offer_mutex_;
   int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
