@@ -65,13 +65,17 @@ inline constexpr std::size_t max_plan_buffers = (std::size_t{1} << 31) - 1;
 ///  0. First plan: the buffers replayed in time order through tlsf_allocator (one sort of
 ///     the lifetime events, then O(1) per event), so that a plan exists early at any scale.
 ///     The time limit counts from the call, set-up included.
-///  1. Greedy phase, within the time limit. Orders: decreasing size, decreasing lifetime length, decreasing area
-///     (size x length); each placed with best fit and with first fit among the gaps left by
-///     already placed buffers that overlap in time (the space above the highest counts as a
-///     gap); and decreasing size with equal sizes in order of start (first fit by start is
-///     the optimal colouring of equal-size intervals), first fit. That last one runs first,
-///     on two threads for large inputs; the six others then run in parallel; the smallest
-///     arena is kept.
+///  1. Greedy phase, within the time limit. First fit in decreasing size weighted by
+///     contention (size x (the most bytes alive in one section of the buffer's span / the
+///     lower bound)^16), then in decreasing size with equal sizes in order of start (first
+///     fit by start is the optimal colouring of equal-size intervals): the two at once on
+///     two threads; where under 1 % of the buffers live across the median start, each split
+///     across two threads instead (same offsets), and the second is the first
+///     contention-guided round (step 2) rather than decreasing size. Then, in parallel, six
+///     classic variants: decreasing size, lifetime length and area (size x length), each
+///     placed with best fit and with first fit among the gaps left by already placed
+///     buffers that overlap in time (the space above the highest counts as a gap). The
+///     smallest arena is kept.
 ///  2. Search phase, until the arena equals the lower bound or the time limit. First
 ///     "skyline" orders: buffers placed in increasing offset order, each time the buffer
 ///     whose lowest feasible offset is lowest (ties by size, length or area; their cost grows
@@ -79,7 +83,9 @@ inline constexpr std::size_t max_plan_buffers = (std::size_t{1} << 31) - 1;
 ///     of up to a few thousand time sections, a depth-first search over canonical solutions
 ///     (every buffer sits at offset 0 or on top of another; after MiniMalloc, Moffitt,
 ///     ASPLOS 2023) at a target capacity, with capacity pruning per time section and
-///     randomized restarts; for larger ones, iterated greedy over perturbed orders.
+///     randomized restarts; then iterated greedy: skylines in perturbed orders beside
+///     contention-guided first fit, whose rounds go on from the contention order's plan,
+///     each doubling the weight of the buffers that ended above the lower bound.
 /// Greedy phase: O(n log n + P log P) per order, P the number of conflicting pairs. The
 /// problem is NP-hard: the result is not guaranteed optimal unless it equals the lower bound.
 /// Throws std::invalid_argument for a non-power-of-two alignment, an empty lifetime, a time
