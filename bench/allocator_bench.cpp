@@ -158,11 +158,22 @@ run_result run_mix(const mix_workload& w) {
           a.peak()};
 }
 
+// One sample of a trace: replays, each by a new allocator (built outside the timed loop),
+// until they add up to 2 ms of allocator calls, so that a trace of a few hundred operations
+// (a few microseconds) is not one timer reading.
 template <class Allocator>
 run_result run_trace(const std::vector<core::buffer>& buffers) {
-  Allocator a(core::growing, 1);
-  const core::replay_result r = core::replay(buffers, a);
-  return {r.seconds * 1e9 / static_cast<double>(r.operations), r.high_water};
+  double seconds = 0;
+  std::size_t operations = 0;
+  std::uint64_t high_water = 0;
+  do {
+    Allocator a(core::growing, 1);
+    const core::replay_result r = core::replay(buffers, a);
+    seconds += r.seconds;
+    operations += r.operations;
+    high_water = r.high_water;
+  } while (seconds < 2e-3);
+  return {seconds * 1e9 / static_cast<double>(operations), high_water};
 }
 
 template <class Allocator>
