@@ -51,7 +51,8 @@ split_line split(std::string_view line) {
 // next call). A line longer than max_line_bytes is an error, never buffered whole.
 class line_reader {
  public:
-  line_reader(std::istream& in, const std::string& name) : in_(in), name_(name) {}
+  line_reader(std::istream& in, const std::string& name)
+      : in_(in), name_(name), block_(max_line_bytes + read_size) {}
 
   // The next line without its '\n'; false at the end of input. `line_number` names the
   // line in an error.
@@ -72,12 +73,11 @@ class line_reader {
         begin_ = end_;
         return true;
       }
-      // Keep the partial line, at the front, and read more behind it.
+      // Keep the partial line (at most max_line_bytes), at the front, and read more behind it.
       const std::size_t partial = end_ - begin_;
       std::memmove(block_.data(), block_.data() + begin_, partial);
       begin_ = 0;
       end_ = scanned = partial;
-      block_.resize(partial + read_size);
       const std::streamsize got = in_.rdbuf()->sgetn(block_.data() + end_, static_cast<std::streamsize>(read_size));
       if (got <= 0) {
         at_end_ = true;
