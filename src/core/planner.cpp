@@ -281,7 +281,10 @@ class planner_run {
         offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
       }
     };
-    on_threads(std::min(threads(), keys.size()), work);
+    // Large inputs spread in time (the split greedy pays) go straight to the guided rounds:
+    // there a skyline costs as much as two or three of them (synthetic family, 10^5 buffers:
+    // 1.09 x the lower bound, against 1.02-1.04 for the rounds).
+    if (!split_pays()) on_threads(std::min(threads(), keys.size()), work);
     if (done()) return best_;
     if (p_.sections <= 4096) canonical_phase();
     if (!done()) perturbation_phase();
@@ -363,7 +366,9 @@ class planner_run {
     }
   }
 
-  // Iterated greedy, two kinds of rounds taking turns: skylines in orders whose keys (size,
+  // Iterated greedy. Where the split greedy pays (large inputs spread in time), guided
+  // rounds only, one after the other, each split across the threads. Elsewhere two kinds
+  // of rounds take turns: skylines in orders whose keys (size,
   // area, length) are multiplied by random log-normal factors, and contention-guided first
   // fit ("squeaky wheel", detail::raise_buffers_above; they go on from the contention
   // order's plan and any guided round before). Round `position` is a skyline when even, a
@@ -374,6 +379,18 @@ class planner_run {
   // one thread or two.
   void perturbation_phase() {
     if (!worth_starting()) return;
+    if (guided_.empty()) start_guided_rounds({});
+    if (split_pays()) {
+      // Synthetic family, 10^5 buffers, seeds 1-8, 10 s: half of the plans smaller, none
+      // larger (docs/BENCHMARKS.md).
+      while (!done() && worth_starting()) {
+        candidate_plan c = first_fit(guided_order());
+        std::string name = end_guided_round(c);
+        offer(std::move(c), std::move(name));
+        report("perturbed greedy");
+      }
+      return;
+    }
     constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
     std::atomic<std::uint64_t> stop_at{none};
     // Each thread's round in progress, and whether a round before it reached the bound (a
@@ -381,7 +398,6 @@ class planner_run {
     std::array<std::atomic<std::uint64_t>, 2> current = {};
     std::array<std::atomic<bool>, 2> beaten = {};
     std::lognormal_distribution<double> noise(0.0, 0.15);
-    if (guided_.empty()) start_guided_rounds({});
     auto work = [&](std::size_t thread, std::size_t count) {
       std::optional<detail::occupancy_index> index;  // the guided rounds' when on a thread of their own
       for (std::uint64_t position = thread;; position += count) {
