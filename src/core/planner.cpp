@@ -281,10 +281,7 @@ class planner_run {
         offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
       }
     };
-    // Large inputs spread in time (the split greedy pays) go straight to the guided rounds:
-    // there a skyline costs as much as two or three of them (synthetic family, 10^5 buffers:
-    // 1.09 x the lower bound, against 1.02-1.04 for the rounds).
-    if (!split_pays()) on_threads(std::min(threads(), keys.size()), work);
+    on_threads(std::min(threads(), keys.size()), work);
     if (done()) return best_;
     if (p_.sections <= 4096) canonical_phase();
     if (!done()) perturbation_phase();
@@ -381,8 +378,9 @@ class planner_run {
     if (!worth_starting()) return;
     if (guided_.empty()) start_guided_rounds({});
     if (split_pays()) {
-      // Synthetic family, 10^5 buffers, seeds 1-8, 10 s: half of the plans smaller, none
-      // larger (docs/BENCHMARKS.md).
+      // There the perturbed skylines cost two or three rounds each and never came near them
+      // (synthetic family, 10^5 buffers: 1.09 x against 1.02-1.04; traces repeated in time
+      // as a series of copies: no better than the plain skylines before them).
       while (!done() && worth_starting()) {
         candidate_plan c = first_fit(guided_order());
         std::string name = end_guided_round(c);

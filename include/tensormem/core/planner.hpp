@@ -87,7 +87,7 @@ inline constexpr std::size_t max_plan_buffers = (std::size_t{1} << 31) - 1;
 ///     contention-guided first fit, whose rounds go on from the contention order's plan,
 ///     each doubling the weight of the buffers that ended above the lower bound. Where the
 ///     split greedy pays (under 1 % of the buffers across the median start, 20,000 or more),
-///     no skylines: the guided rounds alone, each split across two threads.
+///     no perturbed skylines: the guided rounds alone, each split across two threads.
 /// Greedy phase: O(n log n + P log P) per order, P the number of conflicting pairs. The
 /// problem is NP-hard: the result is not guaranteed optimal unless it equals the lower bound.
 /// Throws std::invalid_argument for a non-power-of-two alignment, an empty lifetime, a time
