@@ -41,10 +41,6 @@ std::uint64_t peak_rss_bytes() {
   return static_cast<std::uint64_t>(u.ru_maxrss) * 1024;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 void run_plan(plan_cli_options o) {
   // --time-limit is the budget of reading and planning together: the planner gets what
   // reading the trace left of it (its first plan always completes).

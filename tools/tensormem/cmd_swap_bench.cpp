@@ -50,10 +50,6 @@ double compute(std::uint64_t iterations) {
   return x;
 }
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // The longest --overlap compute loop (the loop's calibrated iteration count stays far from
 // 2^64 below it).
 constexpr double most_overlap_seconds = 86400;

@@ -1,6 +1,7 @@
 #pragma once
 // Formatting helpers shared by the sub-commands.
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -13,5 +14,9 @@ std::string human_bytes(std::uint64_t bytes);
 std::string ratio_text(std::uint64_t high, std::uint64_t low);
 /// high / low: 1 when both are zero, infinity when only low is.
 double ratio_of(std::uint64_t high, std::uint64_t low);
+/// Seconds of the steady clock since `start`.
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 }  // namespace tensormem::cli
