@@ -165,9 +165,7 @@ class planner_run {
     // family, 10^5 and 10^6 buffers) decreasing size never beat the contention order: the
     // first contention-guided round instead. Decreasing size still runs among the classic
     // orders. On one thread or two, the same passes in the same order.
-    candidate_plan guided = first_fit(guided_order());
-    std::string name = end_guided_round(guided);
-    offer(std::move(guided), std::move(name));
+    guided_round();
   }
 
   // The contention-guided rounds start from the contention order's plan: its buffers that
@@ -179,6 +177,13 @@ class planner_run {
   }
 
   std::vector<std::uint32_t> guided_order() const { return order_by(p_, guided_, tie_break::start); }
+
+  // One guided round by first fit (split across the threads where that pays), offered.
+  void guided_round() {
+    candidate_plan c = first_fit(guided_order());
+    std::string name = end_guided_round(c);
+    offer(std::move(c), std::move(name));
+  }
 
   // After a guided round: raises the buffers that stuck out of its plan for the next round;
   // returns the round's name. (Only one thread runs guided rounds.)
@@ -382,9 +387,7 @@ class planner_run {
       // (synthetic family, 10^5 buffers: 1.09 x against 1.02-1.04; traces repeated in time
       // as a series of copies: no better than the plain skylines before them).
       while (!done() && worth_starting()) {
-        candidate_plan c = first_fit(guided_order());
-        std::string name = end_guided_round(c);
-        offer(std::move(c), std::move(name));
+        guided_round();
         report("perturbed greedy");
       }
       return;
