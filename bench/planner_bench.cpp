@@ -5,6 +5,7 @@
 //   build/bin/planner_bench --benchmark_filter=scale     # synthetic family, 10^5 and 10^6 buffers
 //   build/bin/planner_bench --benchmark_filter=placement # one greedy pass, one thread, 10^5 buffers
 //   build/bin/planner_bench --benchmark_filter=read      # a 10^6-line trace read from memory
+//   build/bin/planner_bench --benchmark_filter='validate|T=0/'  # validation; set-up and first plan
 //
 // Counters: seconds (wall time of one plan), first_plan / best_plan (when the first complete
 // plan and the returned one were found), ratio (arena / lower bound).
@@ -104,6 +105,26 @@ void bm_read(benchmark::State& state, std::size_t n) {
   }
 }
 
+// The validation of a plan of the synthetic family (seed 1; the first plan, from a plan with
+// no time left): what `tensormem plan` spends after planning (counter: seconds).
+void bm_validate(benchmark::State& state, std::size_t n) {
+  const std::vector<core::buffer> buffers = core::synthetic_lifetimes(n, 1);
+  core::plan_options o;
+  o.time_limit_seconds = 0;
+  const core::plan_result r = core::plan(buffers, o);
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    const std::string problem = core::validate(buffers, r.offsets, r.arena_bytes);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!problem.empty()) {
+      state.SkipWithError("invalid plan");
+      return;
+    }
+    state.SetIterationTime(seconds);
+    state.counters["seconds"] = seconds;
+  }
+}
+
 void register_all() {
   struct entry {
     const char* file;
@@ -133,8 +154,10 @@ void register_all() {
   }
   benchmark::RegisterBenchmark("read/1000000", bm_read, std::size_t{1'000'000})
       ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("validate/1000000", bm_validate, std::size_t{1'000'000})
+      ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
   for (const std::size_t n : {std::size_t{100'000}, std::size_t{1'000'000}}) {
-    for (const double t : {1.0, 10.0}) {
+    for (const double t : {0.0, 1.0, 10.0}) {
       benchmark::RegisterBenchmark(("scale/" + std::to_string(n) + "/T=" + std::to_string(static_cast<int>(t))).c_str(),
                                    bm_scale, n, t)
           ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);

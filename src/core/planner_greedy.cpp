@@ -34,16 +34,17 @@ plan_problem make_problem(std::span<const buffer> buffers, std::uint64_t alignme
   p.lo.resize(n);
   p.hi.resize(n);
   // One sort of the lifetime events serves the sections, the lower bound and the first
-  // plan's replay: (time, ends before starts, buffer index).
+  // plan's replay: by time, then ends before starts, then by buffer index (the order in
+  // which they are laid out here, which the stable sort keeps).
   std::vector<std::pair<std::uint64_t, std::uint32_t>> events(2 * n);
   for (std::uint32_t i = 0; i < n; ++i) {
     const buffer& b = buffers[i];
     p.bytes[i] = align_up(b.bytes, alignment).value_or(b.bytes);
     p.length[i] = b.upper - b.lower;
-    events[2 * i] = {b.lower, i | plan_problem::start_event};
-    events[2 * i + 1] = {b.upper, i};
+    events[i] = {b.upper, i};
+    events[n + i] = {b.lower, i | plan_problem::start_event};
   }
-  sort_on_two_threads(events);
+  stable_sort_by_time(events);
   p.events.resize(2 * n);
   std::uint32_t section = 0;
   std::uint64_t live = 0;

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel_sort.hpp"
 #include "planner_detail.hpp"
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/core/planner.hpp"
@@ -714,6 +715,34 @@ TEST(validate, finds_every_kind_of_fault) {
             std::string::npos);
 }
 
+// The events' radix sort against std::stable_sort by time: times spread over a few values
+// (one pass, others skipped), over 2^20 (two passes), over the whole 64 bits (six), a span
+// near 2^64 that starts high, all equal; sizes on both sides of the small-input cut.
+TEST(event_sort, equals_a_stable_sort_by_time) {
+  std::mt19937_64 rng(17);
+  using event = std::pair<std::uint64_t, std::uint32_t>;
+  const std::uint64_t top = std::numeric_limits<std::uint64_t>::max();
+  const std::vector<std::function<std::uint64_t()>> times = {
+      [&] { return rng() % 7; },
+      [&] { return rng() % (std::uint64_t{1} << 20); },
+      [&] { return rng(); },
+      [&] { return top - rng() % 5000; },
+      [&] { return (std::uint64_t{1} << 40) + (rng() % 3) * (std::uint64_t{1} << 33); },
+      [&] { return std::uint64_t{12345}; },
+  };
+  for (const std::size_t n : {0UL, 1UL, 1023UL, 1024UL, 5000UL, 100'000UL}) {
+    for (std::size_t kind = 0; kind < times.size(); ++kind) {
+      std::vector<event> v(n);
+      for (std::uint32_t i = 0; i < n; ++i) v[i] = {times[kind](), i};
+      std::vector<event> expected = v;
+      std::stable_sort(expected.begin(), expected.end(),
+                       [](const event& a, const event& b) { return a.first < b.first; });
+      detail::stable_sort_by_time(v);
+      ASSERT_EQ(v, expected) << n << " events, times of kind " << kind;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tensormem::core
 
@@ -752,6 +781,28 @@ TEST(planner_scale, a_short_limit_still_returns_a_valid_plan) {
   EXPECT_LE(r.first_plan_seconds, r.best_plan_seconds);
   EXPECT_LE(r.best_plan_seconds, r.seconds);
   EXPECT_FALSE(r.strategy.empty());
+}
+
+// A reserve after the plan moves the later phases' deadline earlier: one larger than the
+// whole limit leaves the first plan alone; none lets the greedy phase improve on it. Bad
+// reserves are refused.
+TEST(planner_scale, a_reserve_after_the_plan_comes_out_of_the_limit) {
+  const auto b = synthetic_lifetimes(10'000, 3);
+  plan_options o;
+  o.time_limit_seconds = 30;
+  o.search = false;
+  o.reserve_first_plan_costs = 1e9;
+  const plan_result reserved = plan(b, o);
+  EXPECT_EQ(reserved.strategy, "online O(1) allocator");
+  EXPECT_EQ(validate(b, reserved.offsets, reserved.arena_bytes), "");
+  o.reserve_first_plan_costs = 0;
+  const plan_result whole = plan(b, o);
+  EXPECT_NE(whole.strategy, "online O(1) allocator");
+  EXPECT_LT(whole.arena_bytes, reserved.arena_bytes);
+  for (const double bad : {-1.0, std::numeric_limits<double>::quiet_NaN()}) {
+    o.reserve_first_plan_costs = bad;
+    EXPECT_THROW(plan(b, o), std::invalid_argument);
+  }
 }
 
 }  // namespace

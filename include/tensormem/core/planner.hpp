@@ -26,6 +26,11 @@ struct plan_options {
   /// order, O(n log n)) is always completed; every later phase checks the deadline as it goes
   /// and the best valid plan found by then is returned.
   double time_limit_seconds = 10.0;
+  /// Time the caller needs after the plan within the same budget, counted in costs of the
+  /// first plan (one sort and one replay of the lifetime events): the phases after the first
+  /// plan aim at a deadline earlier by that much. `tensormem plan` validates each plan (one
+  /// sort and one sweep of the same events) and reserves 1. Must be a number >= 0.
+  double reserve_first_plan_costs = 0.0;
   /// Every size is rounded up to this power of two and every offset is a multiple of it.
   std::uint64_t alignment = 1;
   /// Seed of the randomized search. Given the same seed, the plan is the same whenever the
