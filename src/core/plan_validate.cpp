@@ -4,7 +4,7 @@
 #include <map>
 #include <utility>
 
-#include "parallel_sort.hpp"
+#include "event_sort.hpp"
 #include "tensormem/core/align.hpp"
 #include "tensormem/core/planner.hpp"
 

@@ -141,9 +141,11 @@ class planner_run {
     // at a deadline earlier by half the first plan's cost (negligible on small inputs), and
     // by what the caller reserved for its own work after the plan.
     if (deadline_ != clock::time_point::max()) {
-      const auto early = std::chrono::duration_cast<clock::duration>(
-          first_cost_ * (0.5 + std::min(o_.reserve_first_plan_costs, 1e6)));
-      deadline_ = deadline_ - start_ > early ? deadline_ - early : start_;
+      using seconds = std::chrono::duration<double>;
+      const double early = seconds(first_cost_).count() * (0.5 + o_.reserve_first_plan_costs);
+      deadline_ = early < seconds(deadline_ - start_).count()
+                      ? deadline_ - std::chrono::duration_cast<clock::duration>(seconds(early))
+                      : start_;
     }
     // Then first fit in two orders: decreasing size weighted by contention (usually best on
     // large inputs: the buffers that meet the busiest sections are packed first), then the

@@ -15,7 +15,7 @@
 #include <tuple>
 #include <utility>
 
-#include "parallel_sort.hpp"
+#include "event_sort.hpp"
 #include "planner_detail.hpp"
 #include "tensormem/core/planner.hpp"
 #include "tensormem/core/align.hpp"

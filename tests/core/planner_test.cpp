@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "parallel_sort.hpp"
+#include "event_sort.hpp"
 #include "planner_detail.hpp"
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/core/planner.hpp"
@@ -791,10 +791,13 @@ TEST(planner_scale, a_reserve_after_the_plan_comes_out_of_the_limit) {
   plan_options o;
   o.time_limit_seconds = 30;
   o.search = false;
-  o.reserve_first_plan_costs = 1e9;
-  const plan_result reserved = plan(b, o);
-  EXPECT_EQ(reserved.strategy, "online O(1) allocator");
-  EXPECT_EQ(validate(b, reserved.offsets, reserved.arena_bytes), "");
+  plan_result reserved;
+  for (const double all : {1e9, std::numeric_limits<double>::infinity()}) {
+    o.reserve_first_plan_costs = all;
+    reserved = plan(b, o);
+    EXPECT_EQ(reserved.strategy, "online O(1) allocator");
+    EXPECT_EQ(validate(b, reserved.offsets, reserved.arena_bytes), "");
+  }
   o.reserve_first_plan_costs = 0;
   const plan_result whole = plan(b, o);
   EXPECT_NE(whole.strategy, "online O(1) allocator");

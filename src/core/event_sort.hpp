@@ -5,7 +5,6 @@
 #include <array>
 #include <bit>
 #include <cstdint>
-#include <memory>
 #include <utility>
 #include <vector>
 
