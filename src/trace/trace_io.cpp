@@ -112,11 +112,17 @@ class id_index {
  public:
   explicit id_index(const std::vector<core::buffer>& buffers) : buffers_(buffers), slots_(1024) {}
 
-  // Adds buffers_[i]; returns the position of an earlier buffer with the same id, if any.
-  std::optional<std::size_t> insert(std::size_t i) {
+  static std::size_t hash_of(std::string_view id) { return std::hash<std::string_view>{}(id); }
+
+  // Starts fetching the slot where an id of this hash is looked up (a table of a million ids
+  // does not fit in the caches: a miss per line otherwise).
+  void prefetch(std::size_t hash) const noexcept { __builtin_prefetch(&slots_[hash & (slots_.size() - 1)]); }
+
+  // Adds buffers_[i], whose id hashes to `hash`; returns the position of an earlier buffer
+  // with the same id, if any.
+  std::optional<std::size_t> insert(std::size_t i, std::size_t hash) {
     if (2 * (count_ + 1) > slots_.size()) grow();
     const std::string_view id = buffers_[i].id;
-    const std::size_t hash = std::hash<std::string_view>{}(id);
     for (std::size_t s = hash & (slots_.size() - 1);; s = (s + 1) & (slots_.size() - 1)) {
       if (slots_[s].position == empty) {
         slots_[s] = {hash, i};
@@ -199,19 +205,42 @@ std::string brief(std::string_view field) {
 
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) {
   std::size_t line_number = 0;
-  auto fail = [&](const std::string& what) -> trace_error {
-    return trace_error(name + ":" + std::to_string(line_number) + ": " + what);
-  };
 
   bool has_offset = false;
   bool header_seen = false;
   std::vector<core::buffer> buffers;
   std::vector<std::size_t> line_of;  // of each buffer, for the duplicate-id message
   id_index ids(buffers);
+  // The ids of the last buffers read go into the index a few lines late, their slots fetched
+  // meanwhile. Every error first adds them, in order, so that a repeated id on an earlier
+  // line is the error reported, as if each id had been added at once.
+  constexpr std::size_t batch = 16;
+  std::array<std::size_t, batch> hashes{};
+  std::size_t waiting = 0;  // the last `waiting` buffers are not in the index yet
+  auto add_waiting = [&] {
+    const std::size_t first = buffers.size() - waiting;
+    for (std::size_t k = 0; k < waiting; ++k) {
+      if (const auto earlier = ids.insert(first + k, hashes[k])) {
+        throw trace_error(name + ":" + std::to_string(line_of[first + k]) + ": duplicate id " +
+                          brief(buffers[first + k].id) + " (first on line " + std::to_string(line_of[*earlier]) + ")");
+      }
+    }
+    waiting = 0;
+  };
+  auto fail = [&](const std::string& what) -> trace_error {
+    add_waiting();
+    return trace_error(name + ":" + std::to_string(line_number) + ": " + what);
+  };
   line_reader lines(in, name);
   std::string_view raw;
 
-  while (lines.next(raw, line_number + 1)) {
+  for (;;) {
+    try {
+      if (!lines.next(raw, line_number + 1)) break;
+    } catch (const trace_error&) {
+      add_waiting();
+      throw;
+    }
     ++line_number;
     std::string_view text = trim(raw);
     if (!header_seen && starts_with_byte_order_mark(text)) text = trim(text.substr(3));
@@ -260,11 +289,11 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
     }
     buffers.push_back(std::move(b));
     line_of.push_back(line_number);
-    if (const auto first = ids.insert(buffers.size() - 1)) {
-      throw fail("duplicate id " + brief(buffers.back().id) + " (first on line " + std::to_string(line_of[*first]) +
-                 ")");
-    }
+    hashes[waiting] = id_index::hash_of(buffers.back().id);
+    ids.prefetch(hashes[waiting]);
+    if (++waiting == batch) add_waiting();
   }
+  add_waiting();
   if (in.bad()) throw fail("read error");
   if (!header_seen) throw trace_error(name + ":1: empty file: expected a header");
   if (buffers.empty()) throw fail("no buffers after the header");

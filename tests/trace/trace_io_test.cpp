@@ -70,6 +70,35 @@ TEST(trace_io, malformed_input_names_file_and_line) {
             "t.csv:2: expected 5 columns, found 4");
 }
 
+// The first error in file order is the one reported, whatever it is: a repeated id on line d
+// (of the id on line 2) against a bad field or a line too long on line e, for every d and e
+// up to 50 (the reader adds ids to its index a few lines late).
+TEST(trace_io, the_first_error_in_file_order_wins) {
+  const std::string too_long(max_line_bytes + 1, 'x');
+  for (std::size_t d = 3; d <= 50; ++d) {
+    for (std::size_t e = 2; e <= 51; ++e) {
+      if (e == d) continue;
+      for (const bool long_line : {false, true}) {
+        std::string text = "id,lower,upper,size\n";
+        for (std::size_t line = 2; line <= 52; ++line) {
+          if (line == e) text += long_line ? too_long + "\n" : "b" + std::to_string(line) + ",0,1,x\n";
+          else if (line == d) text += "b2,0,1,1\n";
+          else text += "b" + std::to_string(line) + ",0,1,1\n";
+        }
+        const std::string expected =
+            d < e ? "t.csv:" + std::to_string(d) + ": duplicate id 'b2' (first on line 2)"
+                  : "t.csv:" + std::to_string(e) + (long_line ? ": line longer than 65536 bytes"
+                                                                : ": size is not an unsigned integer: 'x'");
+        ASSERT_EQ(error_of(text), expected) << "repeat on line " << d << ", bad line " << e;
+      }
+    }
+    // The repeat alone, on any line, also the last.
+    std::string text = "id,lower,upper,size\n";
+    for (std::size_t line = 2; line <= d; ++line) text += "b" + std::to_string(line == d ? 2 : line) + ",0,1,1\n";
+    ASSERT_EQ(error_of(text), "t.csv:" + std::to_string(d) + ": duplicate id 'b2' (first on line 2)") << d;
+  }
+}
+
 TEST(trace_io, missing_file_is_named) {
   try {
     read_trace(std::string("/nonexistent/trace.csv"));
