@@ -485,6 +485,14 @@ class planner_run {
   int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
 };
 
+// Refuses a negative or NaN option: invalid_argument naming its value between two parts.
+void require_at_least_zero(double value, const char* before, const char* after) {
+  if (value >= 0) return;
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", value);
+  throw std::invalid_argument(std::string(before) + text + after);
+}
+
 }  // namespace
 
 plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
@@ -492,16 +500,8 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
     throw std::invalid_argument("plan: alignment " + std::to_string(options.alignment) +
                                 " is not a power of two");
   }
-  if (!(options.time_limit_seconds >= 0)) {  // also NaN
-    char value[32];
-    std::snprintf(value, sizeof value, "%g", options.time_limit_seconds);
-    throw std::invalid_argument(std::string("plan: time limit ") + value + " s is not a number of seconds >= 0");
-  }
-  if (!(options.reserve_first_plan_costs >= 0)) {  // also NaN
-    char value[32];
-    std::snprintf(value, sizeof value, "%g", options.reserve_first_plan_costs);
-    throw std::invalid_argument(std::string("plan: reserve of ") + value + " first-plan costs is not a number >= 0");
-  }
+  require_at_least_zero(options.time_limit_seconds, "plan: time limit ", " s is not a number of seconds >= 0");
+  require_at_least_zero(options.reserve_first_plan_costs, "plan: reserve of ", " first-plan costs is not a number >= 0");
   // Every strategy places a buffer at or below the sum of the sizes of the others, so a
   // total that fits in 64 bits keeps every offset and end representable.
   std::uint64_t total = 0;

@@ -217,19 +217,22 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
   constexpr std::size_t batch = 16;
   std::array<std::size_t, batch> hashes{};
   std::size_t waiting = 0;  // the last `waiting` buffers are not in the index yet
+  auto error_at = [&](std::size_t line, const std::string& what) {
+    return trace_error(name + ":" + std::to_string(line) + ": " + what);
+  };
   auto add_waiting = [&] {
     const std::size_t first = buffers.size() - waiting;
     for (std::size_t k = 0; k < waiting; ++k) {
       if (const auto earlier = ids.insert(first + k, hashes[k])) {
-        throw trace_error(name + ":" + std::to_string(line_of[first + k]) + ": duplicate id " +
-                          brief(buffers[first + k].id) + " (first on line " + std::to_string(line_of[*earlier]) + ")");
+        throw error_at(line_of[first + k], "duplicate id " + brief(buffers[first + k].id) + " (first on line " +
+                                               std::to_string(line_of[*earlier]) + ")");
       }
     }
     waiting = 0;
   };
-  auto fail = [&](const std::string& what) -> trace_error {
+  auto fail = [&](const std::string& what) {
     add_waiting();
-    return trace_error(name + ":" + std::to_string(line_number) + ": " + what);
+    return error_at(line_number, what);
   };
   line_reader lines(in, name);
   std::string_view raw;
