@@ -105,11 +105,19 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
   const std::uint64_t bytes = nodes_[n].bytes;
   if (const std::uint64_t units = bytes >> unit_shift_; units < exact_limit_) {
     const auto u = static_cast<std::uint32_t>(units);
-    if (push_front(exact_heads_[u], n)) {  // the list was empty: its bit and those above may be clear
-      exact_bits_[u >> 6U] |= std::uint64_t{1} << (u & 63U);
-      exact_mid_[u >> 12U] |= std::uint64_t{1} << ((u >> 6U) & 63U);
-      exact_top_ |= std::uint64_t{1} << (u >> 12U);
+    std::uint64_t& word = exact_bits_[u >> 6U];
+    const std::uint64_t bit = std::uint64_t{1} << (u & 63U);
+    if ((word & bit) != 0) {
+      push_front(exact_heads_[u], n);
+      return;
     }
+    // An empty list: its head is written, never read (most heads are empty and out of cache,
+    // and the bitmap word, read anyway, already says so), and its bit and those above set.
+    nodes_[n].prev_bin = nodes_[n].next_bin = none;
+    exact_heads_[u] = n;
+    word |= bit;
+    exact_mid_[u >> 12U] |= std::uint64_t{1} << ((u >> 6U) & 63U);
+    exact_top_ |= std::uint64_t{1} << (u >> 12U);
     return;
   }
   const unsigned cls = floor_class(bytes);
