@@ -74,15 +74,13 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::lowest_in_exact(std::uint32_t
   return best;
 }
 
-// Links node n at the front of the list that starts at `head`; true if the list was empty.
-TENSORMEM_HOT_INLINE bool tlsf_allocator::push_front(std::uint32_t& head, std::uint32_t n) noexcept {
+// Links node n at the front of the list that starts at `head`.
+TENSORMEM_HOT_INLINE void tlsf_allocator::push_front(std::uint32_t& head, std::uint32_t n) noexcept {
   node& x = nodes_[n];
   x.prev_bin = none;
   x.next_bin = head;
   head = n;
-  if (x.next_bin == none) return true;
-  nodes_[x.next_bin].prev_bin = n;
-  return false;
+  if (x.next_bin != none) nodes_[x.next_bin].prev_bin = n;
 }
 
 // Unlinks node n from the list that starts at `head`; true if the list is now empty. The
