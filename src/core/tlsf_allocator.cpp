@@ -11,6 +11,15 @@ namespace tensormem::core {
 // several of them out of line, which costs a call per helper on every operation.
 #define TENSORMEM_HOT_INLINE [[gnu::always_inline]] inline
 
+namespace {
+// a if c else b, and all ones if c else zero, computed without a branch (GCC turns `c ? a : b`
+// into a branch here).
+[[gnu::always_inline]] inline std::uint32_t select(bool c, std::uint32_t a, std::uint32_t b) noexcept {
+  return b ^ ((a ^ b) & (0U - static_cast<std::uint32_t>(c)));
+}
+[[gnu::always_inline]] inline std::uint64_t mask64(bool c) noexcept { return 0ULL - static_cast<std::uint64_t>(c); }
+}  // namespace
+
 tlsf_allocator::tlsf_allocator(std::uint64_t capacity, std::uint64_t alignment)
     : block_chain_allocator(capacity, alignment, "tlsf_allocator") {
   unit_shift_ = static_cast<unsigned>(std::countr_zero(alignment));
@@ -64,14 +73,23 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::exact_at_or_above(std::uint64
   return (w << 6U) | static_cast<std::uint32_t>(std::countr_zero(exact_bits_[w]));
 }
 
-// The lowest offset among the first exact_scan blocks of a non-empty exact list.
-TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::lowest_in_exact(std::uint32_t units) const noexcept {
-  std::uint32_t best = exact_heads_[units];
-  unsigned steps = 1;
-  for (std::uint32_t n = nodes_[best].next_bin; n != none && steps < exact_scan; n = nodes_[n].next_bin, ++steps) {
-    if (nodes_[n].offset < nodes_[best].offset) best = n;
-  }
-  return best;
+// Takes the head of a non-empty exact list. Whether the list empties is a coin toss on
+// mixed sizes, so it selects by masks instead of branching: a missing next node's link is
+// written to n itself, and the bitmap bits are cleared by masks that are zero unless the
+// list (then its word, then its mid word) became empty.
+TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::pop_exact(std::uint32_t u) noexcept {
+  const std::uint32_t n = exact_heads_[u];
+  const std::uint32_t next = nodes_[n].next_bin;
+  exact_heads_[u] = next;
+  nodes_[n].next_bin = none;
+  nodes_[select(next == none, n, next)].prev_bin = none;
+  const std::uint64_t emptied = mask64(next == none);
+  std::uint64_t& word = exact_bits_[u >> 6U];
+  word &= ~((std::uint64_t{1} << (u & 63U)) & emptied);
+  std::uint64_t& mid = exact_mid_[u >> 12U];
+  mid &= ~((std::uint64_t{1} << ((u >> 6U) & 63U)) & mask64(word == 0));
+  exact_top_ &= ~((std::uint64_t{1} << (u >> 12U)) & mask64(mid == 0));
+  return n;
 }
 
 // Links node n at the front of the list that starts at `head`.
@@ -106,7 +124,19 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
     std::uint64_t& word = exact_bits_[u >> 6U];
     const std::uint64_t bit = std::uint64_t{1} << (u & 63U);
     if ((word & bit) != 0) {
-      push_front(exact_heads_[u], n);
+      // Of the new block and the head, the lower offset goes first and the other second
+      // (selected by masks: which is lower is a coin toss).
+      const std::uint32_t h = exact_heads_[u];
+      const std::uint32_t second = nodes_[h].next_bin;
+      const bool lower = nodes_[n].offset < nodes_[h].offset;
+      const std::uint32_t a = select(lower, n, h);
+      const std::uint32_t b = select(lower, h, n);
+      exact_heads_[u] = a;
+      nodes_[a].prev_bin = none;
+      nodes_[a].next_bin = b;
+      nodes_[b].next_bin = second;
+      nodes_[select(second == none, b, second)].prev_bin = b;  // (b's own, if none follows)
+      nodes_[b].prev_bin = a;
       return;
     }
     // An empty list: its head is written, never read (most heads are empty and out of cache,
@@ -189,9 +219,11 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   reserve_nodes(2);
 
   std::uint32_t n = none;
+  bool listed = true;  // n is still in its free list
   if (const std::uint64_t units = need >> unit_shift_; units < exact_units) {
     if (const std::uint32_t u = exact_at_or_above(units); u != none) {
-      n = lowest_in_exact(u);
+      n = pop_exact(u);
+      listed = false;
     } else if (const std::uint32_t cls = first_bin_at_or_above(class_of_units(exact_units)); cls != none) {
       n = best_in_bin(cls, need);  // every listed block holds exact_units or more
     }
@@ -212,7 +244,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   }
 
   if (n != none) {
-    bin_remove(n);
+    if (listed) bin_remove(n);
     if (nodes_[n].bytes > need) {
       const std::uint32_t r = new_node();
       nodes_[r].offset = nodes_[n].offset + need;

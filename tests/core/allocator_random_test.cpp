@@ -219,9 +219,10 @@ TEST(allocator_random, tlsf_is_consistent_fixed_capacity) {
 }
 
 /// tlsf_allocator's documented policy written plainly (alignment 1: a unit is a byte): one
-/// LIFO list per size below exact_units and one per size class above (front = most recently
-/// freed). A request below exact_units takes the smallest listed size that holds it (the lower
-/// offset of the first exact_scan blocks of that size), else a block of the first non-empty
+/// list per size below exact_units and one LIFO list per size class above (front = most
+/// recently freed). A block joining an exact list goes first if its offset is below the
+/// front's, else second. A request below exact_units takes the front of the smallest listed
+/// size that holds it, else a block of the first non-empty
 /// class; a larger one scans the first `scan_limit` blocks of its own class, then of the first
 /// non-empty class at or above its rounded-up class; then a free tail, then growth. Classes
 /// come from the allocator's own size_class_floor/ceil (tested against a model in
@@ -234,11 +235,7 @@ class naive_tlsf {
     std::optional<std::uint64_t> pick;
     if (need < tlsf_allocator::exact_units) {
       if (const auto it = exact_.lower_bound(need); it != exact_.end()) {
-        const auto& l = it->second;
-        pick = l.front();
-        for (std::size_t i = 1; i < std::min<std::size_t>(l.size(), tlsf_allocator::exact_scan); ++i) {
-          pick = std::min(*pick, l[i]);
-        }
+        pick = it->second.front();
       } else if (const auto c = lists_.lower_bound(classes_.size_class_floor(tlsf_allocator::exact_units));
                  c != lists_.end()) {
         pick = best_in(c->first, need);
@@ -326,8 +323,10 @@ class naive_tlsf {
   }
   void list(std::uint64_t offset) {
     const std::uint64_t bytes = blocks_.at(offset).bytes;
-    if (bytes < tlsf_allocator::exact_units) exact_[bytes].push_front(offset);
-    else lists_[classes_.size_class_floor(bytes)].push_front(offset);
+    if (bytes < tlsf_allocator::exact_units) {
+      auto& l = exact_[bytes];
+      l.insert(l.empty() || offset < l.front() ? l.begin() : l.begin() + 1, offset);
+    } else lists_[classes_.size_class_floor(bytes)].push_front(offset);
   }
   template <class Lists, class Key>
   static void unlist_from(Lists& lists, Key key, std::uint64_t offset) {

@@ -22,11 +22,12 @@ namespace tensormem::core {
 /// three-level bitmap (64-bit words, 1,024 + 16 + 1) says which are non-empty. Larger unit
 /// counts have size classes with `mantissa_bits` bits of mantissa (a class per 1/16 of a
 /// power of two), one list each, and a 64-bit top bitmap and one bitmap per power of two.
-/// Lists are doubly linked, newest first. To allocate u units:
+/// Lists are doubly linked. A class list is newest first; a block joining an exact list goes
+/// first if its offset is below the first block's, else second. To allocate u units:
 ///  1. Below exact_units: find the smallest non-empty exact list of at least u units (at
-///     most three find-first-set operations) and take the lower offset of its first
-///     `exact_scan` blocks: the size exact best fit would take. If none, take from the first
-///     non-empty class (every block there fits) as in step 3.
+///     most three find-first-set operations) and take its first block: the size exact best
+///     fit would take. If none, take from the first non-empty class (every block there fits)
+///     as in step 3.
 ///  2. Otherwise look in u's own class (rounded down): among its first `scan_limit` blocks,
 ///     take the smallest that fits (lowest offset among equals). Any fit there beats every
 ///     block of a higher class.
@@ -49,8 +50,8 @@ namespace tensormem::core {
 /// the node pool: 32 bytes a block, one cache line holding two nodes. A handle's generation
 /// is unique to its allocation (a counter of allocations, 32 bits).
 /// Waste bound: no internal waste beyond rounding to `alignment` (blocks are split exactly).
-/// Below exact_units the size taken is exact best fit's (among equal sizes, the lower
-/// offset of the first two listed, where best fit takes the lowest of all). Above it, the
+/// Below exact_units the size taken is exact best fit's (among equal sizes, the first listed,
+/// where best fit takes the lowest offset of all). Above it, the
 /// policy differs from exact best fit in two ways, which bound the fragmentation it can
 /// add: a free block whose size lies within the request's own class but beyond the first
 /// `scan_limit` entries of that list is skipped, so a request of r bytes may grow the arena
@@ -92,8 +93,6 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   static constexpr unsigned scan_limit = 8;
   /// Unit counts below this have a list each (exact sizes).
   static constexpr std::uint32_t exact_units = 1U << 16;
-  /// Of the blocks of one exact size, the lowest offset among this many listed first is taken.
-  static constexpr unsigned exact_scan = 2;
 
   explicit tlsf_allocator(std::uint64_t capacity = growing, std::uint64_t alignment = 256);
 
@@ -117,7 +116,7 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
 
   static constexpr std::uint32_t exact_words = exact_units / 64;
   std::uint32_t exact_at_or_above(std::uint64_t units) const noexcept;
-  std::uint32_t lowest_in_exact(std::uint32_t units) const noexcept;
+  std::uint32_t pop_exact(std::uint32_t units) noexcept;
   void push_front(std::uint32_t& head, std::uint32_t n) noexcept;
   bool unlink(std::uint32_t& head, std::uint32_t n) noexcept;
   void bin_insert(std::uint32_t n) noexcept;
