@@ -117,8 +117,7 @@ TENSORMEM_HOT_INLINE bool tlsf_allocator::unlink(std::uint32_t& head, std::uint3
   return next == none;
 }
 
-TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n) noexcept {
-  const std::uint64_t bytes = nodes_[n].bytes;
+TENSORMEM_HOT_INLINE void tlsf_allocator::bin_insert(std::uint32_t n, std::uint64_t bytes) noexcept {
   if (const std::uint64_t units = bytes >> unit_shift_; units < exact_limit_) {
     const auto u = static_cast<std::uint32_t>(units);
     std::uint64_t& word = exact_bits_[u >> 6U];
@@ -209,6 +208,17 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::best_in_bin(unsigned cls, std
   return best;
 }
 
+// Cuts free node n (in no list) to `need` bytes; a new node after it takes the `rest`
+// bytes and joins its list.
+TENSORMEM_HOT_INLINE void tlsf_allocator::split(std::uint32_t n, std::uint64_t need, std::uint64_t rest) noexcept {
+  const std::uint32_t r = new_node();
+  nodes_[r].offset = nodes_[n].offset + need;
+  nodes_[r].bytes = rest;
+  nodes_[n].bytes = need;
+  link_after(n, r);
+  bin_insert(r, rest);
+}
+
 std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   if (bytes == 0) return allocation{0, 0, zero_node, 0};
   const auto aligned = align_up(bytes, alignment_);
@@ -219,12 +229,15 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   reserve_nodes(2);
 
   std::uint32_t n = none;
-  bool listed = true;  // n is still in its free list
   if (const std::uint64_t units = need >> unit_shift_; units < exact_units) {
     if (const std::uint32_t u = exact_at_or_above(units); u != none) {
+      // Whether to split, and the remainder's list, follow from the bitmaps alone: those
+      // branches resolve without waiting for the block's node to load.
       n = pop_exact(u);
-      listed = false;
-    } else if (const std::uint32_t cls = first_bin_at_or_above(class_of_units(exact_units)); cls != none) {
+      if (u != units) split(n, need, (std::uint64_t{u} << unit_shift_) - need);
+      return make_used(n, need);
+    }
+    if (const std::uint32_t cls = first_bin_at_or_above(class_of_units(exact_units)); cls != none) {
       n = best_in_bin(cls, need);  // every listed block holds exact_units or more
     }
   } else {
@@ -244,15 +257,8 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
   }
 
   if (n != none) {
-    if (listed) bin_remove(n);
-    if (nodes_[n].bytes > need) {
-      const std::uint32_t r = new_node();
-      nodes_[r].offset = nodes_[n].offset + need;
-      nodes_[r].bytes = nodes_[n].bytes - need;
-      nodes_[n].bytes = need;
-      link_after(n, r);
-      bin_insert(r);
-    }
+    bin_remove(n);
+    if (nodes_[n].bytes > need) split(n, need, nodes_[n].bytes - need);
   } else {
     // Grow at the end, extending a free block that ends at the high-water mark.
     // (A free tail of need bytes or more was taken above: extending it never goes negative.)
@@ -279,7 +285,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
 void tlsf_allocator::release(std::uint32_t n) noexcept {
   unmake_used(n);
   absorb_free_neighbours(n, [this](std::uint32_t m) { bin_remove(m); });
-  bin_insert(n);
+  bin_insert(n, nodes_[n].bytes);
 }
 
 allocator_stats tlsf_allocator::stats() const {

@@ -119,10 +119,11 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   std::uint32_t pop_exact(std::uint32_t units) noexcept;
   void push_front(std::uint32_t& head, std::uint32_t n) noexcept;
   bool unlink(std::uint32_t& head, std::uint32_t n) noexcept;
-  void bin_insert(std::uint32_t n) noexcept;
+  void bin_insert(std::uint32_t n, std::uint64_t bytes) noexcept;  // n holds `bytes`
   void bin_remove(std::uint32_t n) noexcept;
   std::uint32_t first_bin_at_or_above(unsigned cls) const noexcept;
   std::uint32_t best_in_bin(unsigned cls, std::uint64_t need) noexcept;
+  void split(std::uint32_t n, std::uint64_t need, std::uint64_t rest) noexcept;
   void release(std::uint32_t n) noexcept;
   static unsigned class_of_units(std::uint64_t units) noexcept;
   unsigned floor_class(std::uint64_t bytes) const noexcept;
