@@ -114,5 +114,23 @@ INSTANTIATE_TEST_SUITE_P(public_traces, trace_conformance,
                            return n.substr(0, n.find('.'));
                          });
 
+// tlsf_allocator places every public trace with best fit's high-water mark (its exact lists
+// take the size best fit takes; only the choice among blocks of equal size differs).
+TEST(public_traces, tlsf_high_water_equals_best_fit_on_every_trace) {
+  for (const char* file : {"minimalloc_A.csv", "minimalloc_B.csv", "minimalloc_C.csv", "minimalloc_D.csv",
+                           "minimalloc_E.csv", "minimalloc_F.csv", "somas_resnet50.csv", "iopddl_G_1.csv",
+                           "iopddl_S_1.csv"}) {
+    SCOPED_TRACE(file);
+    const auto buffers = trace::read_trace(trace_path(file));
+    best_fit_allocator best(growing, 1);
+    tlsf_allocator fast(growing, 1);
+    const auto rb = replay(buffers, best);
+    const auto rf = replay(buffers, fast);
+    EXPECT_EQ(rf.high_water, rb.high_water);
+    EXPECT_EQ(fast.check_invariants(), "");
+    if (buffers.size() <= 2000) expect_no_conflicts(buffers, rf.offsets);
+  }
+}
+
 }  // namespace
 }  // namespace tensormem::core
