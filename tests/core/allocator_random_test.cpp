@@ -222,11 +222,10 @@ TEST(allocator_random, tlsf_is_consistent_fixed_capacity) {
 /// list per size below exact_units and one LIFO list per size class above (front = most
 /// recently freed). A block joining an exact list goes first if its offset is below the
 /// front's, else second. A request below exact_units takes the front of the smallest listed
-/// size that holds it, else a block of the first non-empty
-/// class; a larger one scans the first `scan_limit` blocks of its own class, then of the first
-/// non-empty class at or above its rounded-up class; then a free tail, then growth. Classes
-/// come from the allocator's own size_class_floor/ceil (tested against a model in
-/// contract_test).
+/// size that holds it, else a block of the first non-empty class; a larger one scans the
+/// first `scan_limit` blocks of its own class, then of the first non-empty class at or above
+/// its rounded-up class; then a free tail, then growth. Classes come from the allocator's own
+/// size_class_floor/ceil (tested against a model in contract_test).
 class naive_tlsf {
  public:
   explicit naive_tlsf(const tlsf_allocator& classes) : classes_(classes) {}
