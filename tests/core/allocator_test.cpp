@@ -16,6 +16,8 @@ class allocator_test : public ::testing::Test {};
 using allocator_types = ::testing::Types<best_fit_allocator, tlsf_allocator>;
 TYPED_TEST_SUITE(allocator_test, allocator_types);
 
+constexpr std::uint64_t max64 = std::numeric_limits<std::uint64_t>::max();
+
 template <class A>
 allocation must_allocate(A& a, std::uint64_t bytes) {
   auto r = a.allocate(bytes);
@@ -208,6 +210,15 @@ TYPED_TEST(allocator_test, misuse_is_reported_and_changes_nothing) {
     ADD_FAILURE() << "free of an unknown offset did not throw";
   } catch (const allocator_misuse& e) {
     EXPECT_NE(std::string(e.what()).find("offset 256"), std::string::npos) << e.what();
+  }
+  expect_unchanged(a, before);
+  // The largest 64-bit offset (the offset index's mark for an empty slot) holds nothing,
+  // whatever size is given: that of the block at offset 0, of the block freed above, or of
+  // none. (The index used to answer with an empty slot's stale node, and a free there with
+  // that node's size freed the block at offset 0.)
+  for (const std::uint64_t bytes : {x.bytes, y.bytes, z.bytes, std::uint64_t{0}, max64}) {
+    EXPECT_EQ(a.try_free(max64, bytes), free_status::not_allocated) << bytes;
+    EXPECT_THROW(a.free(max64, bytes), allocator_misuse);
   }
   expect_unchanged(a, before);
   // Double free through the offset API and through the handle.

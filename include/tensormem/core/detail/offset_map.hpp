@@ -1,6 +1,8 @@
 #pragma once
 // Open-addressing hash map from a 64-bit offset to a 32-bit index (linear probing,
-// backward-shift deletion, no tombstones). Private to the allocators.
+// backward-shift deletion, no tombstones). Private to the allocators. The largest 64-bit
+// value marks empty slots; it is never a key (no allocation of one byte or more starts
+// there), and looking it up finds nothing.
 
 #include <bit>
 #include <cstdint>
@@ -18,6 +20,8 @@ class offset_map {
   offset_map() { rehash(16); }
 
   std::uint32_t find(std::uint64_t key) const noexcept {
+    // (Without this, the probe would stop at the first empty slot and return its value.)
+    if (key == empty_key) return not_found;
     for (std::size_t i = slot(key);; i = (i + 1) & mask_) {
       if (keys_[i] == key) return values_[i];
       if (keys_[i] == empty_key) return not_found;
@@ -43,6 +47,7 @@ class offset_map {
 
   /// Removes `key` if present.
   void erase(std::uint64_t key) noexcept {
+    if (key == empty_key) return;
     std::size_t i = slot(key);
     while (keys_[i] != key) {
       if (keys_[i] == empty_key) return;
