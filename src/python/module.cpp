@@ -344,6 +344,7 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
         d["free_bytes"] = s.free_bytes;
         d["free_blocks"] = s.free_blocks;
         d["largest_free_bytes"] = s.largest_free_bytes;
+        d["live_allocations"] = s.live_allocations;
         d["fragmentation"] = s.fragmentation();
         return d;
       });

@@ -30,6 +30,10 @@ def test_allocators_reuse_and_report_misuse(cls):
     assert a.allocate(3000).offset == 1024
     with pytest.raises(ValueError, match="cannot free offset 5"):
         a.free(5, 10)
+    # The largest offset holds nothing, even with the size of the block at offset 0.
+    with pytest.raises(ValueError, match="cannot free offset 18446744073709551615"):
+        a.free(2**64 - 1, 1024)
+    assert a.stats()["live_allocations"] == 2
     fixed = cls(4096, 256)
     assert fixed.allocate(8192) is None
     assert a.check_invariants() == ""
