@@ -2,7 +2,8 @@
 // Open-addressing hash map from a 64-bit offset to a 32-bit index (linear probing,
 // backward-shift deletion, no tombstones). Private to the allocators. The largest 64-bit
 // value marks empty slots; it is never a key (no allocation of one byte or more starts
-// there), and looking it up finds nothing.
+// there). A probe tests for an empty slot before it compares keys, so that looking that
+// value up finds nothing, and erasing it does nothing.
 
 #include <bit>
 #include <cstdint>
@@ -20,11 +21,9 @@ class offset_map {
   offset_map() { rehash(16); }
 
   std::uint32_t find(std::uint64_t key) const noexcept {
-    // (Without this, the probe would stop at the first empty slot and return its value.)
-    if (key == empty_key) return not_found;
     for (std::size_t i = slot(key);; i = (i + 1) & mask_) {
-      if (keys_[i] == key) return values_[i];
       if (keys_[i] == empty_key) return not_found;
+      if (keys_[i] == key) return values_[i];
     }
   }
 
@@ -47,11 +46,10 @@ class offset_map {
 
   /// Removes `key` if present.
   void erase(std::uint64_t key) noexcept {
-    if (key == empty_key) return;
     std::size_t i = slot(key);
-    while (keys_[i] != key) {
+    for (;; i = (i + 1) & mask_) {
       if (keys_[i] == empty_key) return;
-      i = (i + 1) & mask_;
+      if (keys_[i] == key) break;
     }
     // Backward-shift: move later members of the probe run into the hole.
     std::size_t hole = i;
