@@ -15,7 +15,9 @@
 // Compiled as a library would compile it: `allocate` and `deallocate` are calls (never
 // inlined into the benchmark loop, as the library's are not), the list helpers are always
 // inlined into them (as the library's helpers are). Left to GCC's heuristics, the helpers
-// stayed out of line and cost the baseline a few calls per operation.
+// stayed out of line and cost the baseline a few calls per operation. Bytes become units by
+// a shift (the alignment is a power of two), not a division, which alone cost the baseline
+// about 1.5 % on W1.
 
 #include <algorithm>
 #include <bit>
@@ -30,14 +32,15 @@ namespace tensormem::bench {
 
 class offset_allocator_baseline {
  public:
-  offset_allocator_baseline(std::uint64_t /*capacity*/, std::uint64_t alignment) : alignment_(alignment) {
+  offset_allocator_baseline(std::uint64_t /*capacity*/, std::uint64_t alignment)
+      : shift_(static_cast<unsigned>(std::countr_zero(alignment))) {
     std::fill(std::begin(head_), std::end(head_), none);
     nodes_.reserve(1 << 16);
     insert(total_units, 0, none, none);
   }
 
   [[gnu::noinline]] std::optional<core::allocation> allocate(std::uint64_t bytes) {
-    const std::uint64_t units64 = (bytes + alignment_ - 1) / alignment_;
+    const std::uint64_t units64 = (bytes + (std::uint64_t{1} << shift_) - 1) >> shift_;
     if (units64 == 0 || units64 > total_units) return std::nullopt;
     const auto units = static_cast<std::uint32_t>(units64);
     const std::uint32_t min_bin = round_up(units);
@@ -60,9 +63,9 @@ class offset_allocator_baseline {
       if (nodes_[n].next_addr != none) nodes_[nodes_[n].next_addr].prev_addr = r;
       nodes_[n].next_addr = r;
     }
-    const std::uint64_t end = (static_cast<std::uint64_t>(nodes_[n].offset) + units) * alignment_;
+    const std::uint64_t end = (static_cast<std::uint64_t>(nodes_[n].offset) + units) << shift_;
     if (end > peak_) peak_ = end;
-    return core::allocation{static_cast<std::uint64_t>(nodes_[n].offset) * alignment_, units64 * alignment_, n, 0, 0};
+    return core::allocation{static_cast<std::uint64_t>(nodes_[n].offset) << shift_, units64 << shift_, n, 0, 0};
   }
 
   [[gnu::noinline]] void deallocate(const core::allocation& a) {
@@ -162,7 +165,7 @@ class offset_allocator_baseline {
     if (b.next_bin != none) nodes_[b.next_bin].prev_bin = b.prev_bin;
   }
 
-  std::uint64_t alignment_;
+  unsigned shift_;  // log2 of the alignment
   std::uint64_t peak_ = 0;
   std::uint32_t used_top_ = 0;
   std::uint8_t used_leaf_[32] = {};
