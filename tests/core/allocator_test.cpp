@@ -113,6 +113,16 @@ TYPED_TEST(allocator_test, alignment_edges) {
   EXPECT_FALSE(a.allocate(std::numeric_limits<std::uint64_t>::max() - 100).has_value());
   EXPECT_EQ(a.check_invariants(), "");
   EXPECT_EQ(a.peak(), 0U);
+  // The boundary: 2^64 - 255 bytes do not round up to a 64-bit count of 256-byte units;
+  // 2^64 - 256 do (and fit a growing arena).
+  TypeParam edge;
+  EXPECT_FALSE(edge.allocate(max64 - 254).has_value());
+  EXPECT_EQ(edge.peak(), 0U);
+  const auto top = edge.allocate(max64 - 255);
+  ASSERT_TRUE(top.has_value());
+  EXPECT_EQ(top->bytes, max64 - 255);
+  EXPECT_EQ(edge.peak(), max64 - 255);
+  EXPECT_EQ(edge.check_invariants(), "");
 }
 
 TYPED_TEST(allocator_test, zero_bytes) {
