@@ -250,6 +250,15 @@ TYPED_TEST(allocator_test, misuse_is_reported_and_changes_nothing) {
   wrong.bytes = 256;
   EXPECT_THROW(a.deallocate(wrong), allocator_misuse);
   expect_unchanged(a, before);
+  // The zero-byte allocation's handle with a size written into it is not that handle.
+  allocation forged = *a.allocate(0);
+  EXPECT_EQ(a.try_deallocate(forged), free_status::ok);
+  forged.bytes = 256;
+  EXPECT_EQ(a.try_deallocate(forged), free_status::foreign_handle);
+  forged.owner = x.owner;
+  EXPECT_EQ(a.try_deallocate(forged), free_status::stale_handle);
+  EXPECT_THROW(a.deallocate(forged), allocator_misuse);
+  expect_unchanged(a, before);
   // A stale handle whose offset was handed out again is still refused by the O(1) allocator
   // (generation check); best fit sees a live block at that offset with another size.
   const auto reused = must_allocate(a, 1024);

@@ -69,15 +69,17 @@ class block_chain_allocator {
   }
 
   free_status try_deallocate(const allocation& a) noexcept {
-    if (a.node == zero_node && a.bytes == 0) return free_status::ok;  // the zero-byte allocation
-    if (a.owner != owner_) return free_status::foreign_handle;
-    if (a.node >= nodes_.size()) return free_status::stale_handle;
-    const Node& x = nodes_[a.node];
-    if (x.state() != block_state::used || x.offset != a.offset || x.generation() != a.generation)
-      return free_status::stale_handle;
-    if (x.bytes != a.bytes) return free_status::size_mismatch;
-    derived().release(a.node);
-    return free_status::ok;
+    if (a.owner == owner_ && a.node < nodes_.size()) [[likely]] {
+      const Node& x = nodes_[a.node];
+      if (x.state() != block_state::used || x.offset != a.offset || x.generation() != a.generation)
+        return free_status::stale_handle;
+      if (x.bytes != a.bytes) return free_status::size_mismatch;
+      derived().release(a.node);
+      return free_status::ok;
+    }
+    // The zero-byte allocation's handle names no node and no owner.
+    if (a.node == zero_node && a.bytes == 0) return free_status::ok;
+    return a.owner != owner_ ? free_status::foreign_handle : free_status::stale_handle;
   }
 
   /// InfiniTensor-style free: `bytes` is the size asked for at allocation (rounded here).
