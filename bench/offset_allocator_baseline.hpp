@@ -17,7 +17,7 @@
 // inlined into them (as the library's helpers are). Left to GCC's heuristics, the helpers
 // stayed out of line and cost the baseline a few calls per operation. Bytes become units by
 // a shift (the alignment is a power of two), not a division, which alone cost the baseline
-// about 1.5 % on W1.
+// 2-4 % on W1 (docs/BENCHMARKS.md, "The baseline without a division").
 
 #include <algorithm>
 #include <bit>

@@ -226,7 +226,7 @@ std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
     if (bytes == 0) return allocation{0, 0, zero_node, 0};
     return std::nullopt;
   }
-  const std::uint64_t need = (bytes + mask) & ~mask;
+  const std::uint64_t need = (bytes + mask) & ~mask;  // align_up's arithmetic, checked above
   // Everything that may allocate or fail happens before any state changes (strong
   // guarantee): room for two new nodes, for their recycling, and for the live map entry.
   reserve_nodes(2);
