@@ -39,10 +39,8 @@ void best_fit_allocator::unindex_free(std::uint32_t n) noexcept {
 }
 
 std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
-  if (bytes == 0) return allocation{0, 0, zero_node, 0};
-  const auto aligned = align_up(bytes, alignment_);
-  if (!aligned) return std::nullopt;
-  const std::uint64_t need = *aligned;
+  const std::uint64_t need = round_request(bytes);
+  if (need == 0) return turned_down(bytes);
   // Everything that may allocate happens before any state changes (strong guarantee).
   reserve_for_allocation(2);
 
@@ -80,13 +78,9 @@ std::optional<allocation> best_fit_allocator::allocate(std::uint64_t bytes) {
 
 std::optional<allocation> best_fit_allocator::allocate_at(std::uint64_t offset,
                                                           std::uint64_t bytes) {
-  if (bytes == 0) return allocation{0, 0, zero_node, 0};
-  const auto aligned = align_up(bytes, alignment_);
-  if (!aligned || !is_aligned(offset, alignment_) || offset > capacity_ ||
-      *aligned > capacity_ - offset) {
-    return std::nullopt;
-  }
-  const std::uint64_t need = *aligned;
+  const std::uint64_t need = round_request(bytes);
+  if (need == 0) return turned_down(bytes);
+  if (!is_aligned(offset, alignment_) || offset > capacity_ || need > capacity_ - offset) return std::nullopt;
   const std::uint64_t end = offset + need;
   std::uint32_t b = block_containing(offset);
   if (b != none) {

@@ -221,12 +221,8 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::split(std::uint32_t n, std::uint64_t n
 }
 
 std::optional<allocation> tlsf_allocator::allocate(std::uint64_t bytes) {
-  const std::uint64_t mask = alignment_ - 1U;
-  if (bytes - 1U >= ~mask) [[unlikely]] {  // zero bytes, or too many to align
-    if (bytes == 0) return allocation{0, 0, zero_node, 0};
-    return std::nullopt;
-  }
-  const std::uint64_t need = (bytes + mask) & ~mask;  // align_up's arithmetic, checked above
+  const std::uint64_t need = round_request(bytes);
+  if (need == 0) return turned_down(bytes);
   // Everything that may allocate or fail happens before any state changes (strong
   // guarantee): room for two new nodes, for their recycling, and for the live map entry.
   reserve_nodes(2);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -125,6 +126,22 @@ class block_chain_allocator {
   block_chain_allocator(std::uint64_t capacity, std::uint64_t alignment, const char* name)
       : capacity_(capacity), alignment_(alignment), owner_(next_owner_id()), name_(name) {
     check_alignment_argument(name, alignment);
+  }
+
+  /// A request of `bytes` rounded up to the alignment, or 0 when `bytes` is 0 or does not
+  /// round up within 64 bits: a sum past 2^64 wraps to less than the alignment, which the
+  /// mask clears (no test needed for either case); `allocate` then returns
+  /// `turned_down(bytes)`.
+  std::uint64_t round_request(std::uint64_t bytes) const noexcept {
+    const std::uint64_t mask = alignment_ - 1U;
+    return (bytes + mask) & ~mask;
+  }
+
+  /// The answer to a request that round_request turned down: the zero-byte allocation for
+  /// 0 bytes, nothing for a size that overflows.
+  static std::optional<allocation> turned_down(std::uint64_t bytes) noexcept {
+    if (bytes == 0) return allocation{0, 0, zero_node, 0};
+    return std::nullopt;
   }
 
   /// Room for `count` new nodes and their recycling, and for one more live-index entry, so
