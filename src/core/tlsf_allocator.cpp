@@ -71,6 +71,14 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::exact_at_or_above(std::uint64
   return (w << 6U) | static_cast<std::uint32_t>(std::countr_zero(exact_bits_[w]));
 }
 
+// Exact list u's bitmap word has become zero: clears its bit in the middle level, and the
+// middle word's bit in the top level if that empties too.
+TENSORMEM_HOT_INLINE void tlsf_allocator::drop_empty_word(std::uint32_t u) noexcept {
+  std::uint64_t& mid = exact_mid_[u >> 12U];
+  mid &= ~(std::uint64_t{1} << ((u >> 6U) & 63U));
+  if (mid == 0) exact_top_ &= ~(std::uint64_t{1} << (u >> 12U));
+}
+
 // Takes the head of a non-empty exact list. Whether the list empties is a coin toss on
 // mixed sizes, so it selects by masks instead of branching: a missing next node's link is
 // written to n itself, and the list's bit is cleared by a mask that is zero unless the list
@@ -85,11 +93,7 @@ TENSORMEM_HOT_INLINE std::uint32_t tlsf_allocator::pop_exact(std::uint32_t u) no
   const std::uint64_t emptied = mask64(next == none);
   std::uint64_t& word = exact_bits_[u >> 6U];
   word &= ~((std::uint64_t{1} << (u & 63U)) & emptied);
-  if (word == 0) {
-    std::uint64_t& mid = exact_mid_[u >> 12U];
-    mid &= ~(std::uint64_t{1} << ((u >> 6U) & 63U));
-    if (mid == 0) exact_top_ &= ~(std::uint64_t{1} << (u >> 12U));
-  }
+  if (word == 0) drop_empty_word(u);
   return n;
 }
 
@@ -160,9 +164,8 @@ TENSORMEM_HOT_INLINE void tlsf_allocator::bin_remove(std::uint32_t n) noexcept {
   const std::uint64_t bytes = nodes_[n].bytes;
   if (const std::uint64_t units = bytes >> unit_shift_; units < exact_limit_) {
     const auto u = static_cast<std::uint32_t>(units);
-    if (unlink(exact_heads_[u], n) && (exact_bits_[u >> 6U] &= ~(std::uint64_t{1} << (u & 63U))) == 0 &&
-        (exact_mid_[u >> 12U] &= ~(std::uint64_t{1} << ((u >> 6U) & 63U))) == 0) {
-      exact_top_ &= ~(std::uint64_t{1} << (u >> 12U));
+    if (unlink(exact_heads_[u], n) && (exact_bits_[u >> 6U] &= ~(std::uint64_t{1} << (u & 63U))) == 0) {
+      drop_empty_word(u);
     }
     return;
   }

@@ -116,6 +116,7 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
 
   static constexpr std::uint32_t exact_words = exact_units / 64;
   std::uint32_t exact_at_or_above(std::uint64_t units) const noexcept;
+  void drop_empty_word(std::uint32_t units) noexcept;
   std::uint32_t pop_exact(std::uint32_t units) noexcept;
   void push_front(std::uint32_t& head, std::uint32_t n) noexcept;
   bool unlink(std::uint32_t& head, std::uint32_t n) noexcept;
