@@ -1,10 +1,12 @@
 #pragma once
 // Private pieces of the planner, shared by its translation units and its tests.
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -64,6 +66,28 @@ std::vector<double> contention_keys(const plan_problem& p);
 void raise_buffers_above(const plan_problem& p, std::span<const std::uint64_t> offsets,
                          std::vector<double>& key);
 
+/// Blocks of 2^k ranges carved from chunks of 1 MiB (or one block, if larger), with a free
+/// list for each k: a block given back goes to the next take of its size. Chunks are freed
+/// only with the pool, all at once. A moved-from pool is empty.
+class range_blocks {
+ public:
+  using range = std::pair<std::uint64_t, std::uint64_t>;
+  range_blocks() = default;
+  range_blocks(range_blocks&& other) noexcept { *this = std::move(other); }
+  range_blocks& operator=(range_blocks&& other) noexcept;
+  range* take(unsigned log_capacity);
+  void give(range* block, unsigned log_capacity) noexcept;
+  /// Ranges carved from chunks so far (not counting blocks taken again from a free list).
+  std::size_t carved() const noexcept { return carved_; }
+
+ private:
+  std::vector<std::unique_ptr<range[]>> chunks_;
+  range* next_ = nullptr;  // the unused rest of the last chunk
+  range* end_ = nullptr;
+  std::size_t carved_ = 0;
+  std::array<range*, 33> free_{};  // by log2 of the size (up to 2^32); linked through their first range
+};
+
 /// Byte ranges taken by placed buffers, indexed by time, to find the ranges taken by buffers
 /// whose span meets a query span [lo, hi). Such a buffer is either alive in section lo or
 /// starts in (lo, hi). Two segment trees over sections, each node holding a merged set of
@@ -73,6 +97,10 @@ void raise_buffers_above(const plan_problem& p, std::span<const std::uint64_t> o
 /// the nodes that cover [lo + 1, hi). So a buffer is written to about log S + levels sets and
 /// a query reads as many, all of them true conflicts, and every conflicting buffer's range is
 /// covered by what is reported.
+///
+/// Memory: each set lives in a block of a range_blocks pool (above), given back a chunk at a
+/// time: at 10^6 buffers an index holds millions of sets, and freeing each on its own took
+/// half a second, past the planner's deadline.
 class occupancy_index {
  public:
   using range = std::pair<std::uint64_t, std::uint64_t>;  // [offset, end)
@@ -90,8 +118,17 @@ class occupancy_index {
                           std::uint64_t from = 0);
 
  private:
-  using range_set = std::vector<range>;
-  static void add(range_set& set, std::uint64_t offset, std::uint64_t end);
+  // Sorted, disjoint ranges in a block of 2^log_capacity ranges (none while items is null).
+  struct range_set {
+    range* items = nullptr;
+    std::uint32_t count = 0;  // at most one range per buffer, and buffer indexes are 32-bit
+    std::uint8_t log_capacity = 0;
+    std::size_t capacity() const noexcept { return items == nullptr ? 0 : std::size_t{1} << log_capacity; }
+    bool empty() const noexcept { return count == 0; }
+    const range* begin() const noexcept { return items; }
+    const range* end() const noexcept { return items + count; }
+  };
+  void add(range_set& set, std::uint64_t offset, std::uint64_t end);
   // Calls visit(set) for each set a query of [lo, hi) reads.
   template <class Visit>
   void for_each_set(std::uint32_t lo, std::uint32_t hi, Visit&& visit) const;
@@ -99,6 +136,7 @@ class occupancy_index {
   std::size_t levels_;  // levels that can hold a range: spans of at most `longest` sections
   std::vector<range_set> alive_;    // at the nodes that cover a buffer's span
   std::vector<range_set> started_;  // on the path up from a buffer's first section
+  range_blocks blocks_;  // the sets' memory
   std::vector<std::size_t> runs_;
   std::vector<range> scratch_;
   struct cursor {

@@ -147,26 +147,80 @@ occupancy_index::occupancy_index(std::uint32_t sections, std::uint32_t longest)
 }
 
 void occupancy_index::clear() {
-  for (auto& v : alive_) v.clear();
-  for (auto& v : started_) v.clear();
+  // The sets keep their blocks for the next use.
+  for (auto& v : alive_) v.count = 0;
+  for (auto& v : started_) v.count = 0;
+}
+
+range_blocks& range_blocks::operator=(range_blocks&& other) noexcept {
+  chunks_ = std::move(other.chunks_);
+  other.chunks_.clear();
+  next_ = std::exchange(other.next_, nullptr);
+  end_ = std::exchange(other.end_, nullptr);
+  carved_ = std::exchange(other.carved_, 0);
+  free_ = std::exchange(other.free_, {});
+  return *this;
+}
+
+range_blocks::range* range_blocks::take(unsigned log_capacity) {
+  if (range* block = free_[log_capacity]; block != nullptr) {
+    free_[log_capacity] = reinterpret_cast<range*>(static_cast<std::uintptr_t>(block->first));
+    return block;
+  }
+  const std::size_t size = std::size_t{1} << log_capacity;
+  if (static_cast<std::size_t>(end_ - next_) < size) {
+    const std::size_t chunk = std::max<std::size_t>(std::size_t{1} << 16, size);
+    chunks_.push_back(std::make_unique<range[]>(chunk));
+    next_ = chunks_.back().get();
+    end_ = next_ + chunk;
+  }
+  range* block = next_;
+  next_ += size;
+  carved_ += size;
+  return block;
+}
+
+static_assert(sizeof(std::uintptr_t) <= sizeof(std::uint64_t), "a free block keeps its successor in a range");
+
+void range_blocks::give(range* block, unsigned log_capacity) noexcept {
+  block->first = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(free_[log_capacity]));
+  free_[log_capacity] = block;
 }
 
 void occupancy_index::add(range_set& set, std::uint64_t offset, std::uint64_t end) {
+  range* const items = set.items;
+  range* const stop = items + set.count;
   // First range that ends at or after `offset` (touching ranges merge too).
-  auto first = std::lower_bound(set.begin(), set.end(), offset,
-                                [](const range& r, std::uint64_t v) { return r.second < v; });
-  auto last = first;
-  while (last != set.end() && last->first <= end) {
+  range* first = std::lower_bound(items, stop, offset,
+                                  [](const range& r, std::uint64_t v) { return r.second < v; });
+  range* last = first;
+  while (last != stop && last->first <= end) {
     offset = std::min(offset, last->first);
     end = std::max(end, last->second);
     ++last;
   }
-  if (first == last) {
-    set.insert(first, {offset, end});
-  } else {
+  if (first != last) {  // merged: the ranges it absorbed go
     *first = {offset, end};
-    set.erase(first + 1, last);
+    std::copy(last, stop, first + 1);
+    set.count -= static_cast<std::uint32_t>(last - first - 1);
+    return;
   }
+  if (set.count < set.capacity()) {
+    std::copy_backward(first, stop, stop + 1);
+    *first = {offset, end};
+    ++set.count;
+    return;
+  }
+  // Full: a block twice the size (one range at first), the old block to its free list.
+  const unsigned log_capacity = items == nullptr ? 0U : set.log_capacity + 1U;
+  range* grown = blocks_.take(log_capacity);
+  range* at = std::copy(items, first, grown);
+  *at = {offset, end};
+  std::copy(first, stop, at + 1);
+  if (items != nullptr) blocks_.give(items, set.log_capacity);
+  set.items = grown;
+  set.log_capacity = static_cast<std::uint8_t>(log_capacity);
+  ++set.count;
 }
 
 void occupancy_index::insert(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset,
@@ -243,7 +297,7 @@ std::uint64_t occupancy_index::first_fit(std::uint32_t lo, std::uint32_t hi, std
                                          std::uint64_t from) {
   cursors_.clear();
   auto append = [&](const range_set& set) {
-    if (!set.empty()) cursors_.push_back({set.front().first, set.data(), set.data() + set.size()});
+    if (!set.empty()) cursors_.push_back({set.items[0].first, set.begin(), set.end()});
   };
   for_each_set(lo, hi, append);
   // A min-heap of the sets' next ranges by offset: the union is walked from the bottom, and

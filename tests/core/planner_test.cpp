@@ -521,6 +521,57 @@ TEST(planner_greedy, never_worse_than_the_classic_orders) {
   }
 }
 
+// The occupancy index's block pool: blocks of one size never overlap and keep what is written
+// to them, a block given back is the next one taken of its size (and of no other size), a
+// block larger than a chunk gets a chunk of its own, and a moved-from pool is empty.
+TEST(planner_greedy, range_blocks_reuse_blocks_of_their_size_only) {
+  using range = detail::range_blocks::range;
+  detail::range_blocks pool;
+  std::vector<std::pair<range*, std::size_t>> taken;  // block, size
+  std::mt19937_64 rng(21);
+  for (int i = 0; i < 300; ++i) {
+    const unsigned log_size = static_cast<unsigned>(rng() % 12);
+    range* block = pool.take(log_size);
+    const std::size_t size = std::size_t{1} << log_size;
+    for (std::size_t k = 0; k < size; ++k) block[k] = {static_cast<std::uint64_t>(i), k};
+    taken.emplace_back(block, size);
+  }
+  std::size_t total = 0;
+  for (const auto& [block, size] : taken) total += size;
+  EXPECT_EQ(pool.carved(), total);
+  for (std::size_t i = 0; i < taken.size(); ++i) {  // nothing overwrote another block
+    for (std::size_t k = 0; k < taken[i].second; ++k) {
+      ASSERT_EQ(taken[i].first[k], (range{i, k})) << "block " << i << " range " << k;
+    }
+  }
+  range* a = pool.take(3);
+  range* b = pool.take(3);
+  pool.give(a, 3);
+  pool.give(b, 3);
+  const std::size_t before = pool.carved();
+  range* other = pool.take(2);  // another size: carved anew
+  EXPECT_NE(other, a);
+  EXPECT_NE(other, b);
+  EXPECT_EQ(pool.carved(), before + 4);
+  EXPECT_EQ(pool.take(3), b);  // last given, first taken
+  EXPECT_EQ(pool.take(3), a);
+  EXPECT_EQ(pool.carved(), before + 4);
+  range* huge = pool.take(17);  // 2^17 ranges: more than a chunk
+  for (std::size_t k = 0; k < (std::size_t{1} << 17); ++k) huge[k] = {k, k};
+  EXPECT_EQ(huge[(std::size_t{1} << 17) - 1], (range{(1U << 17) - 1, (1U << 17) - 1}));
+  detail::range_blocks moved = std::move(pool);
+  EXPECT_EQ(pool.carved(), 0U);  // NOLINT(bugprone-use-after-move): documented as empty
+  const std::size_t moved_carved = moved.carved();
+  EXPECT_EQ(moved_carved, before + 4 + (std::size_t{1} << 17));
+  moved.give(other, 2);
+  EXPECT_EQ(moved.take(2), other);  // its free lists came along
+  EXPECT_EQ(moved.carved(), moved_carved);
+  range* fresh = pool.take(0);  // the moved-from pool starts over
+  EXPECT_EQ(pool.carved(), 1U);
+  fresh[0] = {1, 2};
+  EXPECT_EQ(fresh[0], (range{1, 2}));
+}
+
 // first_fit(from) against the union that collect() gives, scanned from `from`.
 TEST(planner_greedy, first_fit_from_an_offset_matches_the_collected_union) {
   std::mt19937_64 rng(9);
