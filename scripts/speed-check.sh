@@ -30,7 +30,7 @@ fi
 pin=()
 if command -v taskset >/dev/null; then pin=(taskset -c "$(($(nproc) - 1))"); fi
 
-echo "## Online allocators ($(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo 'no git'), $(date -u +%F))"
+echo "## Online allocators ($(git -C "$root" describe --always --dirty 2>/dev/null || echo 'no git'), $(date -u +%F))"
 echo
 "${pin[@]}" "$build/bin/allocator_bench" --benchmark_filter='versus_baseline|versus_lazy' \
   --benchmark_format=json 2>/dev/null | "$py" -c '
