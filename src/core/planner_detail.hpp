@@ -66,9 +66,9 @@ std::vector<double> contention_keys(const plan_problem& p);
 void raise_buffers_above(const plan_problem& p, std::span<const std::uint64_t> offsets,
                          std::vector<double>& key);
 
-/// Blocks of 2^k ranges carved from chunks of 1 MiB (or one block, if larger), with a free
-/// list for each k: a block given back goes to the next take of its size. Chunks are freed
-/// only with the pool, all at once. A moved-from pool is empty.
+/// Blocks of 2^k ranges carved from chunks (4 KiB at first, doubling to 1 MiB, or one block
+/// if larger), with a free list for each k: a block given back goes to the next take of its
+/// size. Chunks are freed only with the pool, all at once. A moved-from pool is empty.
 class range_blocks {
  public:
   using range = std::pair<std::uint64_t, std::uint64_t>;
@@ -85,6 +85,7 @@ class range_blocks {
   range* next_ = nullptr;  // the unused rest of the last chunk
   range* end_ = nullptr;
   std::size_t carved_ = 0;
+  std::size_t last_chunk_ = 0;  // ranges in the last chunk
   std::array<range*, 33> free_{};  // by log2 of the size (up to 2^32); linked through their first range
 };
 
