@@ -9,7 +9,7 @@
 #   BUILD_DIR  a build with bin/allocator_bench and bin/tensormem (default: build; run
 #              `make bench` first)
 #   WORK_DIR   where the 10^6-line trace is written (default: a temporary folder, removed)
-# Prints Markdown tables. Takes about three minutes on 2 cores.
+# Prints Markdown tables. Takes about a minute and a half on 2 cores.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${1:-$root/build}"
