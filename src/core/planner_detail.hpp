@@ -71,7 +71,7 @@ void raise_buffers_above(const plan_problem& p, std::span<const std::uint64_t> o
 /// size. Chunks are freed only with the pool, all at once. A moved-from pool is empty.
 class range_blocks {
  public:
-  using range = std::pair<std::uint64_t, std::uint64_t>;
+  using range = std::pair<std::uint64_t, std::uint64_t>;  // an occupancy_index's [offset, end)
   range_blocks() = default;
   range_blocks(range_blocks&& other) noexcept { *this = std::move(other); }
   range_blocks& operator=(range_blocks&& other) noexcept;
@@ -104,7 +104,7 @@ class range_blocks {
 /// half a second, past the planner's deadline.
 class occupancy_index {
  public:
-  using range = std::pair<std::uint64_t, std::uint64_t>;  // [offset, end)
+  using range = range_blocks::range;  // [offset, end)
   /// `longest`: no span inserted or queried is longer (levels above it stay empty and unread).
   occupancy_index(std::uint32_t sections, std::uint32_t longest);
   void clear();
