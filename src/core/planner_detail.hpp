@@ -83,9 +83,8 @@ class range_blocks {
  private:
   std::vector<std::unique_ptr<range[]>> chunks_;
   range* next_ = nullptr;  // the unused rest of the last chunk
-  range* end_ = nullptr;
+  range* end_ = nullptr;  // also the end of the last chunk, whose size sets the next one's
   std::size_t carved_ = 0;
-  std::size_t last_chunk_ = 0;  // ranges in the last chunk
   std::array<range*, 33> free_{};  // by log2 of the size (up to 2^32); linked through their first range
 };
 

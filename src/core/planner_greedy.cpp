@@ -158,7 +158,6 @@ range_blocks& range_blocks::operator=(range_blocks&& other) noexcept {
   next_ = std::exchange(other.next_, nullptr);
   end_ = std::exchange(other.end_, nullptr);
   carved_ = std::exchange(other.carved_, 0);
-  last_chunk_ = std::exchange(other.last_chunk_, 0);
   free_ = std::exchange(other.free_, {});
   return *this;
 }
@@ -171,10 +170,10 @@ range_blocks::range* range_blocks::take(unsigned log_capacity) {
   const std::size_t size = std::size_t{1} << log_capacity;
   if (static_cast<std::size_t>(end_ - next_) < size) {
     // Chunks double from 4 KiB to 1 MiB, so that a small plan stays cheap.
-    const std::size_t grown = chunks_.empty() ? 256 : std::min<std::size_t>(2 * last_chunk_, std::size_t{1} << 16);
+    const auto last = static_cast<std::size_t>(chunks_.empty() ? 0 : end_ - chunks_.back().get());
+    const std::size_t grown = last == 0 ? 256 : std::min<std::size_t>(2 * last, std::size_t{1} << 16);
     const std::size_t chunk = std::max(grown, size);
     chunks_.push_back(std::make_unique<range[]>(chunk));
-    last_chunk_ = chunk;
     next_ = chunks_.back().get();
     end_ = next_ + chunk;
   }
