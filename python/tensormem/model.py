@@ -142,9 +142,11 @@ def _storage_bytes(meta) -> int:
     return span * torch.empty((), dtype=meta.dtype).element_size()
 
 
-# Ops whose result shares its input's storage although their schema carries no alias
+# Ops whose results share their input's storage although their schema carries no alias
 # annotation (found by comparing storages at run time): the first argument is the base.
-_UNANNOTATED_VIEWS = {"aten::_unsafe_view"}
+# The unsafe splits are how PyTorch's own recurrent layers (nn.LSTM, nn.GRU) cut their gates.
+_UNANNOTATED_VIEWS = {"aten::_unsafe_view", "aten::unsafe_split", "aten::unsafe_split_with_sizes",
+                      "aten::unsafe_chunk"}
 
 
 def _alias_sources(op) -> List[Optional[int]]:

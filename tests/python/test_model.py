@@ -125,6 +125,29 @@ def test_torchvision_and_transformer_lifetimes(training):
         check_against_runtime(module, x, training=training)
 
 
+class FirstOutput(torch.nn.Module):
+    """A module's first output alone (a recurrent layer's sequence, without its states)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)[0]
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_recurrent_layers_plan_their_gates_as_views(training):
+    """nn.LSTM and nn.GRU cut their gates with aten.unsafe_split, whose schema does not mark
+    the pieces as views: each piece is the gates' buffer, not a buffer of its own."""
+    torch.manual_seed(0)
+    for layer in (torch.nn.LSTM(8, 16, 2, batch_first=True), torch.nn.GRU(8, 16, 2, batch_first=True)):
+        module, x = FirstOutput(layer), torch.randn(2, 5, 8)
+        graph = check_against_runtime(module, x, training=training)
+        assert any(op.startswith("aten.unsafe_split") for op in graph.ops)
+        planned_equals_eager(module, x, training)
+
+
 def planned_equals_eager(module, x, training):
     plan = plan_module(module, x, training=training, time_limit=2)
     assert plan.arena_bytes >= plan.lower_bound > 0
