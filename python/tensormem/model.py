@@ -268,9 +268,13 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                 node_buffers[node.name] = [new_buffer(node, 0, meta, "input", 0)]
             placeholders += 1
         elif node.op == "call_function" and node.target is operator.getitem:
+            # Unpacking one output uses that output's buffer alone: the others of a
+            # multi-output op (a norm's mean and rstd, say) are free from their last use.
             source, index = node.args
-            node_buffers[node.name] = [node_buffers[source.name][index]]
-            use(source, step)
+            bid = node_buffers[source.name][index]
+            node_buffers[node.name] = [bid]
+            if bid is not None:
+                last_use[bid] = max(last_use.get(bid, step), step)
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             op = node.target
             tags = set(getattr(op, "tags", ()))

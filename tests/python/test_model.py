@@ -148,6 +148,29 @@ def test_recurrent_layers_plan_their_gates_as_views(training):
         planned_equals_eager(module, x, training)
 
 
+class NormNet(torch.nn.Module):
+    """Norms whose aten ops return the statistics beside the result (native_group_norm,
+    native_layer_norm): at inference nobody uses them after the op."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.group = torch.nn.GroupNorm(2, 8)
+        self.layer = torch.nn.LayerNorm(6)
+
+    def forward(self, x):
+        return torch.relu(self.layer(self.group(self.conv(x))))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_each_output_of_a_multi_output_op_lives_to_its_own_last_use(training):
+    torch.manual_seed(0)
+    module, x = NormNet().eval(), torch.randn(2, 3, 8, 8)
+    graph = check_against_runtime(module, x, training=training)
+    assert any(op.startswith("aten.native_layer_norm") for op in graph.ops)
+    planned_equals_eager(module, x, training)
+
+
 def planned_equals_eager(module, x, training):
     plan = plan_module(module, x, training=training, time_limit=2)
     assert plan.arena_bytes >= plan.lower_bound > 0
