@@ -173,6 +173,18 @@ def _alias_sources(op) -> List[Optional[int]]:
     return sources
 
 
+def _indexes_by_integers(op, node: torch.fx.Node) -> bool:
+    """``aten.index.Tensor`` whose index tensors are all integers: its result's shape follows
+    from the shapes of its arguments (a boolean or byte mask makes it depend on the mask's
+    values, which is why the op carries the dynamic-shape tag)."""
+    if op is not torch.ops.aten.index.Tensor or len(node.args) < 2:
+        return False
+    metas = [i.meta.get("tensor_meta") if isinstance(i, torch.fx.Node) else None
+             for i in node.args[1] if i is not None]
+    return bool(metas) and all(m is not None and not m.dtype.is_floating_point and not m.dtype.is_complex
+                               and m.dtype not in (torch.bool, torch.uint8) for m in metas)
+
+
 def _schema_args(op, node: torch.fx.Node) -> list:
     schema = op._schema
     values = list(node.args) + [None] * (len(schema.arguments) - len(node.args))
@@ -267,6 +279,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             else:
                 node_buffers[node.name] = [new_buffer(node, 0, meta, "input", 0)]
             placeholders += 1
+        elif node.op == "get_attr":
+            node_buffers[node.name] = [None]  # a constant the traced code made, held by the graph
         elif node.op == "call_function" and node.target is operator.getitem:
             # Unpacking one output uses that output's buffer alone: the others of a
             # multi-output op (a norm's mean and rstd, say) are free from their last use.
@@ -278,7 +292,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             op = node.target
             tags = set(getattr(op, "tags", ()))
-            if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+            if (torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags) \
+                    and not _indexes_by_integers(op, node):
                 raise UnsupportedGraph(f"unsupported op {op} (node {node.name}): its output depends on the "
                                        "input values, so a plan made for these inputs would not hold for others")
             ops[str(op)] = ops.get(str(op), 0) + 1
@@ -540,12 +555,16 @@ def _planned_run(plan: ModulePlan, inputs):
                     env[node.name] = dst
                     check_placed(node.name)
                 placeholder_index += 1
+            elif node.op == "get_attr":
+                env[node.name] = _graph_constant(g.module, node.target)
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node.name] = env[node.args[0].name][node.args[1]]
             elif node.op == "call_function":
                 op = node.target
                 args = [value(a) for a in node.args]
                 kwargs = {k: value(v) for k, v in node.kwargs.items()}
+                if op in _STORAGE_OFFSET_OPS:
+                    _offset_into_slot(node, args, kwargs, g, plan.offsets)
                 created = [(i, bid) for i, bid in enumerate(g.node_buffers[node.name])
                            if bid is not None and g.buffers[bid].node == node.name]
                 if not created:  # views and in-place ops run on the arena's tensors directly
@@ -583,6 +602,35 @@ def _planned_run(plan: ModulePlan, inputs):
                 plan.placed_buffers = placed
                 return _unflatten(g, _clone_tree(value(node.args[0])))
     raise RuntimeError("the traced graph has no output")
+
+
+# Ops whose `storage_offset` argument counts elements from the start of their input's
+# storage: in the traced run that storage was the input's buffer alone, in a planned run it
+# is the whole arena.
+_STORAGE_OFFSET_OPS = (torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_.default)
+
+
+def _offset_into_slot(node: torch.fx.Node, args: list, kwargs: dict, g: Graph, offsets) -> None:
+    """Moves an explicit storage offset of ``node`` (an op of _STORAGE_OFFSET_OPS) from its
+    input buffer's own storage to that buffer's slot in the arena."""
+    source = node.args[0]
+    bid = g.node_buffers[source.name][0] if isinstance(source, torch.fx.Node) else None
+    if bid is None:  # a parameter, a module buffer or a constant: its own storage, as traced
+        return
+    element = args[0].element_size()
+    start = int(offsets[bid])
+    if "storage_offset" in kwargs and kwargs["storage_offset"] is not None:
+        kwargs["storage_offset"] += start // element
+    elif len(args) > 3 and args[3] is not None:
+        args[3] += start // element
+
+
+def _graph_constant(gm: torch.fx.GraphModule, target: str):
+    """The tensor a get_attr node names (``a.b`` walks submodules)."""
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _unflatten(g: Graph, out):

@@ -18,7 +18,8 @@ def storage_of(t):
 
 def observe(graph, module, inputs):
     """Runs the traced graph node by node, dropping each value after its last user. Returns
-    {(node, index): storage} of every tensor value and, per step, the storages referenced."""
+    {(node, index): storage} of every tensor value, per step the storages referenced, and the
+    storages of the graph's constants."""
     gm = graph.module
     nodes = list(gm.graph.nodes)
     last_user = {}
@@ -27,12 +28,15 @@ def observe(graph, module, inputs):
             last_user[a.name] = i
     state = [*dict(module.named_parameters()).values(), *dict(module.named_buffers()).values()]
     feed = iter([*state, *inputs])
-    env, storages, alive = {}, {}, []
+    env, storages, alive, constants = {}, {}, [], set()
     keep = []  # every value stays referenced here, so no address is reused by a later tensor
     with torch.no_grad():
         for i, n in enumerate(nodes):
             if n.op == "placeholder":
                 env[n.name] = next(feed)
+            elif n.op == "get_attr":  # a constant the traced code made
+                env[n.name] = getattr(gm, n.target)
+                constants.add(storage_of(env[n.name]))
             elif n.op == "output":
                 pass
             else:
@@ -50,13 +54,13 @@ def observe(graph, module, inputs):
             for name in [k for k in env if last_user.get(k, -1) <= i and k != n.name or
                          (k == n.name and last_user.get(k, -1) < i)]:
                 del env[name]
-    return storages, alive
+    return storages, alive, constants
 
 
 def check_against_runtime(module, *inputs, training=False):
     graph = trace(module, *inputs, training=training)
-    storages, alive = observe(graph, module, inputs)
-    state_storages = {storage_of(t) for t in [*module.parameters(), *module.buffers()]}
+    storages, alive, constants = observe(graph, module, inputs)
+    state_storages = {storage_of(t) for t in [*module.parameters(), *module.buffers()]} | constants
     by_buffer = {}
     for node, bids in graph.node_buffers.items():
         for k, bid in enumerate(bids):
@@ -169,6 +173,44 @@ def test_each_output_of_a_multi_output_op_lives_to_its_own_last_use(training):
     graph = check_against_runtime(module, x, training=training)
     assert any(op.startswith("aten.native_layer_norm") for op in graph.ops)
     planned_equals_eager(module, x, training)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_swin_transformer_indexes_constants_and_strides_into_its_slots(training):
+    """Swin indexes its relative position table with integer tensors (aten.index.Tensor, an op
+    tagged dynamic-shape only because a boolean mask would make it so), holds tensors its
+    forward made as graph constants (get_attr), and its backward takes as_strided views at
+    explicit storage offsets, which count from the start of a buffer's slot in the arena."""
+    torch.manual_seed(0)
+    module = torchvision.models.SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2], num_heads=[2],
+                                                window_size=[4, 4], num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    graph = check_against_runtime(module, x, training=training)
+    assert "aten.index.Tensor" in graph.ops
+    assert any(n.op == "get_attr" for n in graph.module.graph.nodes)
+    if training:
+        assert any(n.target is torch.ops.aten.as_strided.default and len(n.args) > 3
+                   for n in graph.module.graph.nodes)
+    planned_equals_eager(module, x, training)
+
+
+def test_integer_indexing_is_planned_and_a_boolean_mask_is_refused():
+    class Gather(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("order", torch.tensor([2, 0, 1]))
+
+        def forward(self, x):
+            return x[:, self.order] * 2
+
+    class Mask(torch.nn.Module):
+        def forward(self, x):
+            return x[x > 0]  # as many elements as are positive
+
+    torch.manual_seed(0)
+    planned_equals_eager(Gather(), torch.randn(4, 3), training=False)
+    with pytest.raises(UnsupportedGraph, match="aten.index.Tensor.*depends on the input values"):
+        trace(Mask(), torch.randn(5))
 
 
 def planned_equals_eager(module, x, training):
