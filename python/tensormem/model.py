@@ -503,6 +503,12 @@ def _planned_run(plan: ModulePlan, inputs):
     if len(inputs) + len(module_state) != sum(1 for n in g.module.graph.nodes if n.op == "placeholder"):
         raise ValueError(f"ModulePlan.run: {len(inputs)} inputs given, the traced call had "
                          f"{sum(1 for n in g.module.graph.nodes if n.op == 'placeholder') - len(module_state)}")
+    misplaced = _misaligned_buffer(plan)
+    if misplaced is not None:
+        b, element, widest = misplaced
+        raise ValueError(f"ModulePlan.run: buffer {b.name} holds {element}-byte elements but starts at byte "
+                         f"{int(plan.offsets[b.id])} of the arena (alignment {plan.alignment}); plan with an "
+                         f"alignment of {widest} or more to run it")
     arena = torch.empty(max(plan.arena_bytes, 1), dtype=torch.uint8)
     env: Dict[str, object] = {}
     moved = 0
@@ -618,11 +624,29 @@ def _offset_into_slot(node: torch.fx.Node, args: list, kwargs: dict, g: Graph, o
     if bid is None:  # a parameter, a module buffer or a constant: its own storage, as traced
         return
     element = args[0].element_size()
-    start = int(offsets[bid])
+    start = int(offsets[bid])  # a whole number of elements: checked before the run starts
     if "storage_offset" in kwargs and kwargs["storage_offset"] is not None:
         kwargs["storage_offset"] += start // element
     elif len(args) > 3 and args[3] is not None:
         args[3] += start // element
+
+
+def _misaligned_buffer(plan: ModulePlan) -> Optional[Tuple[Buffer, int, int]]:
+    """The first buffer whose planned offset is not a whole number of its elements (a tensor
+    cannot start there), with its element size and the widest element of the graph; None
+    when every buffer can be placed."""
+    g = plan.graph
+    first, widest = None, 1
+    for node in g.module.graph.nodes:
+        metas = [node.meta.get("tensor_meta")] if node.op == "placeholder" else g.metas.get(node.name)
+        for i, bid in enumerate(g.node_buffers.get(node.name, []) if metas else []):
+            if bid is None or g.buffers[bid].node != node.name or i >= len(metas) or metas[i] is None:
+                continue
+            element = torch.empty((), dtype=metas[i].dtype).element_size()
+            widest = max(widest, element)
+            if first is None and g.buffers[bid].nbytes and int(plan.offsets[bid]) % element:
+                first = (g.buffers[bid], element)
+    return None if first is None else (*first, widest)
 
 
 def _graph_constant(gm: torch.fx.GraphModule, target: str):

@@ -393,6 +393,23 @@ def test_run_refuses_inputs_the_plan_was_not_made_for():
         assert torch.equal(plan.run(x), model(x))
 
 
+def test_run_refuses_a_plan_whose_offsets_split_an_element():
+    """An alignment below the element size packs tighter, and the plan is valid as bytes, but
+    a float32 tensor cannot start at an odd byte: run says so instead of failing inside torch."""
+
+    class Mixed(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2).sum() + x[:3].to(torch.int8).float().sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(5)
+    tight = plan_module(Mixed(), x, alignment=1, time_limit=0.5)
+    assert any(int(tight.offsets[b.id]) % 4 for b in tight.graph.buffers if b.nbytes % 4 == 0 and b.nbytes)
+    with pytest.raises(ValueError, match=r"holds 4-byte elements but starts at byte \d+ .*alignment of 4 or more"):
+        tight.run(x)
+    assert torch.equal(plan_module(Mixed(), x, alignment=4, time_limit=0.5).run(x), Mixed()(x))
+
+
 def hook_or_skip():
     try:
         from tensormem import _tensormem_torch  # noqa: F401
