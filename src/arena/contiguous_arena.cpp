@@ -68,9 +68,11 @@ contiguous_arena::~contiguous_arena() {
 }
 
 void contiguous_arena::check_owner(std::uint64_t id, const char* what) const {
-  if ((id >> id_counter_bits) != serial_) {
-    throw std::invalid_argument(std::string("contiguous_arena: ") + what + " of tensor " +
-                                std::to_string(id) + ", which belongs to another arena");
+  if (const std::uint64_t serial = id >> id_counter_bits; serial != serial_) {
+    // Serial 0 is never issued: such a number was made by no arena at all.
+    throw std::invalid_argument(std::string("contiguous_arena: ") + what + " of tensor " + std::to_string(id) +
+                                (serial == 0 ? ", which no arena handed out (not a tensor id)"
+                                             : ", which belongs to another arena"));
   }
 }
 

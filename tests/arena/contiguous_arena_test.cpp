@@ -339,6 +339,24 @@ TEST(contiguous_arena, another_arenas_id_is_refused_and_changes_nothing) {
   b.release(theirs);
 }
 
+TEST(contiguous_arena, a_number_no_arena_handed_out_is_refused_as_such) {
+  memory::host_resource host;
+  contiguous_arena a(host, 1 << 16);
+  const tensor_block mine = a.allocate(1000);
+  for (const std::uint64_t id : {std::uint64_t{0}, std::uint64_t{99}, (std::uint64_t{1} << 40) - 1U}) {
+    try {
+      a.release(id);
+      FAIL() << "no exception for " << id;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("which no arena handed out"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(a.contains(mine.id));
+  EXPECT_EQ(a.stats().used_bytes, 1024U);
+  a.release(mine);
+  EXPECT_EQ(a.stats().used_bytes, 0U);
+}
+
 // Brute force over every window [L, R) whose ends are gap edges: the blocks inside slide
 // down to L; the window opens (R - L) - their bytes, and costs the bytes of those that move.
 std::optional<std::uint64_t> cheapest_window(const std::vector<core::placed_block>& blocks,

@@ -204,6 +204,16 @@ def test_arena_refuses_another_arenas_id():
     b.release(theirs)
 
 
+def test_arena_refuses_a_number_no_arena_handed_out():
+    a = tensormem.ContiguousArena(1 << 16)
+    mine, _ = a.allocate(1000)
+    for bogus in (0, 99):
+        with pytest.raises(ValueError, match="no arena handed out"):
+            a.release(bogus)
+    assert a.stats()["used_bytes"] == 1024
+    a.release(mine)
+
+
 def test_contiguous_memory_allocator_refuses_another_allocators_tensor():
     a = ContiguousMemoryAllocator(64, torch.float32)
     b = ContiguousMemoryAllocator(64, torch.float32)
