@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
+#include "huge_pages.hpp"
 #include "progress.hpp"
 #include "report.hpp"
 #include "tensormem/core/planner.hpp"
@@ -101,6 +102,7 @@ void run_plan(plan_cli_options o) {
     j["best_plan_seconds"] = r.best_plan_seconds;
     j["peak_rss_bytes"] = peak_rss_bytes();
     j["strategy"] = r.strategy;
+    j["heap_huge_pages"] = huge_pages_status();
     std::cout << j.dump() << '\n';
     return;
   }
@@ -115,7 +117,8 @@ void run_plan(plan_cli_options o) {
                            r.seconds, r.greedy_seconds, r.first_plan_seconds, r.best_plan_seconds)
             << fmt::format("read         {:.3f} s before planning; validated in {:.3f} s after\n", read_seconds,
                            validate_seconds)
-            << fmt::format("peak RSS     {}\n", human_bytes(peak_rss_bytes()))
+            << fmt::format("peak RSS     {} (heap on huge pages: {})\n", human_bytes(peak_rss_bytes()),
+                           huge_pages_status())
             << "validated    yes\n";
 }
 

@@ -8,12 +8,14 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.hpp"
+#include "huge_pages.hpp"
 #include "progress.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/memory/errors.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
 int main(int argc, char** argv) {
+  tensormem::cli::use_huge_pages(argv);
   CLI::App app{"tensormem: tensor memory planning, arenas, pinned memory and swapping"};
   app.require_subcommand(1);
   // Help shows every option's default value (inherited by the subcommands added below).
@@ -25,9 +27,10 @@ int main(int argc, char** argv) {
   // The version, and whether the CUDA resources can be used here (and why not).
   app.set_version_flag("--version", [] {
     std::string text = std::string("tensormem ") + TENSORMEM_VERSION + "\nCUDA resources: ";
-    if (!tensormem::memory::cuda_built()) return text + "not built";
-    const std::string why = tensormem::memory::cuda_unavailable_reason();
-    return text + (why.empty() ? std::string("available") : "unavailable (" + why + ")");
+    if (!tensormem::memory::cuda_built()) text += "not built";
+    else if (const std::string why = tensormem::memory::cuda_unavailable_reason(); why.empty()) text += "available";
+    else text += "unavailable (" + why + ")";
+    return text + "\nheap on huge pages: " + tensormem::cli::huge_pages_status();
   });
   tensormem::cli::add_demo_command(app);
   tensormem::cli::add_plan_command(app);
