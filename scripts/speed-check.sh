@@ -74,6 +74,8 @@ EOF
 
 echo "## Planner (wall from /usr/bin/time; ratio = arena / lower bound; every plan validated)"
 echo
+echo "The CLI's $("$build/bin/tensormem" --version | grep '^heap on huge pages') (TENSORMEM_HUGE_PAGES=0 turns it off)."
+echo
 echo "| input | T s | wall s | ratio | first plan s | peak RSS MiB |"
 echo "|---|---:|---:|---:|---:|---:|"
 for trace in "$root"/tests/data/traces/*.csv; do
