@@ -91,6 +91,12 @@ TEST_F(cli_huge_pages, the_callers_own_setting_is_kept) {
   if (const std::string s = decided(); !s.empty()) {
     EXPECT_EQ(s, "off (GLIBC_TUNABLES: glibc.malloc.hugetlb=0)");
   }
+  // The last setting counts, as in glibc.
+  setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0:glibc.malloc.check=0:glibc.malloc.hugetlb=2", 1);
+  tensormem::cli::use_huge_pages(sentinel_argv);
+  if (const std::string s = decided(); !s.empty()) {
+    EXPECT_EQ(s, "on (GLIBC_TUNABLES: glibc.malloc.hugetlb=2)");
+  }
   // A name that only ends like the tunable's is not it; the switch then turns it off.
   setenv("GLIBC_TUNABLES", "glibc.malloc.xhugetlb=1", 1);
   setenv("TENSORMEM_HUGE_PAGES", "0", 1);

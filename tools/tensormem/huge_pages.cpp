@@ -34,16 +34,18 @@ std::string thp_mode() {
   return line.substr(open + 1, close - open - 1);
 }
 
-// The value GLIBC_TUNABLES gives glibc.malloc.hugetlb, or empty.
+// The value GLIBC_TUNABLES gives glibc.malloc.hugetlb (the last, as glibc reads them in
+// order), or empty.
 std::string hugetlb_value(std::string_view tunables) {
+  std::string value;
   for (std::size_t start = 0; start <= tunables.size();) {
     const std::size_t end = std::min(tunables.find(':', start), tunables.size());
     if (const std::string_view item = tunables.substr(start, end - start); item.starts_with(tunable)) {
-      return std::string(item.substr(tunable.size()));
+      value = item.substr(tunable.size());
     }
     start = end + 1;
   }
-  return {};
+  return value;
 }
 
 bool sanitized() {
