@@ -38,6 +38,14 @@ class cli_huge_pages : public ::testing::Test {
     if (value == "<unset>") unsetenv(name);
     else setenv(name, value.c_str(), 1);
   }
+  // Runs the choice as a second run would: with the first run's marker and the tunables it
+  // was started with.
+  static void as_second_run(const char* saved, const char* tunables) {
+    setenv(marker, saved, 1);
+    if (tunables != nullptr) setenv("GLIBC_TUNABLES", tunables, 1);
+    else unsetenv("GLIBC_TUNABLES");
+    tensormem::cli::use_huge_pages(sentinel_argv);
+  }
   // The status, or empty in a build whose allocator ignores the tunable (sanitizers).
   static std::string decided() {
     const std::string& s = tensormem::cli::huge_pages_status();
@@ -52,9 +60,7 @@ TEST_F(cli_huge_pages, sentinel_not_a_second_run) {
 }
 
 TEST_F(cli_huge_pages, the_second_run_puts_the_callers_tunables_back) {
-  setenv(marker, "=glibc.malloc.mmap_threshold=4096", 1);
-  setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4096:glibc.malloc.hugetlb=1", 1);
-  tensormem::cli::use_huge_pages(sentinel_argv);
+  as_second_run("=glibc.malloc.mmap_threshold=4096", "glibc.malloc.mmap_threshold=4096:glibc.malloc.hugetlb=1");
   EXPECT_EQ(env("GLIBC_TUNABLES"), "glibc.malloc.mmap_threshold=4096");
   EXPECT_EQ(env(marker), "<unset>");
   if (const std::string s = decided(); !s.empty()) {
@@ -63,9 +69,7 @@ TEST_F(cli_huge_pages, the_second_run_puts_the_callers_tunables_back) {
 }
 
 TEST_F(cli_huge_pages, a_caller_without_tunables_gets_none_back) {
-  setenv(marker, "-", 1);
-  setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1);
-  tensormem::cli::use_huge_pages(sentinel_argv);
+  as_second_run("-", "glibc.malloc.hugetlb=1");
   EXPECT_EQ(env("GLIBC_TUNABLES"), "<unset>");
   EXPECT_EQ(env(marker), "<unset>");
 }
@@ -73,10 +77,8 @@ TEST_F(cli_huge_pages, a_caller_without_tunables_gets_none_back) {
 // glibc drops GLIBC_TUNABLES for some programs (set-user-ID ones): the second run must not
 // try a third time.
 TEST_F(cli_huge_pages, a_second_run_without_the_tunable_does_not_run_again) {
-  setenv(marker, "-", 1);
-  unsetenv("GLIBC_TUNABLES");
   unsetenv("TENSORMEM_HUGE_PAGES");
-  tensormem::cli::use_huge_pages(sentinel_argv);
+  as_second_run("-", nullptr);
   if (const std::string s = decided(); !s.empty()) {
     EXPECT_EQ(s, "off (GLIBC_TUNABLES did not reach the second run)");
   }

@@ -48,6 +48,13 @@ std::string hugetlb_value(std::string_view tunables) {
   return value;
 }
 
+// Puts GLIBC_TUNABLES back as `saved` says (the second run's marker: "-" or "=" and a value).
+void restore_tunables(const std::string& saved) {
+  if (saved[0] == '=') setenv("GLIBC_TUNABLES", saved.c_str() + 1, 1);
+  else unsetenv("GLIBC_TUNABLES");
+  unsetenv(second_run);
+}
+
 bool sanitized() {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   return true;
@@ -68,12 +75,11 @@ void use_huge_pages(char** argv) {
   // The second run puts the caller's GLIBC_TUNABLES back (this run has read it already), so
   // that programs it starts see what the caller set.
   const char* marker = std::getenv(second_run);
-  const std::string in_effect = std::getenv("GLIBC_TUNABLES") != nullptr ? std::getenv("GLIBC_TUNABLES") : "";
-  if (marker != nullptr) {
-    if (marker[0] == '=') setenv("GLIBC_TUNABLES", marker + 1, 1);
-    else unsetenv("GLIBC_TUNABLES");
-    unsetenv(second_run);
-  }
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  const std::string in_effect = tunables != nullptr ? tunables : "";
+  // The marker this run would give a second one, or got from a first one.
+  const std::string caller = tunables != nullptr ? "=" + in_effect : "-";
+  if (marker != nullptr) restore_tunables(marker);
 #ifndef __GLIBC__
   status() = "off (not glibc's malloc)";
   return;
@@ -104,16 +110,13 @@ void use_huge_pages(char** argv) {
     status() = "off (transparent huge pages: " + (mode.empty() ? std::string("not available") : mode) + ")";
     return;
   }
-  const std::string caller = std::getenv("GLIBC_TUNABLES") != nullptr ? "=" + in_effect : "-";
   const std::string asked = (in_effect.empty() ? "" : in_effect + ":") + std::string(tunable) + "1";
   setenv(second_run, caller.c_str(), 1);
   setenv("GLIBC_TUNABLES", asked.c_str(), 1);
   execv("/proc/self/exe", argv);
   // Still here: the environment as it was, and on with 4 KiB pages.
   const int error = errno;
-  if (caller[0] == '=') setenv("GLIBC_TUNABLES", in_effect.c_str(), 1);
-  else unsetenv("GLIBC_TUNABLES");
-  unsetenv(second_run);
+  restore_tunables(caller);
   status() = std::string("off (could not run /proc/self/exe again: ") + std::strerror(error) + ")";
 }
 
