@@ -1,0 +1,218 @@
+// The CUDA paths on a real device, each against a host oracle: device moves against
+// std::memmove, an arena of device memory through defragmentations against the patterns
+// written into it, and cudaMalloc's failure. Without a device (or a build without CUDA)
+// every case skips and says why.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tensormem/arena/contiguous_arena.hpp"
+#include "tensormem/memory/cuda_resources.hpp"
+#include "tensormem/memory/errors.hpp"
+#include "tensormem/memory/host_resource.hpp"
+
+#ifdef TENSORMEM_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace tensormem::memory {
+namespace {
+
+std::byte pattern(std::uint64_t key, std::uint64_t i) {
+  return static_cast<std::byte>((key * 131 + i * 7 + (i >> 8)) & 0xff);
+}
+
+using put_bytes = void (*)(void* dst, const void* src, std::size_t bytes);
+using get_bytes = std::vector<std::byte> (*)(const void* src, std::size_t bytes);
+
+// Random allocations (up to a sixth of the arena) and releases that keep it about four fifths
+// full, with both policies: after every defragmentation (and every 25 steps) each live
+// tensor's bytes are read back through `get` and compared with the pattern `put` wrote, and
+// each bound observer must have been told the tensor's current place.
+void check_arena_contents(memory_resource& resource, put_bytes put, get_bytes get) {
+  for (const arena::defrag_policy policy :
+       {arena::defrag_policy::minimal_move, arena::defrag_policy::full_compaction}) {
+    constexpr std::uint64_t capacity = std::uint64_t{1} << 20;
+    arena::contiguous_arena a(resource, capacity, {.alignment = 256, .policy = policy});
+    std::map<std::uint64_t, std::uint64_t> live;  // id -> bytes
+    std::map<std::uint64_t, std::byte*> told;     // id -> where its observer was last told
+    std::mt19937_64 rng(policy == arena::defrag_policy::minimal_move ? 7 : 8);
+    std::uint64_t defragmentations_seen = 0;
+    for (int step = 0; step < 2000; ++step) {
+      const arena::arena_stats s = a.stats();
+      const std::uint64_t bytes = 1 + rng() % (capacity / 6);
+      if (!live.empty() && (rng() % 100 < 30 || bytes > s.free_bytes || s.free_bytes < capacity / 5)) {
+        auto it = live.begin();
+        std::advance(it, static_cast<long>(rng() % live.size()));
+        a.release(it->first);
+        told.erase(it->first);
+        live.erase(it);
+      } else {
+        const arena::tensor_block b = a.allocate(bytes);
+        std::vector<std::byte> host(bytes);
+        for (std::uint64_t i = 0; i < bytes; ++i) host[i] = pattern(b.id, i);
+        put(b.data(), host.data(), bytes);
+        a.bind(b.id, [&told](const arena::tensor_block& moved) { told[moved.id] = moved.data(); });
+        live[b.id] = bytes;
+      }
+      const std::uint64_t defragmentations = a.stats().defragmentations;
+      if (defragmentations == defragmentations_seen && step % 25 != 0) continue;
+      defragmentations_seen = defragmentations;
+      for (const auto& [id, size] : live) {
+        const arena::tensor_block b = a.block(id);
+        if (told.contains(id)) {
+          ASSERT_EQ(told[id], b.data()) << "observer of tensor " << id;
+        }
+        const std::vector<std::byte> got = get(b.data(), size);
+        for (std::uint64_t i = 0; i < size; ++i) {
+          ASSERT_EQ(got[i], pattern(id, i)) << "tensor " << id << " byte " << i << " at step " << step;
+        }
+      }
+    }
+    const arena::arena_stats end = a.stats();
+    EXPECT_GT(end.defragmentations, 50U) << "the loop must defragment";
+    std::printf("%s: %llu defragmentations, %llu bytes moved\n",
+                policy == arena::defrag_policy::minimal_move ? "minimal move" : "full compaction",
+                static_cast<unsigned long long>(end.defragmentations),
+                static_cast<unsigned long long>(end.bytes_moved));
+    EXPECT_GT(end.bytes_moved, 0U);
+  }
+}
+
+void host_put(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+std::vector<std::byte> host_get(const void* src, std::size_t bytes) {
+  const auto* p = static_cast<const std::byte*>(src);
+  return {p, p + bytes};
+}
+
+TEST(cuda_device, the_arena_content_check_defragments_on_host_memory) {
+  host_resource host;
+  check_arena_contents(host, host_put, host_get);
+}
+
+#ifdef TENSORMEM_HAVE_CUDA
+
+#define SKIP_WITHOUT_A_DEVICE()                                                    \
+  do {                                                                             \
+    const std::string why = cuda_unavailable_reason();                             \
+    if (!why.empty()) GTEST_SKIP() << "CUDA device test skipped: " << why;         \
+  } while (false)
+
+void to_device(void* dst, const void* src, std::size_t bytes) {
+  ASSERT_EQ(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+}
+std::vector<std::byte> from_device(const void* src, std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  EXPECT_EQ(cudaMemcpy(out.data(), src, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+// Random moves inside one device buffer, overlapping in both directions at distances from
+// 1 byte up, mirrored by std::memmove on a host copy; the device bytes must equal the
+// mirror's after every few moves.
+TEST(cuda_device, cuda_move_matches_memmove_for_overlapping_moves) {
+  SKIP_WITHOUT_A_DEVICE();
+  cuda_device_resource device;
+  constexpr std::size_t n = std::size_t{1} << 20;
+  void* buffer = device.allocate(n);
+  auto* d = static_cast<std::byte*>(buffer);
+  std::vector<std::byte> mirror(n);
+  for (std::size_t i = 0; i < n; ++i) mirror[i] = pattern(1, i);
+  to_device(d, mirror.data(), n);
+  std::mt19937_64 rng(20261127);
+  for (int step = 0; step < 400; ++step) {
+    // Short distances make many chunks: keep those moves short.
+    const bool near = step % 2 == 0;
+    const std::size_t distance = near ? 1 + rng() % 64 : 1 + rng() % (n / 2);
+    const std::size_t limit = near ? 4096 : n - distance;
+    const std::size_t bytes = std::min<std::size_t>(1 + rng() % limit, n - distance);
+    const std::size_t low = rng() % (n - distance - bytes + 1);
+    const bool up = rng() % 2 == 0;
+    const std::size_t src = up ? low : low + distance;
+    const std::size_t dst = up ? low + distance : low;
+    cuda_move(d + dst, d + src, bytes);
+    std::memmove(mirror.data() + dst, mirror.data() + src, bytes);
+    if (step % 20 == 19) {
+      ASSERT_TRUE(from_device(d, n) == mirror) << "after step " << step << " (" << bytes << " bytes, "
+                                               << (up ? "up" : "down") << " by " << distance << ")";
+    }
+  }
+  cuda_move(d, d, n);        // no-op
+  cuda_move(d + 5, d, 0);    // no-op
+  ASSERT_TRUE(from_device(d, n) == mirror);
+  device.deallocate(buffer, n);
+}
+
+// An arena of device memory under random allocations and releases, with both policies:
+// every live tensor keeps its pattern through every defragmentation, and every bound
+// observer knows where its tensor went. Also run on host memory below, where it needs no
+// device (the same loop must defragment there).
+TEST(cuda_device, arena_keeps_device_contents_through_defragmentation) {
+  SKIP_WITHOUT_A_DEVICE();
+  cuda_device_resource device;
+  check_arena_contents(device, to_device, from_device);
+}
+
+// cudaMalloc's failure is out_of_memory naming the request, and leaves no sticky error:
+// the next allocation works.
+TEST(cuda_device, a_failed_cudamalloc_is_out_of_memory_and_leaves_the_device_usable) {
+  SKIP_WITHOUT_A_DEVICE();
+  cuda_device_resource device;
+  const std::size_t huge = std::size_t{1} << 52;  // 4 PiB
+  try {
+    (void)device.allocate(huge);
+    FAIL() << "cudaMalloc of 4 PiB succeeded";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(huge)), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  void* p = device.allocate(1 << 20);
+  ASSERT_NE(p, nullptr);
+  const std::vector<std::byte> zeros(1 << 20);
+  to_device(p, zeros.data(), zeros.size());
+  device.deallocate(p, 1 << 20);
+  EXPECT_THROW((void)device.allocate(64, 512), std::invalid_argument);
+}
+
+// cudaHostAlloc memory is host memory the device can reach: the runtime says so, and a
+// device-to-host copy lands in it.
+TEST(cuda_device, pinned_memory_is_registered_and_reachable_from_the_device) {
+  SKIP_WITHOUT_A_DEVICE();
+  cuda_pinned_resource pinned;
+  cuda_device_resource device;
+  constexpr std::size_t n = 3 * 4096 + 5;
+  auto* host = static_cast<std::byte*>(pinned.allocate(n, 4096));
+  cudaPointerAttributes attributes{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attributes, host), cudaSuccess);
+  EXPECT_EQ(attributes.type, cudaMemoryTypeHost);
+  void* d = device.allocate(n);
+  std::vector<std::byte> expected(n);
+  for (std::size_t i = 0; i < n; ++i) expected[i] = pattern(3, i);
+  to_device(d, expected.data(), n);
+  ASSERT_EQ(cudaMemcpyAsync(host, d, n, cudaMemcpyDeviceToHost, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+  EXPECT_EQ(std::memcmp(host, expected.data(), n), 0);
+  device.deallocate(d, n);
+  pinned.deallocate(host, n, 4096);
+}
+
+#else
+
+TEST(cuda_device, skipped_in_a_build_without_cuda) {
+  EXPECT_FALSE(cuda_built());
+  GTEST_SKIP() << "CUDA device tests skipped: built without CUDA (" << cuda_unavailable_reason() << ")";
+}
+
+#endif
+
+}  // namespace
+}  // namespace tensormem::memory
