@@ -94,7 +94,13 @@ class _PinnedTensors:
         tensor = torch.utils.dlpack.from_dlpack(buffer)[:nbytes].view(dtype)
         assert _address(tensor) == start
         if torch.cuda.is_available():  # let torch know the memory is pinned
-            torch.cuda.cudart().cudaHostRegister(start, max(nbytes, 1), 0)
+            error = int(torch.cuda.cudart().cudaHostRegister(start, max(nbytes, 1), 0))
+            if error != 0:
+                with self._lock:
+                    del self._regions[start]
+                del tensor, buffer  # the bytes go back to the pool
+                raise MemoryError(f"new_cpu_locked_tensor: cudaHostRegister of {nbytes} bytes failed "
+                                  f"with CUDA error {error}")
         return tensor
 
     def free(self, tensor: torch.Tensor) -> bool:

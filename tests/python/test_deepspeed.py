@@ -252,6 +252,83 @@ def test_pinned_tensors():
     assert z.numel() == 0 and h.free_cpu_locked_tensor(z)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+
+@needs_cuda
+def test_pinned_tensors_are_registered_with_cuda():
+    """Where torch sees a device, every locked tensor is pinned in torch's eyes (small ones
+    sharing no page with each other included), copies to and from the device round trip,
+    and a freed tensor is no longer registered."""
+    tensors = [ds.new_cpu_locked_tensor(n, torch.zeros(1)) for n in (1, 10, 1000, 1 << 20, 3)]
+    for i, t in enumerate(tensors):
+        assert t.is_pinned(), f"tensor {i} of {t.numel()} elements"
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32) + i)
+        on_device = t.to("cuda", non_blocking=True)
+        back = torch.empty_like(t).pin_memory()
+        back.copy_(on_device, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(back, t)
+    for t in tensors:
+        assert ds.free_cpu_locked_tensor(t)
+        assert not t.is_pinned()
+
+
+def test_a_refused_cuda_registration_is_an_error(monkeypatch):
+    """cudaHostRegister's error is raised, not dropped, and the buffer goes back to the pool."""
+    class FakeCudart:
+        def cudaHostRegister(self, address, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    before = ds._PINNED.stats().get("in_use_bytes", 0)
+    with pytest.raises(MemoryError, match="cudaHostRegister.*error 2"):
+        ds.new_cpu_locked_tensor(1000, torch.zeros(1))
+    assert ds._PINNED.stats()["in_use_bytes"] == before
+    assert not ds._PINNED._regions or all(
+        limit - start != 4000 for start, (limit, _b) in ds._PINNED._regions.items())
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_cuda_tensors_round_trip_through_the_handle(tmp_path, dtype):
+    """A CUDA tensor is written through a bounce copy (the file holds its raw bytes) and
+    read back into a CUDA tensor by wait()."""
+    h = ds.aio_handle()
+    source = random_tensor(100_003, dtype, 5).to("cuda")
+    path = str(tmp_path / "cuda.bin")
+    assert h.async_pwrite(source, path) == 0 and h.wait() == 1
+    assert pathlib_bytes(path) == raw_bytes(source.cpu())
+    back = torch.zeros_like(source)
+    assert h.sync_pread(back, path) == 1
+    assert back.device.type == "cuda" and torch.equal(back, source)
+    strided = torch.zeros((2, 100_003), dtype=dtype, device="cuda")[1]  # a view at an offset
+    assert h.async_pread(strided, path) == 0 and h.wait() == 1
+    assert torch.equal(strided, source)
+
+
+@needs_cuda
+def test_swapper_takes_cuda_gradients(tmp_path):
+    """DeepSpeed's gradients live on the device: the swapper copies them into the pinned
+    buffers and the files hold their bytes, zero-padded to the alignment."""
+    handle = ds.aio_handle()
+    swapper = ds.AsyncTensorSwapper(handle, numel_alignment=256, timers=None)
+    swapper.add_buffers([handle.new_cpu_locked_tensor(4096, torch.zeros(1)) for _ in range(2)])
+    expected = {}
+    for batch in range(4):
+        grads = [torch.randn(1000 + 17 * i, device="cuda") for i in range(3)]
+        paths = [str(tmp_path / f"g{batch}_{i}") for i in range(3)]
+        swapper.swap_out_tensors(grads, paths)
+        for g, p in zip(grads, paths):
+            expected[p] = g.cpu()
+            g.fill_(float("nan"))
+    swapper.release_buffers()
+    for path, grad in expected.items():
+        aligned = -(-grad.numel() // 256) * 256
+        assert pathlib_bytes(path) == raw_bytes(torch.cat([grad, torch.zeros(aligned - grad.numel())]))
+
+
 def test_pinned_memory_returns_to_the_pool_when_the_tensor_dies():
     before = ds._PINNED.stats().get("in_use_bytes", 0)
     t = ds.new_cpu_locked_tensor(1 << 18, torch.zeros(1))
