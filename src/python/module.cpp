@@ -33,6 +33,7 @@
 #include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
 #include "engine_name.hpp"
+#include "numpy_abi.hpp"
 #include "whole_number.hpp"
 
 namespace py = pybind11;
@@ -354,6 +355,7 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
 /// and negative values are refused with a ValueError naming the argument and the element:
 /// a silent cast would turn -1 into 2^64 - 1 and 1.5 into 1.
 std::vector<std::uint64_t> unsigned_array(const py::handle& object, const char* name) {
+  python::require_numpy_abi(name);
   const py::array a = py::module_::import("numpy").attr("asarray")(object);
   if (a.ndim() != 1) {
     throw std::invalid_argument(std::string(name) + " must be one-dimensional, not " +
@@ -451,6 +453,7 @@ PYBIND11_MODULE(_tensormem, m) {
   m.attr("IO_ENGINES") = engines;  // the names an `engine` argument takes
 
   m.def("read_trace", [](const std::string& path) {
+    python::require_numpy_abi("read_trace");
     const auto b = trace::read_trace(path);
     py::array_t<std::uint64_t> lower(static_cast<py::ssize_t>(b.size()));
     py::array_t<std::uint64_t> upper(static_cast<py::ssize_t>(b.size()));
@@ -528,6 +531,7 @@ PYBIND11_MODULE(_tensormem, m) {
         return out;
       });
   m.def("derive_lifetimes", [](const core::graph& g, u64 weight_alignment) {
+    python::require_numpy_abi("derive_lifetimes");
     const core::graph_lifetimes life = core::derive_lifetimes(g, weight_alignment);
     const auto n = static_cast<py::ssize_t>(life.buffers.size());
     py::array_t<std::uint64_t> lower(n), upper(n), size(n);
@@ -668,6 +672,10 @@ PYBIND11_MODULE(_tensormem, m) {
       .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.bytes; })
       .def_property_readonly("address", [](const pinned_buffer& b) { return reinterpret_cast<std::uintptr_t>(b.data); });
 
+  m.attr("PYBIND11_VERSION") = python::pybind11_version();  // the pybind11 this module was built with
+  m.def("numpy_abi_problem", &python::numpy_abi_problem,
+        "Empty when this build reads the loaded numpy's arrays correctly, else why not (pybind11 < 2.12 "
+        "with numpy 2).");
   m.def("cuda_built", &memory::cuda_built, "True when the CUDA resources were compiled in.");
   m.def("cuda_unavailable_reason", [] {
     py::gil_scoped_release release;

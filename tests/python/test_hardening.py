@@ -487,3 +487,46 @@ def test_aio_handle_sizes_and_offsets_are_whole_numbers(tmp_path):
             ds.aio_handle(**{name: "8"})
     handle.sync_pread(target, path, np.int64(2))
     assert target.tolist() == [2, 3, 4, 5]
+
+
+# ----------------------------------------------------------------------------- numpy 2 and old pybind11
+
+def test_a_build_that_would_misread_numpy2_arrays_refuses_them(tmp_path):
+    """pybind11 before 2.12 reads numpy 2's arrays wrongly (every plan came back overlapping
+    under numpy 2.5). Such a build refuses them with a RuntimeError naming both versions and
+    the remedy; a build with a newer pybind11 reads them. A stand-in numpy 2 (whose asarray
+    must never be reached) checks the refusal under any installed numpy."""
+    import subprocess
+    import sys
+    import textwrap
+    fake = tmp_path / "numpy"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "__version__ = '2.5.2'\n"
+        "def asarray(*a, **k):\n    raise AssertionError('an array was read')\n")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import tensormem
+        major, minor = map(int, tensormem._tensormem.PYBIND11_VERSION.split(".")[:2])
+        print("old" if (major, minor) < (2, 12) else "new", tensormem._tensormem.PYBIND11_VERSION)
+        print("problem:", tensormem._tensormem.numpy_abi_problem())
+        try:
+            tensormem.lower_bound([0], [1], [4])
+        except RuntimeError as e:
+            print("refused:", e)
+        except AssertionError as e:
+            print("read:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    version = lines[0].split()[1]
+    if lines[0].startswith("old"):
+        assert f"pybind11 {version}" in lines[1] and "numpy 2.5.2" in lines[1] and "rebuild" in lines[1]
+        assert lines[2].startswith("refused: lower: ") and "pybind11 >= 2.12" in lines[2]
+    else:
+        assert lines[1] == "problem: " and lines[2] == "read: an array was read"
+    # With the real numpy, this build reads arrays correctly.
+    assert tensormem._tensormem.numpy_abi_problem() == "" or np.__version__.startswith("2")
