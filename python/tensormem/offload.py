@@ -6,7 +6,9 @@ step streams sub-groups of about ``group_bytes`` parameter bytes through a prefe
 that never holds more than ``pinned_budget`` bytes of page-locked staging memory: group k+1 is
 read while group k is updated by a vectorized C++ kernel and group k-1 is written back. The
 update performs the same fp32 operations in the same order as ``torch.optim``'s single-tensor
-(``foreach=False``) loops, fused multiply-adds where PyTorch's CPU kernels fuse them.
+(``foreach=False``) loops, fused multiply-adds where PyTorch's CPU kernels fuse them. Adam's
+first moment is rounded as the installed PyTorch rounds it (``arithmetic="auto"``): 2.x averages
+by ``lerp_``, 1.x by ``mul_`` then ``add_``; ``arithmetic="torch1"`` or ``"torch2"`` picks one.
 
 Steps are atomic on disk: new state goes to a second generation of the files, committed only
 when every group is written. A failed step (a full folder, an I/O error) raises
@@ -47,13 +49,24 @@ def _default_rank() -> int:
     return 0
 
 
+def torch_arithmetic(version: Optional[str] = None) -> str:
+    """Whose rounding Adam and AdamW reproduce: "torch2" for PyTorch 2.x and later (the first
+    moment by ``lerp_``), "torch1" before (``mul_`` then ``add_``). ``version``: PyTorch's,
+    the installed one by default."""
+    major = (version or torch.__version__).split(".")[0]
+    if not major.isdigit():
+        raise ValueError(f"cannot read PyTorch's major version from {version or torch.__version__!r}")
+    return "torch2" if int(major) >= 2 else "torch1"
+
+
 class _OffloadedOptimizer(torch.optim.Optimizer):
     _kind = "adamw"
 
     def __init__(self, params, defaults, *, swap_dirs: Sequence[str], pinned_budget: int = 256 << 20,
                  group_bytes: int = 32 << 20, offload_master: bool = True, rank: Optional[int] = None,
                  stripe_bytes: int = 8 << 20, capacity_bytes: Optional[Sequence[int]] = None,
-                 engine: str = "uring", rings: int = 1, simd: str = "auto", progress: bool = False):
+                 engine: str = "uring", rings: int = 1, simd: str = "auto", progress: bool = False,
+                 arithmetic: str = "auto"):
         if isinstance(swap_dirs, (str, os.PathLike)):
             swap_dirs = [swap_dirs]
         if not swap_dirs:
@@ -68,12 +81,13 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                                  f"{p.dtype} on {p.device}{'' if p.is_contiguous() else ' (non-contiguous)'}")
         self.rank = _default_rank() if rank is None else operator.index(rank)
         self.progress = progress
+        self.arithmetic = torch_arithmetic() if arithmetic == "auto" else arithmetic
         self._core = _tensormem.OffloadedOptimizer(
             [p.numel() for p in self._params], kind=self._kind, offload_master=offload_master,
             group_bytes=operator.index(group_bytes), pinned_budget=operator.index(pinned_budget),
             swap_dirs=[os.fspath(d) for d in swap_dirs], rank=self.rank, stripe_bytes=operator.index(stripe_bytes),
             capacity_bytes=list(capacity_bytes or []), engine=engine, rings=rings,
-            name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd)
+            name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd, arithmetic=self.arithmetic)
         with torch.no_grad():
             self._core.initialize([p.data_ptr() for p in self._params])
         self.last_stats: Dict[str, float] = {}

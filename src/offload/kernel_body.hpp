@@ -20,6 +20,7 @@ struct scalar_vec {
   static type set1(float s) { return s; }
   static type mul(type a, type b) { return a * b; }
   static type add(type a, type b) { return a + b; }
+  static type sub(type a, type b) { return a - b; }
   static type div(type a, type b) { return a / b; }
   static type fmadd(type a, type b, type c) { return std::fma(a, b, c); }
   static type sqrt(type a) { return std::sqrt(a); }
@@ -31,6 +32,8 @@ struct scalar_vec {
 //   addcmul_(t, t, s)  fma(s * t, t, a)
 //   sqrt() / s         sqrt(a) / s,  add_(eps): a + eps
 //   addcdiv_(t, u, s)  a + (s * t) / u
+// and PyTorch 2.x's first moment (adam_arithmetic::torch2), its CPU lerp:
+//   lerp_(t, w)        fma(w, t - a, a) when |w| < 0.5, else fma(w - 1, t - a, t)
 template <class V>
 inline void adam_elements(float* param, const float* grad, float* master, float* m, float* v, std::size_t i,
                           const adam_scalars& s) {
@@ -42,7 +45,10 @@ inline void adam_elements(float* param, const float* grad, float* master, float*
   } else {
     g = V::fmadd(x, V::set1(s.l2), g);
   }
-  T mi = V::fmadd(g, V::set1(s.one_minus_beta1), V::mul(V::load(m + i), V::set1(s.beta1)));
+  const T m0 = V::load(m + i);
+  T mi = s.arithmetic == adam_arithmetic::torch2
+             ? V::fmadd(V::set1(s.lerp_coefficient), V::sub(g, m0), s.lerp_from_end ? g : m0)
+             : V::fmadd(g, V::set1(s.one_minus_beta1), V::mul(m0, V::set1(s.beta1)));
   T vi = V::fmadd(V::mul(V::set1(s.one_minus_beta2), g), g, V::mul(V::load(v + i), V::set1(s.beta2)));
   const T denom = V::add(V::div(V::sqrt(vi), V::set1(s.bias_correction2_sqrt)), V::set1(s.eps));
   x = V::add(x, V::div(V::mul(V::set1(s.neg_step_size), mi), denom));

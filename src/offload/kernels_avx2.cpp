@@ -15,6 +15,7 @@ struct avx2_vec {
   static type set1(float s) { return _mm256_set1_ps(s); }
   static type mul(type a, type b) { return _mm256_mul_ps(a, b); }
   static type add(type a, type b) { return _mm256_add_ps(a, b); }
+  static type sub(type a, type b) { return _mm256_sub_ps(a, b); }
   static type div(type a, type b) { return _mm256_div_ps(a, b); }
   static type fmadd(type a, type b, type c) { return _mm256_fmadd_ps(a, b, c); }
   static type sqrt(type a) { return _mm256_sqrt_ps(a); }

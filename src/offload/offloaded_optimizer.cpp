@@ -246,7 +246,7 @@ void offloaded_optimizer::update_group(const group& g, float* record, std::span<
     } else {
       adam_update(param, grad, mp, state + p.group_offset, state + g.stride + p.group_offset, p.count,
                   make_adam_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                                    options_.kind == optimizer_kind::adamw, step),
+                                    options_.kind == optimizer_kind::adamw, step, options_.arithmetic),
                   simd_);
     }
   }

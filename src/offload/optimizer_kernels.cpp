@@ -38,14 +38,17 @@ std::string_view to_string(simd_level level) noexcept {
 }
 
 adam_scalars make_adam_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
-                               bool decoupled, std::uint64_t step) noexcept {
+                               bool decoupled, std::uint64_t step, adam_arithmetic arithmetic) noexcept {
   adam_scalars s;
+  s.arithmetic = arithmetic;
   const auto t = static_cast<double>(step);
   s.decoupled = decoupled;
   s.decay = static_cast<float>(1 - lr * weight_decay);
   s.l2 = static_cast<float>(weight_decay);
   s.beta1 = static_cast<float>(beta1);
   s.one_minus_beta1 = static_cast<float>(1 - beta1);
+  s.lerp_from_end = !(std::fabs(s.one_minus_beta1) < 0.5F);
+  s.lerp_coefficient = s.lerp_from_end ? s.one_minus_beta1 - 1 : s.one_minus_beta1;
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta2 = static_cast<float>(1 - beta2);
   s.neg_step_size = static_cast<float>(-(lr / (1 - std::pow(beta1, t))));

@@ -11,6 +11,7 @@
 
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "engine_name.hpp"
+#include "numpy_abi.hpp"
 #include "whole_number.hpp"
 
 namespace py = pybind11;
@@ -34,6 +35,12 @@ int parse_simd(const std::string& simd) {
   if (simd == "avx2") return static_cast<int>(offload::simd_level::avx2);
   if (simd == "avx512") return static_cast<int>(offload::simd_level::avx512);
   throw std::invalid_argument("simd must be 'auto', 'scalar', 'avx2' or 'avx512', not '" + simd + "'");
+}
+
+offload::adam_arithmetic parse_arithmetic(const std::string& arithmetic) {
+  if (arithmetic == "torch1") return offload::adam_arithmetic::torch1;
+  if (arithmetic == "torch2") return offload::adam_arithmetic::torch2;
+  throw std::invalid_argument("arithmetic must be 'torch1' or 'torch2', not '" + arithmetic + "'");
 }
 
 template <class T>
@@ -62,6 +69,7 @@ py::dict to_dict(const offload::step_stats& s) {
 // A record as a float32 array (no copy), valid only inside the callback.
 py::array_t<float> record_array(const offload::offloaded_optimizer& o, const offload::offloaded_optimizer::group& g,
                                 const float* record) {
+  python::require_numpy_abi("a record's array");
   const auto fields = static_cast<py::ssize_t>(o.fields().size());
   const auto stride = static_cast<py::ssize_t>(g.stride);
   return py::array_t<float>({fields, stride}, {stride * 4, py::ssize_t{4}}, record, py::none());
@@ -88,19 +96,21 @@ void bind_offload(py::module_& m) {
 
   m.def("adam_update", [](std::uintptr_t param, std::uintptr_t grad, std::uintptr_t m_, std::uintptr_t v,
                           std::size_t n, double lr, double beta1, double beta2, double eps, double weight_decay,
-                          bool decoupled, std::uint64_t step, const std::string& simd) {
+                          bool decoupled, std::uint64_t step, const std::string& simd, const std::string& arithmetic) {
           const int level = parse_simd(simd);
+          const offload::adam_arithmetic rule = parse_arithmetic(arithmetic);
           const auto l = level < 0 ? offload::best_simd_level() : static_cast<offload::simd_level>(level);
           if (!offload::simd_supported(l)) throw std::invalid_argument("this processor has no " + simd);
           if (step == 0) throw std::invalid_argument("adam_update: step counts from 1");
           py::gil_scoped_release release;
           offload::adam_update(reinterpret_cast<float*>(param), reinterpret_cast<const float*>(grad), nullptr,
                                reinterpret_cast<float*>(m_), reinterpret_cast<float*>(v), n,
-                               offload::make_adam_scalars(lr, beta1, beta2, eps, weight_decay, decoupled, step), l);
+                               offload::make_adam_scalars(lr, beta1, beta2, eps, weight_decay, decoupled, step, rule), l);
         }, py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("n"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-        py::arg("decoupled") = true, py::arg("step") = 1, py::arg("simd") = "auto",
-        "The in-memory Adam/AdamW kernel on float32 arrays given by address (for benchmarks).");
+        py::arg("decoupled") = true, py::arg("step") = 1, py::arg("simd") = "auto", py::arg("arithmetic") = "torch1",
+        "The in-memory Adam/AdamW kernel on float32 arrays given by address (for benchmarks); arithmetic "
+        "'torch1' or 'torch2' rounds the first moment as PyTorch 1.x or 2.x does.");
 
   py::class_<offload::offloaded_optimizer>(m, "OffloadedOptimizer",
                                            "Optimizer state in a striped swap space (see tensormem.offload).")
@@ -108,8 +118,9 @@ void bind_offload(py::module_& m) {
                        u64 group_bytes, u64 pinned_budget, std::vector<std::string> swap_dirs,
                        whole<unsigned> rank, whole<std::size_t> stripe_bytes, const std::vector<u64>& capacity_bytes,
                        const std::string& engine, whole<unsigned> rings, whole<std::size_t> block_bytes,
-                       const std::string& name, const std::string& simd) {
+                       const std::string& name, const std::string& simd, const std::string& arithmetic) {
              offload::optimizer_options o;
+             o.arithmetic = parse_arithmetic(arithmetic);
              o.kind = parse_kind(kind);
              o.offload_master = offload_master;
              o.group_bytes = group_bytes;
@@ -130,7 +141,7 @@ void bind_offload(py::module_& m) {
            py::arg("swap_dirs") = std::vector<std::string>{}, py::arg("rank") = 0,
            py::arg("stripe_bytes") = std::size_t{8} << 20, py::arg("capacity_bytes") = std::vector<std::uint64_t>{},
            py::arg("engine") = "uring", py::arg("rings") = 1, py::arg("block_bytes") = std::size_t{1} << 20,
-           py::arg("name") = "", py::arg("simd") = "auto")
+           py::arg("name") = "", py::arg("simd") = "auto", py::arg("arithmetic") = "torch1")
       .def("initialize", [](offload::offloaded_optimizer& o, const std::vector<std::uintptr_t>& params) {
              const auto p = pointers<const float>(params);
              py::gil_scoped_release release;

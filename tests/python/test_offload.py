@@ -72,9 +72,29 @@ def swap_dirs(tmp_path, n):
 BUDGET = 256 << 10  # small: many sub-groups, back-pressure on every step
 
 
+def torch_sqrt_is_correctly_rounded():
+    """True when this PyTorch's float32 sqrt equals IEEE's (numpy's) on 10^5 values. Some
+    builds round 1 in about 150 square roots the other way (PyPI's 2.11 on x86-64, measured),
+    and no kernel can give their Adam's bits without their square root."""
+    x = (10.0 ** np.random.default_rng(0).uniform(-12, 2, 100_003)).astype(np.float32)
+    return bool(np.array_equal(torch.from_numpy(x).sqrt().numpy(), np.sqrt(x)))
+
+
+EXACT_SQRT = torch_sqrt_is_correctly_rounded()
+
+
+def require_exact_sqrt():
+    """Adam compared bit for bit with PyTorch's needs PyTorch's sqrt to be IEEE's; elsewhere
+    test_adam_steps_within_an_ulp_of_pytorchs bounds the difference instead."""
+    if not EXACT_SQRT:
+        pytest.skip(f"PyTorch {torch.__version__}'s float32 sqrt is not correctly rounded here: Adam cannot be "
+                    "bit-exact with it (the ulp bound is tested instead)")
+
+
 @pytest.mark.parametrize("folders", [1, 3])
 @pytest.mark.parametrize("make_model", [mlp, TinyTransformer], ids=["mlp", "transformer"])
 def test_adamw_equals_torch_adamw(tmp_path, folders, make_model):
+    require_exact_sqrt()
     dirs = swap_dirs(tmp_path, folders)
     exact, worst, ours = train_side_by_side(
         make_model,
@@ -106,24 +126,145 @@ def test_adamw_equals_torch_adamw(tmp_path, folders, make_model):
      lambda p, **o: OffloadedAdamW(p, lr=1e-3, offload_master=False, **o)),
 ])
 def test_other_optimizers_equal_torch(tmp_path, name, ref, ours):
+    if name.startswith("adam"):
+        require_exact_sqrt()
     dirs = swap_dirs(tmp_path, 2)
     exact, worst, _ = train_side_by_side(
         mlp, ref, lambda p: ours(p, swap_dirs=dirs, group_bytes=16 << 10, pinned_budget=BUDGET), steps=10)
     assert exact and worst == 0.0, (name, worst)
 
 
+class Torch2Adam(torch.optim.Optimizer):
+    """PyTorch 2.x's single-tensor Adam/AdamW loop, op for op (the first moment by lerp_), so
+    that the "torch2" arithmetic is checked under any installed PyTorch."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled=True):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.decoupled = decoupled
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                grad, exp_avg, exp_avg_sq = p.grad, state["exp_avg"], state["exp_avg_sq"]
+                if wd != 0:
+                    if self.decoupled:
+                        p.mul_(1 - lr * wd)
+                    else:
+                        grad = grad.add(p, alpha=wd)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad.conj(), value=1 - beta2)
+                step_size = lr / (1 - beta1 ** state["step"])
+                bias_correction2_sqrt = (1 - beta2 ** state["step"]) ** 0.5
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
 @pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
-def test_every_vector_level_gives_the_same_bits(tmp_path, simd):
+@pytest.mark.parametrize("kind, betas", [("adamw", (0.9, 0.999)), ("adamw", (0.3, 0.99)), ("adam", (0.9, 0.999))])
+def test_torch2_arithmetic_equals_pytorch2s_adam(tmp_path, simd, kind, betas):
+    """PyTorch 2.x rounds the first moment by lerp_ (a weight of 0.7 takes lerp's other
+    branch): arithmetic="torch2" gives its bits at every vector level, "torch1" does not."""
     if simd != "scalar" and off.simd_level() == "scalar" or (simd == "avx512" and off.simd_level() != "avx512"):
         pytest.skip(f"this processor has no {simd}")
+    require_exact_sqrt()
+    ours_class = OffloadedAdamW if kind == "adamw" else OffloadedAdam
+
+    def run(arithmetic, folder):
+        os.makedirs(folder)
+        return train_side_by_side(
+            mlp, lambda p: Torch2Adam(p, lr=1e-3, betas=betas, weight_decay=0.05, decoupled=kind == "adamw"),
+            lambda p: ours_class(p, lr=1e-3, betas=betas, weight_decay=0.05, swap_dirs=[folder],
+                                 group_bytes=16 << 10, pinned_budget=BUDGET, simd=simd, arithmetic=arithmetic),
+            steps=5)
+    exact, worst, ours = run("torch2", str(tmp_path / "torch2"))
+    assert ours.arithmetic == "torch2" and exact, worst
+    exact, worst, ours = run("torch1", str(tmp_path / "torch1"))
+    assert ours.arithmetic == "torch1" and not exact
+
+
+def test_the_arithmetic_follows_the_installed_pytorch(tmp_path):
+    assert off.torch_arithmetic("2.11.0+cu130") == "torch2" and off.torch_arithmetic("10.0") == "torch2"
+    assert off.torch_arithmetic("1.13.1") == "torch1"
+    with pytest.raises(ValueError, match="major version"):
+        off.torch_arithmetic("nightly")
+    opt = OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path)])
+    assert opt.arithmetic == off.torch_arithmetic()
+    with pytest.raises(ValueError, match="arithmetic must be 'torch1' or 'torch2', not 'torch3'"):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path)], arithmetic="torch3")
+
+
+@pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
+def test_every_vector_level_gives_the_same_bits(tmp_path, simd):
+    """Each level gives the scalar level's bits, and PyTorch's where its sqrt is IEEE's."""
+    if simd != "scalar" and off.simd_level() == "scalar" or (simd == "avx512" and off.simd_level() != "avx512"):
+        pytest.skip(f"this processor has no {simd}")
+    (tmp_path / "scalar").mkdir()
+    (tmp_path / simd).mkdir(exist_ok=True)
     exact, worst, ours = train_side_by_side(
-        mlp, lambda p: torch.optim.AdamW(p, lr=1e-3),
-        lambda p: OffloadedAdamW(p, lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+        mlp, lambda p: OffloadedAdamW(p, lr=1e-3, swap_dirs=[str(tmp_path / "scalar")], simd="scalar"),
+        lambda p: OffloadedAdamW(p, lr=1e-3, swap_dirs=[str(tmp_path / simd)], group_bytes=16 << 10,
                                  pinned_budget=BUDGET, simd=simd), steps=5)
     assert ours.simd == simd and exact, worst
+    if EXACT_SQRT:
+        exact, worst, _ = train_side_by_side(
+            mlp, lambda p: torch.optim.AdamW(p, lr=1e-3),
+            lambda p: OffloadedAdamW(p, lr=1e-3, swap_dirs=[str(tmp_path / simd)], group_bytes=16 << 10,
+                                     pinned_budget=BUDGET, simd=simd), steps=5)
+        assert exact, worst
+
+
+@pytest.mark.parametrize("offloaded, reference", [(OffloadedAdamW, torch.optim.AdamW), (OffloadedAdam, torch.optim.Adam)])
+def test_adam_steps_within_an_ulp_of_pytorchs(tmp_path, offloaded, reference):
+    """Under any PyTorch: from the same parameters and gradients, each step's moments equal
+    torch.optim's bit for bit and each parameter is within one ulp of its (of the parameter or
+    of the step, whichever is larger; the square root is
+    the only operation whose rounding a PyTorch build may change); where its sqrt is IEEE's,
+    the parameters are equal too. The reference's parameters are copied into ours after each
+    step, so no difference carries into the next."""
+    torch.manual_seed(3)
+    ref_model = mlp()
+    our_model = copy.deepcopy(ref_model)
+    ref = reference(ref_model.parameters(), lr=1e-3, weight_decay=0.05)
+    ours = offloaded(our_model.parameters(), lr=1e-3, weight_decay=0.05, offload_master=False,
+                     swap_dirs=[str(tmp_path)], group_bytes=16 << 10, pinned_budget=BUDGET)
+    ulps = 0
+    for step in range(6):
+        for p, q in zip(ref_model.parameters(), our_model.parameters()):
+            g = torch.randn(p.shape) * 10.0 ** -(step % 4)
+            p.grad, q.grad = g.clone(), g.clone()
+        before = [p.detach().numpy().copy() for p in ref_model.parameters()]
+        ref.step()
+        ours.step()
+        for i, (p, q) in enumerate(zip(ref_model.parameters(), our_model.parameters())):
+            a, b = p.detach().numpy(), q.detach().numpy()
+            # One ulp of the larger of the result and the step taken (a result that nearly
+            # cancels the parameter inherits the step's rounding).
+            spacing = np.spacing(np.maximum(np.maximum(np.abs(a), np.abs(b)), np.abs(a - before[i])))
+            assert np.all(np.abs(a - b) <= spacing), (step, i, float(np.max(np.abs(a - b) / spacing)))
+            ulps += int(np.count_nonzero(a != b))
+            assert EXACT_SQRT is False or np.array_equal(a, b), (step, i)
+        ref_state, our_state = ref.state_dict()["state"], ours.state_dict()["state"]
+        for i in ref_state:
+            assert torch.equal(ref_state[i]["exp_avg"], our_state[i]["exp_avg"]), (step, i)
+            assert torch.equal(ref_state[i]["exp_avg_sq"], our_state[i]["exp_avg_sq"]), (step, i)
+        with torch.no_grad():
+            for p, q in zip(ref_model.parameters(), our_model.parameters()):
+                q.copy_(p)
+    print(f"{ulps} parameter values one ulp apart over 6 steps (sqrt correctly rounded: {EXACT_SQRT})")
 
 
 def test_param_groups_lr_changes_and_missing_grads(tmp_path):
+    require_exact_sqrt()
     torch.manual_seed(0)
     a, b = mlp(), None
     b = copy.deepcopy(a)
@@ -166,6 +307,7 @@ def step_side_by_side(pairs, steps):
 
 
 def test_state_dict_round_trip_into_a_new_optimizer(tmp_path):
+    require_exact_sqrt()
     torch.manual_seed(0)
     m = mlp()
     o = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
@@ -414,7 +556,7 @@ def test_a_full_folder_mid_step_names_the_tensor_and_keeps_the_state(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if r.returncode != 0 and "mount" in r.stderr and "REPORTED" not in r.stdout:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    for word in ("REPORTED", "PARAMS-RESTORED", "STATE-PREVIOUS", "RETRY-EQUAL"):
+    for word in ("REPORTED", "PARAMS-RESTORED", "STATE-PREVIOUS") + (("RETRY-EQUAL",) if EXACT_SQRT else ()):
         assert word in r.stdout, (r.stdout, r.stderr)
 
 
@@ -547,7 +689,9 @@ def test_the_training_example_matches_in_memory_adamw(tmp_path):
     r = subprocess.run([sys.executable, example, "--steps", "4", "--swap-dir", str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("loss") >= 4 and "parameters bit-identical: True" in r.stdout, r.stdout
+    assert r.stdout.count("loss") >= 4, r.stdout
+    # Bit-identical where PyTorch's sqrt is IEEE's (else the losses agree, the bits may not).
+    assert ("parameters bit-identical: True" in r.stdout) or not EXACT_SQRT, r.stdout
 
 
 def test_sgd_state_dict_matches_torch_per_group(tmp_path):

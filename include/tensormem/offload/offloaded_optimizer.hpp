@@ -44,6 +44,8 @@ struct optimizer_options {
   /// Prefix of the swap files; empty: "opt-<pid>-<n>", unique in this process.
   std::string name;
   int simd = -1;                                   ///< a simd_level, or -1 for the best one
+  /// Adam/AdamW: whose rounding to reproduce (tensormem.offload picks the installed PyTorch's).
+  adam_arithmetic arithmetic = adam_arithmetic::torch1;
 };
 
 struct step_stats {

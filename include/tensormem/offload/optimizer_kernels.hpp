@@ -18,6 +18,11 @@ simd_level best_simd_level() noexcept;
 bool simd_supported(simd_level level) noexcept;
 std::string_view to_string(simd_level level) noexcept;
 
+/// Which PyTorch's arithmetic the first moment follows. PyTorch 1.x:
+/// `exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)`; PyTorch 2.x:
+/// `exp_avg.lerp_(grad, 1 - beta1)`. Both mean the same average and round differently.
+enum class adam_arithmetic { torch1, torch2 };
+
 /// The scalars of one Adam/AdamW update, rounded to fp32 as PyTorch rounds Python numbers
 /// when it multiplies fp32 tensors by them (computed in double first, as Python does).
 struct adam_scalars {
@@ -29,10 +34,16 @@ struct adam_scalars {
   float bias_correction2_sqrt = 1; ///< sqrt(1 - beta2^step)
   float eps = 1e-8F;
   bool decoupled = true;           ///< AdamW (true) or Adam with L2 weight decay (false)
+  adam_arithmetic arithmetic = adam_arithmetic::torch1;
+  /// torch2: lerp's coefficient and base, as PyTorch picks them from the weight 1 - beta1
+  /// (below 0.5: the weight, from exp_avg; else the weight - 1, from grad).
+  float lerp_coefficient = 0.1F;
+  bool lerp_from_end = false;
 };
 /// `step` is the parameter's step count after this update (1 for the first).
 adam_scalars make_adam_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
-                               bool decoupled, std::uint64_t step) noexcept;
+                               bool decoupled, std::uint64_t step,
+                               adam_arithmetic arithmetic = adam_arithmetic::torch1) noexcept;
 
 struct sgd_scalars {
   float neg_lr = 0;
