@@ -27,6 +27,18 @@ def project_version() -> str:
     return found.group(1)
 
 
+def pybind11_cmake_dir():
+    """The CMake package of the pybind11 this interpreter imports: the one pip installed in
+    the build environment (or, with --no-build-isolation, the one the environment has), so
+    that CMake does not take another from its own search path (an older system pybind11
+    misreads numpy 2's arrays). None when pybind11 is not importable."""
+    try:
+        import pybind11
+    except ImportError:
+        return None
+    return pybind11.get_cmake_dir()
+
+
 class CMakeBuild(build_ext):
     """Configures the project for this interpreter, builds only the module, copies it in."""
 
@@ -42,6 +54,8 @@ class CMakeBuild(build_ext):
             "-DTENSORMEM_PYTHON=ON",
             f"-DPython3_EXECUTABLE={sys.executable}",
         ]
+        if (pybind11_dir := pybind11_cmake_dir()) is not None:
+            configure.append(f"-Dpybind11_DIR={pybind11_dir}")
         if shutil.which("ninja"):
             configure += ["-G", "Ninja"]
         configure += shlex.split(os.environ.get("TENSORMEM_CMAKE_ARGS", ""))

@@ -15,13 +15,25 @@ if git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
 else
   (cd "$src" && tar --exclude='./build*' -cf - .) | tar -xf - -C "$tmp/src"
 fi
-if ! (cd "$tmp/src" && "$python" -m pip install --no-build-isolation --no-index --no-deps \
-        --target "$tmp/site" . >"$tmp/pip.log" 2>&1); then
+# The build must use the pybind11 the building interpreter imports (pip's, in an isolated
+# build), not one CMake finds on its own: a copy of the system's, first on PYTHONPATH, stands
+# in for it and must be the one in the CMake cache.
+shadow=$(PYTHONPATH= "$python" -c 'import os, pybind11; print(os.path.dirname(pybind11.__file__))')
+mkdir "$tmp/shadow"
+cp -rL "$shadow" "$tmp/shadow/pybind11"
+if ! (cd "$tmp/src" && PYTHONPATH="$tmp/shadow${PYTHONPATH:+:$PYTHONPATH}" "$python" -m pip install \
+        --no-build-isolation --no-index --no-deps --target "$tmp/site" . >"$tmp/pip.log" 2>&1); then
   tail -40 "$tmp/pip.log"
   echo "FAIL: pip install"
   exit 1
 fi
 grep "Successfully installed" "$tmp/pip.log"
+cache=$(find "$tmp/src/build-pip" -name CMakeCache.txt | head -1)
+if ! grep -qxE "pybind11_DIR:[A-Z]+=$tmp/shadow/pybind11/share/cmake/pybind11" "$cache"; then
+  grep "^pybind11_DIR" "$cache" || true
+  echo "FAIL: the build did not use the pybind11 the interpreter imports"
+  exit 1
+fi
 cd /
 PYTHONPATH="$tmp/site" "$python" - "$tmp/site" <<'PY'
 import sys
@@ -30,6 +42,9 @@ import tensormem
 site = sys.argv[1]
 assert tensormem.__file__.startswith(site), tensormem.__file__
 assert tensormem._tensormem.__file__.startswith(site), tensormem._tensormem.__file__
+import pybind11
+assert tensormem._tensormem.PYBIND11_VERSION == pybind11.__version__, tensormem._tensormem.PYBIND11_VERSION
+assert tensormem._tensormem.numpy_abi_problem() == ""  # this numpy is read correctly
 # The installed module works: a plan of three buffers, validated.
 lower, upper, size = [0, 1, 2], [2, 3, 4], [100, 50, 100]
 result = tensormem.plan(lower, upper, size, time_limit=0.1)
