@@ -3,6 +3,10 @@ arrays and one swapper shared by threads."""
 
 import errno
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -326,8 +330,6 @@ def test_model_sizes_past_two_to_the_64_and_bad_weight_alignments_are_refused():
 # ----------------------------------------------------------------------------- asynchronous
 
 def test_swap_out_progresses_while_python_sleeps(tmp_path):
-    import os
-    import time
     pool = tensormem.PinnedPool(slab_bytes=32 << 20)
     s = tensormem.TensorSwapper(pool, staging_buffers=4)
     arrays = [np.full(1 << 20, i, dtype=np.uint8) for i in range(16)]
@@ -496,9 +498,6 @@ def test_a_build_that_would_misread_numpy2_arrays_refuses_them(tmp_path):
     under numpy 2.5). Such a build refuses them with a RuntimeError naming both versions and
     the remedy; a build with a newer pybind11 reads them. A stand-in numpy 2 (whose asarray
     must never be reached) checks the refusal under any installed numpy."""
-    import subprocess
-    import sys
-    import textwrap
     fake = tmp_path / "numpy"
     fake.mkdir()
     (fake / "__init__.py").write_text(
@@ -519,7 +518,7 @@ def test_a_build_that_would_misread_numpy2_arrays_refuses_them(tmp_path):
             print("read:", e)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     version = lines[0].split()[1]

@@ -83,6 +83,12 @@ def torch_sqrt_is_correctly_rounded():
 EXACT_SQRT = torch_sqrt_is_correctly_rounded()
 
 
+def skip_without(simd):
+    """Skips the test where this processor cannot run the vector level `simd`."""
+    if simd != "scalar" and off.simd_level() == "scalar" or (simd == "avx512" and off.simd_level() != "avx512"):
+        pytest.skip(f"this processor has no {simd}")
+
+
 def require_exact_sqrt():
     """Adam compared bit for bit with PyTorch's needs PyTorch's sqrt to be IEEE's; elsewhere
     test_adam_steps_within_an_ulp_of_pytorchs bounds the difference instead."""
@@ -174,8 +180,7 @@ class Torch2Adam(torch.optim.Optimizer):
 def test_torch2_arithmetic_equals_pytorch2s_adam(tmp_path, simd, kind, betas):
     """PyTorch 2.x rounds the first moment by lerp_ (a weight of 0.7 takes lerp's other
     branch): arithmetic="torch2" gives its bits at every vector level, "torch1" does not."""
-    if simd != "scalar" and off.simd_level() == "scalar" or (simd == "avx512" and off.simd_level() != "avx512"):
-        pytest.skip(f"this processor has no {simd}")
+    skip_without(simd)
     require_exact_sqrt()
     ours_class = OffloadedAdamW if kind == "adamw" else OffloadedAdam
 
@@ -206,8 +211,7 @@ def test_the_arithmetic_follows_the_installed_pytorch(tmp_path):
 @pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
 def test_every_vector_level_gives_the_same_bits(tmp_path, simd):
     """Each level gives the scalar level's bits, and PyTorch's where its sqrt is IEEE's."""
-    if simd != "scalar" and off.simd_level() == "scalar" or (simd == "avx512" and off.simd_level() != "avx512"):
-        pytest.skip(f"this processor has no {simd}")
+    skip_without(simd)
     (tmp_path / "scalar").mkdir()
     (tmp_path / simd).mkdir(exist_ok=True)
     exact, worst, ours = train_side_by_side(
