@@ -53,9 +53,10 @@ def torch_arithmetic(version: Optional[str] = None) -> str:
     """Whose rounding Adam and AdamW reproduce: "torch2" for PyTorch 2.x and later (the first
     moment by ``lerp_``), "torch1" before (``mul_`` then ``add_``). ``version``: PyTorch's,
     the installed one by default."""
-    major = (version or torch.__version__).split(".")[0]
+    version = version or torch.__version__
+    major = version.split(".")[0]
     if not major.isdigit():
-        raise ValueError(f"cannot read PyTorch's major version from {version or torch.__version__!r}")
+        raise ValueError(f"cannot read PyTorch's major version from {version!r}")
     return "torch2" if int(major) >= 2 else "torch1"
 
 
