@@ -65,7 +65,11 @@ class AIOError(OSError):
 
 def _address(tensor: torch.Tensor) -> int:
     """Where a tensor's bytes start (an empty tensor's data_ptr() is 0: its storage's)."""
-    return tensor.data_ptr() if tensor.numel() else tensor.storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
+    if tensor.numel():
+        return tensor.data_ptr()
+    # PyTorch 2.x deprecates the typed storage() that 1.x alone has.
+    storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+    return storage.data_ptr() + tensor.storage_offset() * tensor.element_size()
 
 
 class _PinnedTensors:

@@ -38,6 +38,9 @@ from torch.nn.utils import stateless
 
 from . import _tensormem
 
+# torch.func.functional_call from PyTorch 2.0 on (where the stateless one is deprecated).
+_functional_call = getattr(getattr(torch, "func", None), "functional_call", None) or stateless.functional_call
+
 
 class UnsupportedGraph(ValueError):
     """The module cannot be traced or planned; the message names the op or construct."""
@@ -219,7 +222,7 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     structure = []  # the structure the traced call returns (the graph returns its leaves)
 
     def forward(state_values, *inputs):
-        out = stateless.functional_call(module, state_values, inputs)
+        out = _functional_call(module, state_values, inputs)
         if training:
             loss = loss_of(out)
             grads = torch.autograd.grad(loss, [state_values[k] for k in grad_params], allow_unused=True)
@@ -499,7 +502,8 @@ def _planned_run(plan: ModulePlan, inputs):
     g = plan.graph
     if plan.state is None:
         raise RuntimeError("ModulePlan.run needs the module's parameters: make the plan with plan_module()")
-    module_state = plan.state()
+    # Detached: the graph holds the backward ops itself, so nothing is to be recorded.
+    module_state = [t.detach() for t in plan.state()]
     if len(inputs) + len(module_state) != sum(1 for n in g.module.graph.nodes if n.op == "placeholder"):
         raise ValueError(f"ModulePlan.run: {len(inputs)} inputs given, the traced call had "
                          f"{sum(1 for n in g.module.graph.nodes if n.op == 'placeholder') - len(module_state)}")
@@ -537,13 +541,16 @@ def _planned_run(plan: ModulePlan, inputs):
         for i, bid in enumerate(g.node_buffers[node_name]):
             if bid is None or g.buffers[bid].node != node_name or g.buffers[bid].nbytes == 0:
                 continue
-            if values[i].storage().data_ptr() + values[i].storage_offset() * values[i].element_size() \
-                    != arena.data_ptr() + int(plan.offsets[bid]):
+            if values[i].data_ptr() != arena.data_ptr() + int(plan.offsets[bid]):
                 raise RuntimeError(f"buffer {g.buffers[bid].name} is not at its planned offset")
             placed += 1
 
     placeholder_index = 0
-    with torch.no_grad():  # the graph holds the backward ops itself
+    # Grad mode as when the graph was traced: some kernels read it, not their arguments (in
+    # PyTorch 2.x the oneDNN LSTM layer makes the workspace its backward takes only while
+    # gradients are enabled, and returns none otherwise). Nothing is recorded either way: no
+    # tensor of the run requires a gradient.
+    with torch.set_grad_enabled(g.training):
         for node in g.module.graph.nodes:
             meta = node.meta.get("tensor_meta")
             if node.op == "placeholder":
@@ -557,12 +564,13 @@ def _planned_run(plan: ModulePlan, inputs):
                         raise ValueError(f"ModulePlan.run: input {k} is {got}; the plan was made for "
                                          f"{tuple(meta.shape)} {meta.dtype}")
                     dst = slot(g.node_buffers[node.name][0], meta)
-                    dst.copy_(x)
+                    dst.copy_(x.detach())
                     env[node.name] = dst
                     check_placed(node.name)
                 placeholder_index += 1
             elif node.op == "get_attr":
-                env[node.name] = _graph_constant(g.module, node.target)
+                constant = _graph_constant(g.module, node.target)
+                env[node.name] = constant.detach() if isinstance(constant, torch.Tensor) else constant
             elif node.op == "call_function" and node.target is operator.getitem:
                 env[node.name] = env[node.args[0].name][node.args[1]]
             elif node.op == "call_function":
@@ -598,6 +606,9 @@ def _planned_run(plan: ModulePlan, inputs):
                 else:
                     placed_values = list(result)
                     for i, bid in created:
+                        if not isinstance(result[i], torch.Tensor):
+                            raise RuntimeError(f"ModulePlan.run: {op} (node {node.name}) returned no tensor as "
+                                               f"output {i}, where the traced run made one")
                         dst = slot(bid, metas[i])
                         dst.copy_(result[i])
                         placed_values[i] = dst
@@ -684,7 +695,7 @@ def _example_model(name: str, batch: int, sequence: int, layers: int):
                 self.embed = torch.nn.Embedding(50257, 768)
                 layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu",
                                                          batch_first=True, norm_first=True)
-                self.blocks = torch.nn.TransformerEncoder(layer, layers)
+                self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
                 self.head = torch.nn.Linear(768, 50257, bias=False)
 
             def forward(self, ids):
