@@ -819,8 +819,15 @@ def _hook():
     try:
         from . import _tensormem_torch
     except ImportError as e:
-        raise RuntimeError("tensormem was built without PyTorch's allocator hook (Debian's libtorch-dev "
-                           "provides the c10 headers it is built against)") from e
+        raise RuntimeError("tensormem was built without PyTorch's allocator hook (it is built against the c10 "
+                           "headers of the PyTorch its interpreter imports: a PyPI wheel ships them, Debian's "
+                           "libtorch-dev provides them for python3-torch)") from e
+    built_for = _tensormem_torch.TORCH_VERSION
+    if built_for and built_for != torch.__version__:
+        # c10's allocator interface and the C++ ABI change between releases: using the hook of
+        # another release would be undefined behaviour.
+        raise RuntimeError(f"tensormem's allocator hook was built against PyTorch {built_for}, but this is "
+                           f"PyTorch {torch.__version__}: rebuild tensormem with this PyTorch installed")
     return _tensormem_torch
 
 

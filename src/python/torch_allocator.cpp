@@ -1,7 +1,7 @@
 // PyTorch's own hook for CPU memory (c10::SetCPUAllocator): a wrapping allocator that records
 // every allocation and free of CPU tensor memory while a capture runs. Built as its own
-// module (tensormem._tensormem_torch) against Debian's libc10, so that `import tensormem`
-// never needs libtorch.
+// module (tensormem._tensormem_torch) against the libc10 of the PyTorch its interpreter
+// imports (python/CMakeLists.txt), so that `import tensormem` never needs libtorch.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -16,6 +16,11 @@
 #include <utility>
 #include <vector>
 
+// Set by python/CMakeLists.txt: torch.__version__ of the PyTorch whose c10 is compiled in.
+#ifndef TENSORMEM_TORCH_VERSION
+#define TENSORMEM_TORCH_VERSION ""
+#endif
+
 namespace py = pybind11;
 
 namespace {
@@ -23,11 +28,30 @@ namespace {
 // One record: (sequence number of the allocation, bytes, true for an allocation).
 using event = std::tuple<std::uint64_t, std::uint64_t, bool>;
 
-class recording_allocator final : public c10::Allocator {
+// c10::Allocator's interface as PyTorch 1.x declares it (`allocate` const) or as 2.x does
+// (`allocate` not const, and `copy_data` to define); the derived class implements
+// `make(n)`. Only the specialization for the headers at hand is instantiated.
+template <class Base, bool Copies = requires(const Base& a, void* d, const void* s) { a.copy_data(d, s, 0); }>
+struct allocator_interface;
+
+template <class Base>
+struct allocator_interface<Base, false> : Base {  // PyTorch 1.x
+  c10::DataPtr allocate(size_t n) const override { return make(n); }
+  virtual c10::DataPtr make(size_t n) const = 0;
+};
+
+template <class Base>
+struct allocator_interface<Base, true> : Base {  // PyTorch 2.x
+  c10::DataPtr allocate(size_t n) override { return make(n); }
+  void copy_data(void* dest, const void* src, size_t count) const override { this->default_copy_data(dest, src, count); }
+  virtual c10::DataPtr make(size_t n) const = 0;
+};
+
+class recording_allocator final : public allocator_interface<c10::Allocator> {
  public:
   // The data pointer is also the context (PyTorch's raw_allocate requires it): the wrapped
   // allocation is found again by its address when PyTorch frees it.
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr make(size_t n) const override {
     c10::DataPtr inner = inner_->allocate(n);
     void* data = inner.get();
     if (data == nullptr) return inner;  // nothing to track (zero bytes)
@@ -116,4 +140,7 @@ PYBIND11_MODULE(_tensormem_torch, m) {
   m.def("stop_capture", [] { return recording_allocator::instance().stop(); },
         "Stops recording; returns [(id, bytes, is_allocation)] in order (frees carry 0 bytes).");
   m.def("capturing", [] { return recording_allocator::instance().active(); });
+  // torch.__version__ of the PyTorch whose c10 this module was built against ("" when the
+  // build found c10 without a PyTorch to ask).
+  m.attr("TORCH_VERSION") = TENSORMEM_TORCH_VERSION;
 }

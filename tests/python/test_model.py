@@ -503,6 +503,20 @@ def hook_or_skip():
         pytest.skip("built without PyTorch's allocator hook (libtorch-dev)")
 
 
+def test_the_hook_is_built_for_the_pytorch_it_runs_with(monkeypatch):
+    """The build asks its interpreter's PyTorch for its c10 (python/CMakeLists.txt); a hook
+    of another release is refused before it is installed."""
+    hook_or_skip()
+    from tensormem import _tensormem_torch
+    from tensormem.torch import capture
+    assert _tensormem_torch.TORCH_VERSION == torch.__version__
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    with pytest.raises(RuntimeError, match=rf"built against PyTorch {_tensormem_torch.TORCH_VERSION}, but this "
+                                           r"is PyTorch 9\.9\.9: rebuild tensormem"):
+        capture(lambda: torch.empty(8))
+    assert not _tensormem_torch.capturing()
+
+
 def test_capture_records_every_cpu_allocation_and_free(tmp_path):
     """An oracle made of known tensors: sizes, order, frees and the peak are exactly these."""
     hook_or_skip()
