@@ -5,6 +5,7 @@ dropped after their last use as eager code drops them) decide aliasing and lifet
 PyTorch decides outputs and gradients."""
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -511,8 +512,8 @@ def test_the_hook_is_built_for_the_pytorch_it_runs_with(monkeypatch):
     from tensormem.torch import capture
     assert _tensormem_torch.TORCH_VERSION == torch.__version__
     monkeypatch.setattr(torch, "__version__", "9.9.9")
-    with pytest.raises(RuntimeError, match=rf"built against PyTorch {_tensormem_torch.TORCH_VERSION}, but this "
-                                           r"is PyTorch 9\.9\.9: rebuild tensormem"):
+    with pytest.raises(RuntimeError, match=rf"built against PyTorch {re.escape(_tensormem_torch.TORCH_VERSION)}, "
+                                           r"but this is PyTorch 9\.9\.9: rebuild tensormem"):
         capture(lambda: torch.empty(8))
     assert not _tensormem_torch.capturing()
 
