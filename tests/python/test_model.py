@@ -501,7 +501,7 @@ def hook_or_skip():
     try:
         from tensormem import _tensormem_torch  # noqa: F401
     except ImportError:
-        pytest.skip("built without PyTorch's allocator hook (libtorch-dev)")
+        pytest.skip("built without PyTorch's allocator hook (its PyTorch has no c10 headers: libtorch-dev for Debian's)")
 
 
 def test_the_hook_is_built_for_the_pytorch_it_runs_with(monkeypatch):
