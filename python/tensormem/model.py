@@ -823,7 +823,7 @@ def _hook():
                            "headers of the PyTorch its interpreter imports: a PyPI wheel ships them, Debian's "
                            "libtorch-dev provides them for python3-torch)") from e
     built_for = _tensormem_torch.TORCH_VERSION
-    if built_for and built_for != torch.__version__:
+    if built_for != torch.__version__:
         # c10's allocator interface and the C++ ABI change between releases: using the hook of
         # another release would be undefined behaviour.
         raise RuntimeError(f"tensormem's allocator hook was built against PyTorch {built_for}, but this is "

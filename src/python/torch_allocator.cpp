@@ -16,11 +16,6 @@
 #include <utility>
 #include <vector>
 
-// Set by python/CMakeLists.txt: torch.__version__ of the PyTorch whose c10 is compiled in.
-#ifndef TENSORMEM_TORCH_VERSION
-#define TENSORMEM_TORCH_VERSION ""
-#endif
-
 namespace py = pybind11;
 
 namespace {
@@ -140,7 +135,7 @@ PYBIND11_MODULE(_tensormem_torch, m) {
   m.def("stop_capture", [] { return recording_allocator::instance().stop(); },
         "Stops recording; returns [(id, bytes, is_allocation)] in order (frees carry 0 bytes).");
   m.def("capturing", [] { return recording_allocator::instance().active(); });
-  // torch.__version__ of the PyTorch whose c10 this module was built against ("" when the
-  // build found c10 without a PyTorch to ask).
+  // torch.__version__ of the PyTorch whose c10 this module was built against (defined by
+  // python/CMakeLists.txt, which builds the module only against a PyTorch it asked).
   m.attr("TORCH_VERSION") = TENSORMEM_TORCH_VERSION;
 }
