@@ -25,6 +25,7 @@
 #include "tensormem/core/transformer_step.hpp"
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
+#include "timed_replay.hpp"
 
 namespace tensormem::cli {
 
@@ -40,15 +41,15 @@ struct demo_options {
 struct online_row {
   std::string name;
   std::uint64_t high_water = 0;
-  double ns_per_op = 0;
+  double ns_per_op = 0;  // median over the replays
+  std::size_t replays = 0;
 };
 
 template <class Allocator>
 online_row run_online(const std::string& name, const std::vector<core::buffer>& buffers,
                       std::uint64_t alignment) {
-  Allocator a(core::growing, alignment);
-  const core::replay_result r = core::replay(buffers, a);
-  return {name, r.high_water, r.seconds * 1e9 / static_cast<double>(r.operations)};
+  const timed_replay t = replay_timed<Allocator>(buffers, alignment);
+  return {name, t.first.high_water, t.ns_per_op, t.replays};
 }
 
 struct arena_row {
@@ -197,7 +198,8 @@ void run_demo(const demo_options& o) {
       j["online"].push_back({{"allocator", r.name},
                              {"high_water", r.high_water},
                              {"ratio", ratio_of(r.high_water, lb)},
-                             {"ns_per_op", r.ns_per_op}});
+                             {"ns_per_op", r.ns_per_op},
+                             {"replays", r.replays}});
     }
     std::cout << j.dump(2) << '\n';
     return;
@@ -223,9 +225,9 @@ void run_demo(const demo_options& o) {
                            human_bytes(offline.arena_bytes),
                            ratio_text(offline.arena_bytes, lb), offline.strategy, offline.seconds);
   for (const online_row& r : rows) {
-    std::cout << fmt::format("  {:<26} {:>14} {:>10}   {:.1f} ns per operation\n", r.name,
-                             human_bytes(r.high_water), ratio_text(r.high_water, lb),
-                             r.ns_per_op);
+    std::cout << fmt::format("  {:<26} {:>14} {:>10}   {:.1f} ns per operation (median of {} replays)\n",
+                             r.name, human_bytes(r.high_water), ratio_text(r.high_water, lb),
+                             r.ns_per_op, r.replays);
   }
   std::cout << fmt::format("  {:<26} {:>14} {:>10}   {}\n", "no reuse (sum of buffers)",
                            human_bytes(no_reuse), ratio_text(no_reuse, lb), "every buffer its own bytes");

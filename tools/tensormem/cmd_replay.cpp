@@ -12,6 +12,7 @@
 #include "tensormem/core/replay.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/trace/trace_io.hpp"
+#include "timed_replay.hpp"
 
 namespace tensormem::cli {
 
@@ -26,17 +27,12 @@ struct replay_options {
 
 void run_replay(const replay_options& o) {
   const auto buffers = trace::read_trace(o.trace);
-  core::replay_result r;
-  if (o.allocator == "best-fit") {
-    core::best_fit_allocator a(core::growing, o.alignment);
-    r = core::replay(buffers, a);
-  } else {
-    core::tlsf_allocator a(core::growing, o.alignment);
-    r = core::replay(buffers, a);
-  }
+  const timed_replay t = o.allocator == "best-fit"
+                            ? replay_timed<core::best_fit_allocator>(buffers, o.alignment)
+                            : replay_timed<core::tlsf_allocator>(buffers, o.alignment);
+  const core::replay_result& r = t.first;
   const std::uint64_t lb = core::lower_bound(buffers, o.alignment);
-  const double ns_per_op =
-      r.operations == 0 ? 0.0 : r.seconds * 1e9 / static_cast<double>(r.operations);
+  const double ns_per_op = t.ns_per_op;
   if (o.json) {
     nlohmann::json j;
     j["trace"] = o.trace;
@@ -47,6 +43,7 @@ void run_replay(const replay_options& o) {
     j["high_water"] = r.high_water;
     j["ratio"] = ratio_of(r.high_water, lb);
     j["ns_per_op"] = ns_per_op;
+    j["replays"] = t.replays;
     std::cout << j.dump() << '\n';
     return;
   }
@@ -57,7 +54,7 @@ void run_replay(const replay_options& o) {
             << fmt::format("high water   {} bytes ({})\n", r.high_water,
                            human_bytes(r.high_water))
             << fmt::format("ratio        {}\n", ratio_text(r.high_water, lb))
-            << fmt::format("ns per op    {:.1f}\n", ns_per_op);
+            << fmt::format("ns per op    {:.1f} (median of {} replays)\n", ns_per_op, t.replays);
 }
 
 }  // namespace
