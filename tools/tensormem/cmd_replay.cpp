@@ -32,7 +32,6 @@ void run_replay(const replay_options& o) {
                             : replay_timed<core::tlsf_allocator>(buffers, o.alignment);
   const core::replay_result& r = t.first;
   const std::uint64_t lb = core::lower_bound(buffers, o.alignment);
-  const double ns_per_op = t.ns_per_op;
   if (o.json) {
     nlohmann::json j;
     j["trace"] = o.trace;
@@ -42,7 +41,7 @@ void run_replay(const replay_options& o) {
     j["lower_bound"] = lb;
     j["high_water"] = r.high_water;
     j["ratio"] = ratio_of(r.high_water, lb);
-    j["ns_per_op"] = ns_per_op;
+    j["ns_per_op"] = t.ns_per_op;
     j["replays"] = t.replays;
     std::cout << j.dump() << '\n';
     return;
@@ -54,7 +53,7 @@ void run_replay(const replay_options& o) {
             << fmt::format("high water   {} bytes ({})\n", r.high_water,
                            human_bytes(r.high_water))
             << fmt::format("ratio        {}\n", ratio_text(r.high_water, lb))
-            << fmt::format("ns per op    {:.1f} (median of {} replays)\n", ns_per_op, t.replays);
+            << fmt::format("ns per op    {:.1f} (median of {} replays)\n", t.ns_per_op, t.replays);
 }
 
 }  // namespace
