@@ -130,7 +130,6 @@ TEST(cuda_device, cuda_move_matches_memmove_for_overlapping_moves) {
   to_device(d, mirror.data(), n);
   std::mt19937_64 rng(20261127);
   for (int step = 0; step < 400; ++step) {
-    // Short distances make many chunks: keep those moves short.
     const bool near = step % 2 == 0;
     const std::size_t distance = near ? 1 + rng() % 64 : 1 + rng() % (n / 2);
     const std::size_t limit = near ? 4096 : n - distance;
@@ -150,6 +149,65 @@ TEST(cuda_device, cuda_move_matches_memmove_for_overlapping_moves) {
   cuda_move(d + 5, d, 0);    // no-op
   ASSERT_TRUE(from_device(d, n) == mirror);
   device.deallocate(buffer, n);
+}
+
+// Every kernel path of cuda_move against std::memmove on random bytes (a pattern with a
+// period would hide a move by that period): element widths 1 to 16 bytes (the addresses'
+// alignment) with a tail of 0 to 15 bytes, distances from 1 byte to shared memory's limit
+// and beyond it (segments, then columns), both directions, moves of a few bytes to 48 MiB.
+// The last case moves 520 MiB of byte-aligned data by 3 bytes, which takes more segments
+// than the kernel has flags for, so the segments grow.
+TEST(cuda_device, cuda_move_is_memmove_at_every_width_distance_and_direction) {
+  SKIP_WITHOUT_A_DEVICE();
+  cuda_device_resource device;
+  constexpr std::size_t n = std::size_t{64} << 20;
+  auto* d = static_cast<std::byte*>(device.allocate(n));
+  std::vector<std::byte> mirror(n);
+  std::mt19937_64 rng(20261128);
+  for (std::byte& b : mirror) b = static_cast<std::byte>(rng() & 0xff);
+  to_device(d, mirror.data(), n);
+  const std::size_t distances[] = {1, 3, 8, 16, 48, 256, 4096, 65536, (192 << 10) - 16, (192 << 10) + 16,
+                                   std::size_t{1} << 20, std::size_t{5} << 20};
+  const std::size_t lengths[] = {2, 100, 4099, (std::size_t{1} << 20) + 5, std::size_t{12} << 20,
+                                 std::size_t{48} << 20};
+  int cases = 0;
+  for (const std::size_t distance : distances) {
+    for (const std::size_t length : lengths) {
+      for (const std::size_t misalign : {0UL, 1UL, 2UL, 4UL, 8UL}) {
+        for (const bool up : {false, true}) {
+          const std::size_t bytes = length + (rng() % 16);
+          if (bytes + distance + 64 > n) continue;
+          const std::size_t low = misalign + 16 * (rng() % ((n - bytes - distance - 32) / 16));
+          const std::size_t src = up ? low : low + distance;
+          const std::size_t dst = up ? low + distance : low;
+          cuda_move(d + dst, d + src, bytes);
+          std::memmove(mirror.data() + dst, mirror.data() + src, bytes);
+          ++cases;
+          const std::size_t from = low;
+          const std::size_t span = bytes + distance;
+          const std::vector<std::byte> got = from_device(d + from, span);
+          ASSERT_TRUE(std::equal(got.begin(), got.end(), mirror.begin() + static_cast<std::ptrdiff_t>(from)))
+              << (up ? "up" : "down") << " by " << distance << ", " << bytes << " bytes at " << low;
+        }
+      }
+    }
+  }
+  ASSERT_TRUE(from_device(d, n) == mirror) << "bytes outside the moved ranges changed";
+  EXPECT_GT(cases, 600);
+  device.deallocate(d, n);
+
+  constexpr std::size_t big = std::size_t{520} << 20;
+  auto* b = static_cast<std::byte*>(device.allocate(big + 64));
+  std::vector<std::byte> host(big + 64);
+  for (std::byte& x : host) x = static_cast<std::byte>(rng() & 0xff);
+  to_device(b, host.data(), host.size());
+  cuda_move(b + 1, b + 4, big);  // down by 3, byte-aligned
+  std::memmove(host.data() + 1, host.data() + 4, big);
+  ASSERT_TRUE(from_device(b, host.size()) == host) << "520 MiB down by 3 bytes";
+  cuda_move(b + 7, b + 1, big);  // and up by 6
+  std::memmove(host.data() + 7, host.data() + 1, big);
+  ASSERT_TRUE(from_device(b, host.size()) == host) << "520 MiB up by 6 bytes";
+  device.deallocate(b, big + 64);
 }
 
 // An arena of device memory under random allocations and releases, with both policies:

@@ -15,9 +15,15 @@ bool cuda_built() noexcept;
 /// device: cudaGetDeviceCount returned ...").
 std::string cuda_unavailable_reason();
 
-/// Moves `bytes` of device memory from `src` to `dst`, overlapping or not (chunks that do
-/// not overlap, each a device-to-device cudaMemcpy). Throws device_unavailable without CUDA
-/// and std::runtime_error when a copy fails.
+/// Moves `bytes` of device memory from `src` to `dst`, overlapping or not, like memmove.
+/// Ranges that do not overlap take one device-to-device cudaMemcpyAsync; overlapping ones one
+/// kernel launch whatever the distance (in elements of up to 16 bytes, as far as both
+/// addresses are aligned, and the last few bytes by a second, one-thread launch). A distance
+/// that fits in a block's shared memory moves in segments, each block keeping the elements
+/// the next block overwrites; a longer one in columns a distance apart, each thread moving
+/// its column in order. Ordered on the legacy default stream and, like cudaMemcpy between
+/// device addresses, it may return before the bytes have moved. Throws device_unavailable
+/// without CUDA and std::runtime_error when a launch or copy fails.
 void cuda_move(void* dst, const void* src, std::size_t bytes);
 
 /// cudaMalloc / cudaFree on the current device. The memory is not host-accessible.
