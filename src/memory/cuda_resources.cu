@@ -61,7 +61,7 @@ __device__ __forceinline__ std::size_t physical(std::size_t v, std::size_t n) {
 // earlier tiles. The ticket counter is never reset: a launch's tickets start at the count
 // of blocks launched before it. A flag holds the number of the launch (its epoch) that
 // raised it last.
-constexpr unsigned segment_threads = 512;
+constexpr unsigned segment_threads = 1024;
 constexpr std::size_t most_segments = std::size_t{1} << 16;
 __device__ unsigned segment_tickets;
 __device__ unsigned long long segment_flags[most_segments];
@@ -114,10 +114,12 @@ __global__ void __launch_bounds__(segment_threads) move_segments(T* dst, const T
 // Columns: for a distance too long to keep in shared memory. Thread c owns the elements
 // c, c + e, c + 2e... and moves them in that order, so each write destroys an element the
 // same thread has already read; no two threads touch the same element.
+// Each thread keeps `Unroll` elements of its column in flight: 16 for long columns, 4 when
+// the distance is so long that a column holds only a few elements (the registers of 16
+// would then cost occupancy for nothing).
 constexpr unsigned column_threads = 256;
-constexpr unsigned column_unroll = 8;
 
-template <class T, bool Down>
+template <class T, bool Down, unsigned column_unroll>
 __global__ void __launch_bounds__(column_threads) move_columns(T* dst, const T* src, std::size_t n,
                                                                std::size_t e) {
   const std::size_t stride = std::size_t{gridDim.x} * blockDim.x;
@@ -208,7 +210,8 @@ void move_elements(T* dst, const T* src, std::size_t n, std::size_t e) {
       seg = ((n + most_segments - 1) / most_segments + segment_tile - 1) / segment_tile * segment_tile;
     }
     const std::size_t blocks = (n + seg - 1) / seg;
-    if (halo_bytes > 48 * 1024) {
+    // Above 48 KiB of shared memory (the kernel's own included) a launch needs the opt-in.
+    if (halo_bytes > 32 * 1024) {
       check(cudaFuncSetAttribute(move_segments<T, Down>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(halo_bytes)),
             "cudaFuncSetAttribute");
@@ -221,7 +224,8 @@ void move_elements(T* dst, const T* src, std::size_t n, std::size_t e) {
   } else {
     const std::size_t wanted = (e + column_threads - 1) / column_threads;
     const unsigned blocks = static_cast<unsigned>(wanted < 65535 ? wanted : 65535);
-    move_columns<T, Down><<<blocks, column_threads, 0, 0>>>(dst, src, n, e);
+    if (n / e >= 16) move_columns<T, Down, 16><<<blocks, column_threads, 0, 0>>>(dst, src, n, e);
+    else move_columns<T, Down, 4><<<blocks, column_threads, 0, 0>>>(dst, src, n, e);
     check_launch("column kernel");
   }
 }
