@@ -275,6 +275,19 @@ void cuda_move(void* dst, const void* src, std::size_t bytes) {
   }
 }
 
+void cuda_register_host(void* p, std::size_t bytes) {
+  require_device();
+  const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw out_of_memory("cudaHostRegister of " + std::to_string(bytes) + " bytes failed: " + error_text(e));
+  }
+}
+
+void cuda_unregister_host(void* p) noexcept {
+  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
 cuda_device_resource::cuda_device_resource() { require_device(); }
 
 void* cuda_device_resource::do_allocate(std::size_t bytes, std::size_t alignment) {

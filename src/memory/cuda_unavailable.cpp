@@ -13,6 +13,8 @@ bool cuda_built() noexcept { return false; }
 std::string cuda_unavailable_reason() { return reason; }
 
 void cuda_move(void*, const void*, std::size_t) { throw device_unavailable(reason); }
+void cuda_register_host(void*, std::size_t) { throw device_unavailable(reason); }
+void cuda_unregister_host(void*) noexcept {}
 
 cuda_device_resource::cuda_device_resource() { throw device_unavailable(reason); }
 void* cuda_device_resource::do_allocate(std::size_t, std::size_t) { throw device_unavailable(reason); }

@@ -13,6 +13,7 @@
 #include <limits>
 #include <string>
 
+#include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/memory/errors.hpp"
 
 namespace tensormem::memory {
@@ -57,6 +58,14 @@ std::size_t process_locked_bytes() {
   return 0;
 }
 
+pinned_host_resource::pinned_host_resource(pinned_options options) : options_(options) {
+  if (options_.register_with_cuda) {
+    if (const std::string why = cuda_unavailable_reason(); !why.empty()) {
+      throw device_unavailable("pinned_host_resource: register_with_cuda needs a CUDA device: " + why);
+    }
+  }
+}
+
 void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment) {
   const std::size_t page = page_bytes();
   const std::size_t mapped = round_up(bytes, page);
@@ -90,11 +99,21 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
     system_calls_.fetch_add((head != 0 ? 1U : 0U) + (tail != 0 ? 1U : 0U), std::memory_order_relaxed);
     start += head;
   }
+  if (options_.register_with_cuda) {
+    try {
+      cuda_register_host(start, mapped);
+    } catch (...) {
+      munmap(start, mapped);
+      system_calls_.fetch_add(1, std::memory_order_relaxed);
+      throw;
+    }
+  }
   system_calls_.fetch_add(1, std::memory_order_relaxed);
   // The raw system call: sanitizer runtimes replace mlock() with a no-op.
   if (syscall(SYS_mlock, start, mapped) != 0) {
     const int error = errno;
     if (!options_.allow_unlocked_fallback) {
+      if (options_.register_with_cuda) cuda_unregister_host(start);
       munmap(start, mapped);
       system_calls_.fetch_add(1, std::memory_order_relaxed);
       const std::size_t limit = memlock_limit_bytes();
@@ -112,6 +131,7 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
       const std::lock_guard lock(unlocked_mutex_);
       unlocked_.insert(start);
     } catch (...) {
+      if (options_.register_with_cuda) cuda_unregister_host(start);
       munmap(start, mapped);
       throw;
     }
@@ -119,6 +139,7 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
   } else {
     locked_bytes_.fetch_add(mapped, std::memory_order_relaxed);
   }
+  if (options_.register_with_cuda) registered_bytes_.fetch_add(mapped, std::memory_order_relaxed);
   mappings_.fetch_add(1, std::memory_order_relaxed);
   mapped_bytes_.fetch_add(mapped, std::memory_order_relaxed);
   return start;
@@ -135,6 +156,10 @@ void pinned_host_resource::do_deallocate(void* p, std::size_t bytes,
       unlocked_live_.fetch_sub(1, std::memory_order_relaxed);
     }
   }
+  if (options_.register_with_cuda) {
+    cuda_unregister_host(p);
+    registered_bytes_.fetch_sub(mapped, std::memory_order_relaxed);
+  }
   munmap(p, mapped);  // unlocks as it unmaps
   system_calls_.fetch_add(1, std::memory_order_relaxed);
   if (was_locked) locked_bytes_.fetch_sub(mapped, std::memory_order_relaxed);
@@ -144,7 +169,7 @@ void pinned_host_resource::do_deallocate(void* p, std::size_t bytes,
 
 pinned_stats pinned_host_resource::stats() const noexcept {
   return {mappings_.load(), mapped_bytes_.load(), locked_bytes_.load(), system_calls_.load(),
-          unlocked_fallbacks_.load()};
+          unlocked_fallbacks_.load(), registered_bytes_.load()};
 }
 
 }  // namespace tensormem::memory

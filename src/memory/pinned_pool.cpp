@@ -11,7 +11,7 @@
 namespace tensormem::memory {
 
 pinned_pool::pinned_pool(pool_options options)
-    : options_(options), upstream_(pinned_options{options.allow_unlocked_fallback}) {
+    : options_(options), upstream_(pinned_options{options.allow_unlocked_fallback, options.register_with_cuda}) {
   if (!std::has_single_bit(options_.alignment) ||
       options_.alignment > pinned_host_resource::page_bytes()) {
     throw std::invalid_argument("pinned_pool: alignment " + std::to_string(options_.alignment) +
@@ -158,6 +158,7 @@ pool_stats pinned_pool::stats() const {
   s.total_allocations = total_allocations_;
   s.system_calls = up.system_calls;
   s.unlocked_fallbacks = up.unlocked_fallbacks;
+  s.registered_bytes = up.registered_bytes;
   return s;
 }
 

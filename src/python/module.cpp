@@ -626,11 +626,16 @@ PYBIND11_MODULE(_tensormem, m) {
 
   py::class_<memory::pinned_pool, std::shared_ptr<memory::pinned_pool>>(m, "PinnedPool",
                                                                        "Page-locked host memory, pooled.")
-      .def(py::init([](whole<std::size_t> slab_bytes, bool allow_unlocked_fallback) {
+      .def(py::init([](whole<std::size_t> slab_bytes, bool allow_unlocked_fallback, bool register_with_cuda) {
              return std::make_shared<memory::pinned_pool>(memory::pool_options{
-                 .slab_bytes = slab_bytes, .allow_unlocked_fallback = allow_unlocked_fallback});
+                 .slab_bytes = slab_bytes,
+                 .allow_unlocked_fallback = allow_unlocked_fallback,
+                 .register_with_cuda = register_with_cuda});
            }),
-           py::arg("slab_bytes") = std::size_t{64} << 20, py::arg("allow_unlocked_fallback") = false)
+           py::arg("slab_bytes") = std::size_t{64} << 20, py::arg("allow_unlocked_fallback") = false,
+           py::arg("register_with_cuda") = false,
+           "register_with_cuda: also register every slab with CUDA (direct, asynchronous device "
+           "copies); without a CUDA device it raises, saying why.")
       .def("allocate", [](std::shared_ptr<memory::pinned_pool> pool, whole<std::size_t> bytes) {
              auto buffer = std::make_shared<pinned_buffer>();
              buffer->pool = pool;
@@ -647,6 +652,7 @@ PYBIND11_MODULE(_tensormem, m) {
         d["allocations"] = s.allocations;
         d["system_calls"] = s.system_calls;
         d["unlocked_fallbacks"] = s.unlocked_fallbacks;
+        d["registered_bytes"] = s.registered_bytes;
         return d;
       });
 

@@ -19,6 +19,8 @@
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/memory/errors.hpp"
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
+#include "tensormem/memory/pinned_pool.hpp"
 
 #ifdef TENSORMEM_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -97,6 +99,25 @@ std::vector<std::byte> host_get(const void* src, std::size_t bytes) {
 TEST(cuda_device, the_arena_content_check_defragments_on_host_memory) {
   host_resource host;
   check_arena_contents(host, host_put, host_get);
+}
+
+// Pinned memory registered with CUDA needs a device (or a CUDA build): without one the
+// resource and the pool refuse at construction, saying why, before mapping anything.
+TEST(cuda_device, registering_pinned_memory_without_a_device_is_refused_at_construction) {
+  if (cuda_unavailable_reason().empty()) GTEST_SKIP() << "a CUDA device is here: registration is tested with it";
+  try {
+    pinned_host_resource r(pinned_options{.register_with_cuda = true});
+    FAIL() << "constructed without a device";
+  } catch (const device_unavailable& e) {
+    EXPECT_NE(std::string(e.what()).find("register_with_cuda needs a CUDA device: "), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(pinned_pool(pool_options{.register_with_cuda = true}), device_unavailable);
+  pinned_host_resource plain;
+  void* p = plain.allocate(4096);
+  EXPECT_THROW(cuda_register_host(p, 4096), device_unavailable);
+  cuda_unregister_host(p);  // nothing to undo: no effect
+  plain.deallocate(p, 4096);
+  EXPECT_EQ(plain.stats().registered_bytes, 0U);
 }
 
 #ifdef TENSORMEM_HAVE_CUDA
@@ -240,6 +261,58 @@ TEST(cuda_device, a_failed_cudamalloc_is_out_of_memory_and_leaves_the_device_usa
   to_device(p, zeros.data(), zeros.size());
   device.deallocate(p, 1 << 20);
   EXPECT_THROW((void)device.allocate(64, 512), std::invalid_argument);
+}
+
+cudaMemoryType memory_type(const void* p) {
+  cudaPointerAttributes attributes{};
+  EXPECT_EQ(cudaPointerGetAttributes(&attributes, p), cudaSuccess);
+  return attributes.type;
+}
+
+// Pinned memory with register_with_cuda is known to CUDA (plain locked memory is not), copies
+// to and from the device through it arrive whole, and freeing it unregisters it: a thousand
+// allocations of the same size, which mmap tends to place at the same address, all register
+// (registering a range that is still registered fails). The pool registers its slabs.
+TEST(cuda_device, registered_pinned_memory_is_known_to_cuda_and_unregistered_when_freed) {
+  SKIP_WITHOUT_A_DEVICE();
+  pinned_host_resource plain;
+  pinned_host_resource registered(pinned_options{.register_with_cuda = true});
+  cuda_device_resource device;
+  constexpr std::size_t n = 3 * 4096 + 5;
+  auto* a = static_cast<std::byte*>(plain.allocate(n));
+  auto* b = static_cast<std::byte*>(registered.allocate(n, 8192));
+  EXPECT_EQ(memory_type(a), cudaMemoryTypeUnregistered);
+  EXPECT_EQ(memory_type(b), cudaMemoryTypeHost);
+  EXPECT_EQ(registered.stats().registered_bytes, 4U * 4096);
+  EXPECT_EQ(plain.stats().registered_bytes, 0U);
+  for (std::size_t i = 0; i < n; ++i) b[i] = pattern(5, i);
+  void* d = device.allocate(n);
+  ASSERT_EQ(cudaMemcpyAsync(d, b, n, cudaMemcpyHostToDevice, 0), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(a, d, n, cudaMemcpyDeviceToHost, 0), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(0), cudaSuccess);
+  EXPECT_EQ(std::memcmp(a, b, n), 0);
+  registered.deallocate(b, n, 8192);
+  EXPECT_EQ(registered.stats().registered_bytes, 0U);
+  cuda_register_host(a, 4096);
+  EXPECT_EQ(memory_type(a), cudaMemoryTypeHost);
+  cuda_unregister_host(a);
+  EXPECT_EQ(memory_type(a), cudaMemoryTypeUnregistered);
+  plain.deallocate(a, n);
+  device.deallocate(d, n);
+  for (int i = 0; i < 1000; ++i) {
+    void* p = registered.allocate(1 << 16);
+    ASSERT_EQ(memory_type(p), cudaMemoryTypeHost) << "allocation " << i;
+    registered.deallocate(p, 1 << 16);
+  }
+  EXPECT_EQ(registered.stats().registered_bytes, 0U);
+
+  pinned_pool pool(pool_options{.slab_bytes = 1 << 20, .register_with_cuda = true});
+  void* p = pool.allocate(1000);
+  EXPECT_EQ(memory_type(p), cudaMemoryTypeHost);
+  EXPECT_EQ(pool.stats().registered_bytes, std::uint64_t{1} << 20);
+  EXPECT_TRUE(pool.free(p));
+  pool.trim();
+  EXPECT_EQ(pool.stats().registered_bytes, 0U);
 }
 
 // cudaHostAlloc memory is host memory the device can reach: the runtime says so, and a

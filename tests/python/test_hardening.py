@@ -4,6 +4,7 @@ arrays and one swapper shared by threads."""
 import errno
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -529,3 +530,18 @@ def test_a_build_that_would_misread_numpy2_arrays_refuses_them(tmp_path):
         assert lines[1] == "problem: " and lines[2] == "read: an array was read"
     # With the real numpy, this build reads arrays correctly.
     assert tensormem._tensormem.numpy_abi_problem() == "" or np.__version__.startswith("2")
+
+
+# ----------------------------------------------------------------------------- pinned pool
+
+def test_a_pool_registered_with_cuda_needs_a_device():
+    why = tensormem.cuda_unavailable_reason()
+    if not why:
+        pytest.skip("a CUDA device is here: the C++ device tests cover registration")
+    with pytest.raises(RuntimeError, match=re.escape("register_with_cuda needs a CUDA device: " + why)):
+        tensormem.PinnedPool(slab_bytes=1 << 20, register_with_cuda=True)
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    buffer = pool.allocate(4096)
+    assert pool.stats()["registered_bytes"] == 0
+    assert pool.stats()["locked_bytes"] == 1 << 20
+    buffer.free()

@@ -26,6 +26,15 @@ std::string cuda_unavailable_reason();
 /// without CUDA and std::runtime_error when a launch or copy fails.
 void cuda_move(void* dst, const void* src, std::size_t bytes);
 
+/// Registers [p, p + bytes) of host memory with CUDA (cudaHostRegister, portable to every
+/// device), so that copies between it and a device are direct DMA and cudaMemcpyAsync
+/// returns without waiting for them. CUDA copies memory it does not know of through its own
+/// staging buffers, locked or not. Throws device_unavailable without a usable device and
+/// out_of_memory when the driver refuses (the message says why).
+void cuda_register_host(void* p, std::size_t bytes);
+/// Undoes cuda_register_host (cudaHostUnregister). Never throws.
+void cuda_unregister_host(void* p) noexcept;
+
 /// cudaMalloc / cudaFree on the current device. The memory is not host-accessible.
 /// Constructing it without a usable device throws device_unavailable. Thread-safe.
 class cuda_device_resource final : public memory_resource {

@@ -15,6 +15,11 @@ struct pinned_options {
   /// When locking fails (RLIMIT_MEMLOCK), hand out the memory unlocked instead of throwing
   /// lock_limit_error. Every such fallback is counted in `pinned_stats::unlocked_fallbacks`.
   bool allow_unlocked_fallback = false;
+  /// Also register every mapping with CUDA (cudaHostRegister), so that copies between it
+  /// and a device are direct and asynchronous: CUDA copies memory it does not know of
+  /// through its own staging buffers, locked or not. Needs a usable CUDA device: the
+  /// constructor throws device_unavailable, saying why, when there is none.
+  bool register_with_cuda = false;
 };
 
 struct pinned_stats {
@@ -23,9 +28,12 @@ struct pinned_stats {
   std::uint64_t locked_bytes = 0;        ///< bytes currently locked
   std::uint64_t system_calls = 0;        ///< mmap + mlock + munmap calls made so far
   std::uint64_t unlocked_fallbacks = 0;  ///< allocations handed out unlocked
+  std::uint64_t registered_bytes = 0;    ///< bytes currently registered with CUDA
 };
 
-/// Page-locked host memory, suitable for O_DIRECT I/O and fast device copies. Each
+/// Page-locked host memory, suitable for O_DIRECT I/O; for fast device copies set
+/// `register_with_cuda` (locked memory CUDA does not know of copies no faster than pageable
+/// memory: docs/BENCHMARKS.md, "Host memory and the device"). Each
 /// allocation is its own anonymous mapping, populated (MAP_POPULATE) and locked (mlock);
 /// sizes round up to whole pages and pointers are page-aligned at least (4096 bytes, or the
 /// requested alignment if larger). One allocation costs several system calls: use
@@ -36,7 +44,7 @@ struct pinned_stats {
 /// `allow_unlocked_fallback` is set.
 class pinned_host_resource final : public memory_resource {
  public:
-  explicit pinned_host_resource(pinned_options options = {}) : options_(options) {}
+  explicit pinned_host_resource(pinned_options options = {});
   pinned_stats stats() const noexcept;
   static std::size_t page_bytes() noexcept;
 
@@ -52,6 +60,7 @@ class pinned_host_resource final : public memory_resource {
   std::atomic<std::uint64_t> locked_bytes_{0};
   std::atomic<std::uint64_t> system_calls_{0};
   std::atomic<std::uint64_t> unlocked_fallbacks_{0};
+  std::atomic<std::uint64_t> registered_bytes_{0};
   // Mappings handed out unlocked (fallback only; usually empty).
   std::mutex unlocked_mutex_;
   std::unordered_set<void*> unlocked_;

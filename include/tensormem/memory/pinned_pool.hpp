@@ -28,6 +28,9 @@ struct pool_options {
   /// Hand out unlocked slabs instead of failing when RLIMIT_MEMLOCK is reached (reported in
   /// the stats as unlocked_fallbacks).
   bool allow_unlocked_fallback = false;
+  /// Register every slab with CUDA (pinned_options::register_with_cuda): device copies from
+  /// and to pool memory are then direct and asynchronous. Needs a CUDA device.
+  bool register_with_cuda = false;
 };
 
 struct pool_stats {
@@ -40,6 +43,7 @@ struct pool_stats {
   std::uint64_t total_allocations = 0;   ///< allocations made since construction
   std::uint64_t system_calls = 0;        ///< mmap/mlock/munmap calls made for slabs
   std::uint64_t unlocked_fallbacks = 0;  ///< slabs handed out unlocked
+  std::uint64_t registered_bytes = 0;    ///< bytes of slabs registered with CUDA
 };
 
 /// DeepSpeed-style pinned tensor memory, pooled. Slabs of `slab_bytes` are mapped and locked
