@@ -58,12 +58,12 @@ __device__ __forceinline__ std::size_t physical(std::size_t v, std::size_t n) {
 // raises its flag; it then waits for the flag of the block before it (whose last e
 // elements its own first writes destroy), and moves its segment tile by tile, forward:
 // a tile's writes destroy only elements of that tile (read before the barrier) or of
-// earlier tiles. The ticket counter is never reset: a launch's tickets start at the count
-// of blocks launched before it. A flag holds the number of the launch (its epoch) that
-// raised it last.
+// earlier tiles. The block that takes a launch's last ticket sets the counter back to zero
+// for the next launch (launches run one after another: see segment_state). A flag holds the
+// number of the launch (its epoch) that raised it last, so flags are never cleared.
 constexpr unsigned segment_threads = 1024;
 constexpr std::size_t most_segments = std::size_t{1} << 16;
-__device__ unsigned segment_tickets;
+__device__ unsigned segment_tickets = 0;
 __device__ unsigned long long segment_flags[most_segments];
 constexpr unsigned segment_unroll = 4;
 constexpr std::size_t segment_tile = std::size_t{segment_threads} * segment_unroll;
@@ -71,12 +71,14 @@ constexpr std::size_t segment_tile = std::size_t{segment_threads} * segment_unro
 template <class T, bool Down>
 __global__ void __launch_bounds__(segment_threads) move_segments(T* dst, const T* src, std::size_t n,
                                                                  std::size_t e, std::size_t seg,
-                                                                 unsigned ticket_base,
                                                                  unsigned long long epoch) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* halo = reinterpret_cast<T*>(shared_bytes);
   __shared__ unsigned ticket;
-  if (threadIdx.x == 0) ticket = atomicAdd(&segment_tickets, 1U) - ticket_base;
+  if (threadIdx.x == 0) {
+    ticket = atomicAdd(&segment_tickets, 1U);
+    if (ticket == gridDim.x - 1) atomicExch(&segment_tickets, 0U);  // every block has its ticket
+  }
   __syncthreads();
   const unsigned b = ticket;
   const std::size_t lo = std::size_t{b} * seg;
@@ -162,14 +164,15 @@ void check(cudaError_t e, const char* what) {
 }
 
 // What the segment kernel needs per device: the shared memory a block may take (the
-// opt-in limit less the kernel's own, capped), the next launch's epoch and ticket base.
-// Moves run on the legacy default stream, so a device's launches run one after another in
-// the order they were made; the mutex makes that order the order of the epochs and bases.
+// opt-in limit less the kernel's own, capped) and the next launch's epoch, above every flag
+// on the device. Moves run on the legacy default stream, so a device's launches run one
+// after another in the order they were made; the mutex makes that the order of the epochs.
+// Nothing here depends on the module's memory staying as it was: after cudaDeviceReset the
+// flags are zero and the epochs go on above them.
 struct segment_state {
   bool ready = false;
   std::size_t halo_limit = 0;
   unsigned long long epoch = 0;
-  unsigned tickets = 0;
 };
 std::mutex segment_mutex;
 std::vector<segment_state> segment_states;
@@ -186,13 +189,12 @@ segment_state& current_segment_state() {
     constexpr std::size_t cap = std::size_t{192} << 10;
     const std::size_t usable = optin > 1024 ? static_cast<std::size_t>(optin) - 1024 : 0;
     state.halo_limit = usable < cap ? usable : cap;
-    unsigned long long highest = 0;  // flags already raised (by another copy of this code, say)
+    unsigned long long highest = 0;  // module memory starts at zero; this does not rely on it
     std::vector<unsigned long long> flags(most_segments);
     check(cudaMemcpyFromSymbol(flags.data(), segment_flags, sizeof(unsigned long long) * most_segments),
           "cudaMemcpyFromSymbol");
     for (const unsigned long long f : flags) highest = f > highest ? f : highest;
     state.epoch = highest + 1;
-    check(cudaMemcpyFromSymbol(&state.tickets, segment_tickets, sizeof(unsigned)), "cudaMemcpyFromSymbol");
     state.ready = true;
   }
   return state;
@@ -217,9 +219,8 @@ void move_elements(T* dst, const T* src, std::size_t n, std::size_t e) {
             "cudaFuncSetAttribute");
     }
     move_segments<T, Down><<<static_cast<unsigned>(blocks), segment_threads, halo_bytes, 0>>>(
-        dst, src, n, e, seg, state.tickets, state.epoch);
+        dst, src, n, e, seg, state.epoch);
     check_launch("segment kernel");
-    state.tickets += static_cast<unsigned>(blocks);
     ++state.epoch;
   } else {
     const std::size_t wanted = (e + column_threads - 1) / column_threads;

@@ -232,6 +232,31 @@ TEST(cuda_device, cuda_move_is_memmove_at_every_width_distance_and_direction) {
   device.deallocate(b, big + 64);
 }
 
+// cudaDeviceReset throws away the module's memory (the segment kernel's ticket counter and
+// flags) and its launch settings (the opt-in to more shared memory): moves in segments, with
+// a small and a large halo, and in columns still match std::memmove after each reset.
+TEST(cuda_device, cuda_move_works_after_the_device_is_reset) {
+  SKIP_WITHOUT_A_DEVICE();
+  std::mt19937_64 rng(20261129);
+  for (int round = 0; round < 3; ++round) {
+    cuda_device_resource device;
+    constexpr std::size_t n = std::size_t{8} << 20;
+    auto* d = static_cast<std::byte*>(device.allocate(n));
+    std::vector<std::byte> mirror(n);
+    for (std::byte& b : mirror) b = static_cast<std::byte>(rng() & 0xff);
+    to_device(d, mirror.data(), n);
+    for (const std::size_t distance : {std::size_t{256}, std::size_t{96} << 10, std::size_t{1} << 20}) {
+      cuda_move(d, d + distance, n - distance);
+      std::memmove(mirror.data(), mirror.data() + distance, n - distance);
+      cuda_move(d + distance / 2, d, n - distance);
+      std::memmove(mirror.data() + distance / 2, mirror.data(), n - distance);
+    }
+    ASSERT_TRUE(from_device(d, n) == mirror) << "round " << round;
+    device.deallocate(d, n);
+    ASSERT_EQ(cudaDeviceReset(), cudaSuccess);
+  }
+}
+
 // An arena of device memory under random allocations and releases, with both policies:
 // every live tensor keeps its pattern through every defragmentation, and every bound
 // observer knows where its tensor went. Also run on host memory below, where it needs no
