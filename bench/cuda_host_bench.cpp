@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_support.hpp"
+#include "cuda_bench_support.hpp"
 #include "tensormem/arena/contiguous_arena.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/memory/pinned_host_resource.hpp"
@@ -29,16 +29,15 @@ namespace {
 
 using namespace tensormem;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using bench::check;
+using bench::skipped_without_device;
 
 constexpr std::size_t copy_bytes = std::size_t{256} << 20;
 
 enum class host_memory { pageable, locked, registered, cuda_host_alloc };
 
 void bm_copy(benchmark::State& state, host_memory kind, bool to_device) {
-  if (const std::string why = memory::cuda_unavailable_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   std::vector<std::byte> pageable;
   std::unique_ptr<memory::memory_resource> resource;
   std::byte* host = nullptr;
@@ -54,28 +53,18 @@ void bm_copy(benchmark::State& state, host_memory kind, bool to_device) {
   }
   void* device = nullptr;
   check(cudaMalloc(&device, copy_bytes), "cudaMalloc");
-  cudaEvent_t start = nullptr;
-  cudaEvent_t stop = nullptr;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
   for (auto _ : state) {
     std::vector<double> ms;
     for (int round = 0; round < 5; ++round) {
-      check(cudaEventRecord(start, 0), "cudaEventRecord");
-      if (to_device) check(cudaMemcpyAsync(device, host, copy_bytes, cudaMemcpyHostToDevice, 0), "cudaMemcpyAsync");
-      else check(cudaMemcpyAsync(host, device, copy_bytes, cudaMemcpyDeviceToHost, 0), "cudaMemcpyAsync");
-      check(cudaEventRecord(stop, 0), "cudaEventRecord");
-      check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-      float t = 0;
-      check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
-      ms.push_back(t);
+      ms.push_back(bench::device_ms([&] {
+        if (to_device) check(cudaMemcpyAsync(device, host, copy_bytes, cudaMemcpyHostToDevice, 0), "cudaMemcpyAsync");
+        else check(cudaMemcpyAsync(host, device, copy_bytes, cudaMemcpyDeviceToHost, 0), "cudaMemcpyAsync");
+      }));
     }
-    std::sort(ms.begin(), ms.end());
-    state.SetIterationTime(ms[2] * 1e-3);
-    state.counters["GB_per_s"] = static_cast<double>(copy_bytes) / (ms[2] * 1e6);
+    const double median_ms = bench::median(ms);
+    state.SetIterationTime(median_ms * 1e-3);
+    state.counters["GB_per_s"] = static_cast<double>(copy_bytes) / (median_ms * 1e6);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   cudaFree(device);
   if (resource) resource->deallocate(host, copy_bytes, 4096);
 }
@@ -83,7 +72,7 @@ void bm_copy(benchmark::State& state, host_memory kind, bool to_device) {
 constexpr std::size_t small_bytes = std::size_t{1} << 20;
 
 void bm_pool(benchmark::State& state) {
-  if (const std::string why = memory::cuda_unavailable_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   memory::pinned_pool pool(memory::pool_options{.register_with_cuda = true});
   pool.free(pool.allocate(small_bytes));  // the slab exists from here on, as in a running engine
   for (auto _ : state) {
@@ -94,7 +83,7 @@ void bm_pool(benchmark::State& state) {
 }
 
 void bm_cuda_host_alloc(benchmark::State& state) {
-  if (const std::string why = memory::cuda_unavailable_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   for (auto _ : state) {
     void* p = nullptr;
     check(cudaHostAlloc(&p, small_bytes, cudaHostAllocPortable), "cudaHostAlloc");
@@ -104,7 +93,7 @@ void bm_cuda_host_alloc(benchmark::State& state) {
 }
 
 void bm_device_arena(benchmark::State& state) {
-  if (const std::string why = memory::cuda_unavailable_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   memory::cuda_device_resource device;
   arena::contiguous_arena a(device, std::uint64_t{1} << 30, {});
   for (auto _ : state) {
@@ -115,7 +104,7 @@ void bm_device_arena(benchmark::State& state) {
 }
 
 void bm_cuda_malloc(benchmark::State& state) {
-  if (const std::string why = memory::cuda_unavailable_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   for (auto _ : state) {
     void* p = nullptr;
     check(cudaMalloc(&p, small_bytes), "cudaMalloc");

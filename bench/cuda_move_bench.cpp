@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_support.hpp"
+#include "cuda_bench_support.hpp"
 #include "tensormem/arena/contiguous_arena.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 
@@ -30,32 +30,10 @@ namespace {
 
 using tensormem::memory::cuda_move;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-// Device milliseconds of f(), between two events on the legacy default stream.
-template <class F>
-double device_ms(F&& f) {
-  cudaEvent_t start = nullptr;
-  cudaEvent_t stop = nullptr;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
-  check(cudaEventRecord(start, 0), "cudaEventRecord");
-  f();
-  check(cudaEventRecord(stop, 0), "cudaEventRecord");
-  check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-  float ms = 0;
-  check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return ms;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using tensormem::bench::check;
+using tensormem::bench::device_ms;
+using tensormem::bench::median;
+using tensormem::bench::skipped_without_device;
 
 struct device_buffer {
   explicit device_buffer(std::size_t bytes) { check(cudaMalloc(&p, bytes), "cudaMalloc"); }
@@ -66,10 +44,8 @@ struct device_buffer {
   void* p = nullptr;
 };
 
-std::string skip_reason() { return tensormem::memory::cuda_unavailable_reason(); }
-
 void bm_move(benchmark::State& state, std::size_t distance, bool up) {
-  if (const std::string why = skip_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   constexpr std::size_t bytes = std::size_t{256} << 20;
   device_buffer a(bytes + distance);
   device_buffer b(bytes);
@@ -109,7 +85,7 @@ void chunked_move(std::byte* d, const std::byte* s, std::size_t bytes) {
 }
 
 void bm_chunked(benchmark::State& state, std::size_t distance) {
-  if (const std::string why = skip_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   constexpr std::size_t bytes = std::size_t{16} << 20;
   device_buffer a(bytes + distance);
   for (auto _ : state) {
@@ -122,7 +98,7 @@ void bm_chunked(benchmark::State& state, std::size_t distance) {
 }
 
 void bm_arena(benchmark::State& state, tensormem::arena::defrag_policy policy) {
-  if (const std::string why = skip_reason(); !why.empty()) return state.SkipWithError(why.c_str());
+  if (skipped_without_device(state)) return;
   using namespace tensormem;
   constexpr std::uint64_t capacity = std::uint64_t{1} << 30;
   memory::cuda_device_resource device;

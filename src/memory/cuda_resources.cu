@@ -256,10 +256,12 @@ void cuda_move(void* dst, const void* src, std::size_t bytes) {
   const std::size_t width = bits & (~bits + 1U);
   const std::size_t n = bytes / width;
   const std::size_t body = n * width;
-  if (!down && body < bytes) {
+  const auto tail = [&] {
+    if (body == bytes) return;
     move_tail<<<1, 1, 0, 0>>>(d + body, s + body, bytes - body);
     check_launch("tail kernel");
-  }
+  };
+  if (!down) tail();
   if (n != 0) {
     const std::size_t e = distance / width;
     switch (width) {
@@ -270,10 +272,7 @@ void cuda_move(void* dst, const void* src, std::size_t bytes) {
       default: move_elements<unsigned char>(d, s, n, e, down); break;
     }
   }
-  if (down && body < bytes) {
-    move_tail<<<1, 1, 0, 0>>>(d + body, s + body, bytes - body);
-    check_launch("tail kernel");
-  }
+  if (down) tail();
 }
 
 void cuda_register_host(void* p, std::size_t bytes) {
