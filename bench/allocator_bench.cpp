@@ -19,7 +19,10 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "tensormem/core/align.hpp"
@@ -138,10 +141,15 @@ struct run_result {
   std::uint64_t high_water = 0;
 };
 
+// Each allocator keeps its own handles: `core::allocation` (32 bytes) for tensormem's and the
+// LazyAllocator baseline, OffsetAllocator's 8 bytes for its baseline.
+template <class Allocator>
+using handle_of = std::remove_cvref_t<decltype(*std::declval<Allocator&>().allocate(0))>;
+
 template <class Allocator>
 run_result run_mix(const mix_workload& w) {
   Allocator a(core::growing, 256);
-  std::vector<core::allocation> live;
+  std::vector<handle_of<Allocator>> live;
   live.reserve(4096);
   const auto start = std::chrono::steady_clock::now();
   for (const mix_op& op : w.ops) {
@@ -158,20 +166,32 @@ run_result run_mix(const mix_workload& w) {
           a.peak()};
 }
 
-// One sample of a trace: replays, each by a new allocator (built outside the timed loop),
-// until they add up to 2 ms of allocator calls, so that a trace of a few hundred operations
-// (a few microseconds) is not one timer reading.
+// One sample of a trace: replays in `core::replay`'s order (frees before allocations at
+// equal times, ties in file order), each by a new allocator and handle list (made outside
+// the timed loop), until they add up to 2 ms of allocator calls, so that a trace of a few
+// hundred operations (a few microseconds) is not one timer reading.
 template <class Allocator>
-run_result run_trace(const std::vector<core::buffer>& buffers) {
+run_result run_trace(const std::vector<core::buffer>& buffers, const std::vector<core::replay_event>& order) {
   double seconds = 0;
   std::size_t operations = 0;
   std::uint64_t high_water = 0;
   do {
     Allocator a(core::growing, 1);
-    const core::replay_result r = core::replay(buffers, a);
-    seconds += r.seconds;
-    operations += r.operations;
-    high_water = r.high_water;
+    std::vector<handle_of<Allocator>> handles(buffers.size());
+    const auto start = std::chrono::steady_clock::now();
+    for (const core::replay_event& e : order) {
+      if (!e.allocate) {
+        a.deallocate(handles[e.index]);
+      } else if (const auto h = a.allocate(buffers[e.index].bytes)) [[likely]] {
+        handles[e.index] = *h;
+      } else {
+        throw std::runtime_error("allocator_bench: buffer '" + buffers[e.index].id + "' does not fit");
+      }
+    }
+    const auto stop = std::chrono::steady_clock::now();
+    seconds += std::chrono::duration<double>(stop - start).count();
+    operations += order.size();
+    high_water = a.peak();
   } while (seconds < 2e-3);
   return {seconds * 1e9 / static_cast<double>(operations), high_water};
 }
@@ -190,9 +210,10 @@ void bm_random_mix(benchmark::State& state) {
 template <class Allocator>
 void bm_trace(benchmark::State& state, const std::string& name) {
   const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
+  const std::vector<core::replay_event> order = core::replay_order(buffers);
   const std::uint64_t lb = core::lower_bound(buffers);
   for (auto _ : state) {
-    const run_result r = run_trace<Allocator>(buffers);
+    const run_result r = run_trace<Allocator>(buffers, order);
     state.SetIterationTime(r.ns_per_op * 1e-9 * static_cast<double>(2 * buffers.size()));
     state.counters["ns_per_op"] = r.ns_per_op;
     state.counters["high_water_over_lb"] = static_cast<double>(r.high_water) / static_cast<double>(lb);
@@ -246,8 +267,9 @@ void register_versus(const std::string& group, const std::string& label) {
     const std::string stem = name.substr(0, name.find('.'));
     benchmark::RegisterBenchmark((group + "/" + stem + "/" + label).c_str(), [name](benchmark::State& state) {
       const auto buffers = trace::read_trace(tensormem::bench::trace_file(name));
+      const std::vector<core::replay_event> order = core::replay_order(buffers);
       bm_versus_baseline<Allocator, Baseline>(
-          state, [&buffers]<class A>() { return run_trace<A>(buffers); }, core::lower_bound(buffers));
+          state, [&buffers, &order]<class A>() { return run_trace<A>(buffers, order); }, core::lower_bound(buffers));
     })->UseManualTime()->Iterations(1)->Unit(benchmark::kNanosecond);
   }
 }

@@ -18,6 +18,11 @@
 // stayed out of line and cost the baseline a few calls per operation. Bytes become units by
 // a shift (the alignment is a power of two), not a division, which alone cost the baseline
 // 2-4 % on W1 (docs/BENCHMARKS.md, "The baseline without a division").
+//
+// Its handle is OffsetAllocator's: 8 bytes, the offset in units and the node index, returned
+// in registers (an optional of it is 12 bytes). It used to return `core::allocation` (32
+// bytes, returned through memory), which made it 4-6 % slower on the small traces, the same
+// on W1 (docs/BENCHMARKS.md, "The baseline's own handle").
 
 #include <algorithm>
 #include <bit>
@@ -26,12 +31,16 @@
 #include <optional>
 #include <vector>
 
-#include "tensormem/core/allocation.hpp"
-
 namespace tensormem::bench {
 
 class offset_allocator_baseline {
  public:
+  /// OffsetAllocator's allocation: where (in units of the alignment) and which node.
+  struct handle {
+    std::uint32_t offset;
+    std::uint32_t node;
+  };
+
   offset_allocator_baseline(std::uint64_t /*capacity*/, std::uint64_t alignment)
       : shift_(static_cast<unsigned>(std::countr_zero(alignment))) {
     std::fill(std::begin(head_), std::end(head_), none);
@@ -39,7 +48,7 @@ class offset_allocator_baseline {
     insert(total_units, 0, none, none);
   }
 
-  [[gnu::noinline]] std::optional<core::allocation> allocate(std::uint64_t bytes) {
+  [[gnu::noinline]] std::optional<handle> allocate(std::uint64_t bytes) {
     const std::uint64_t units64 = (bytes + (std::uint64_t{1} << shift_) - 1) >> shift_;
     if (units64 == 0 || units64 > total_units) return std::nullopt;
     const auto units = static_cast<std::uint32_t>(units64);
@@ -65,10 +74,10 @@ class offset_allocator_baseline {
     }
     const std::uint64_t end = (static_cast<std::uint64_t>(nodes_[n].offset) + units) << shift_;
     if (end > peak_) peak_ = end;
-    return core::allocation{static_cast<std::uint64_t>(nodes_[n].offset) << shift_, units64 << shift_, n, 0, 0};
+    return handle{nodes_[n].offset, n};
   }
 
-  [[gnu::noinline]] void deallocate(const core::allocation& a) {
+  [[gnu::noinline]] void deallocate(handle a) {
     const std::uint32_t n = a.node;
     std::uint32_t offset = nodes_[n].offset;
     std::uint32_t size = nodes_[n].size;
@@ -96,6 +105,9 @@ class offset_allocator_baseline {
   }
 
   std::uint64_t peak() const { return peak_; }
+  /// A live handle's offset and size in bytes (for tests).
+  std::uint64_t offset_of(handle a) const { return std::uint64_t{a.offset} << shift_; }
+  std::uint64_t bytes_of(handle a) const { return std::uint64_t{nodes_[a.node].size} << shift_; }
 
  private:
   static constexpr std::uint32_t none = 0xffffffffU;
