@@ -21,7 +21,7 @@
 //
 // Its handle is OffsetAllocator's: 8 bytes, the offset in units and the node index, returned
 // in registers (an optional of it is 12 bytes). It used to return `core::allocation` (32
-// bytes, returned through memory), which made it 4-6 % slower on the small traces, the same
+// bytes, returned through memory), which made it 3-7 % slower on the small traces, the same
 // on W1 (docs/BENCHMARKS.md, "The baseline's own handle").
 
 #include <algorithm>
