@@ -15,8 +15,8 @@ namespace {
 
 TEST(offset_allocator_baseline, random_sequences_never_overlap_and_merge_back) {
   std::mt19937_64 rng(7);
-  offset_allocator_baseline a(0, 256);
-  std::vector<offset_allocator_baseline::handle> live;
+  offset_allocator_baseline_with_peak a(0, 256);
+  std::vector<offset_allocator_baseline_with_peak::handle> live;
   std::map<std::uint64_t, std::uint64_t> by_offset;  // model: offset -> bytes of live blocks
   for (int step = 0; step < 200'000; ++step) {
     if (live.empty() || (live.size() < 2000 && rng() % 100 < 55)) {
@@ -55,9 +55,9 @@ TEST(offset_allocator_baseline, random_sequences_never_overlap_and_merge_back) {
 
 // The high-water mark the benchmarks report: the highest end handed out, not lowered by frees.
 TEST(offset_allocator_baseline, peak_is_the_highest_end_handed_out) {
-  offset_allocator_baseline a(0, 256);
+  offset_allocator_baseline_with_peak a(0, 256);
   EXPECT_EQ(a.peak(), 0U);
-  std::vector<offset_allocator_baseline::handle> h;
+  std::vector<offset_allocator_baseline_with_peak::handle> h;
   for (std::uint64_t i = 0; i < 3; ++i) {
     h.push_back(*a.allocate(100));
     EXPECT_EQ(a.offset_of(h.back()), 256U * i);
@@ -70,6 +70,54 @@ TEST(offset_allocator_baseline, peak_is_the_highest_end_handed_out) {
   EXPECT_EQ(a.offset_of(*big), 512U);
   EXPECT_EQ(a.bytes_of(*big), 1024U);
   EXPECT_EQ(a.peak(), 1536U);
+}
+
+// The timed form keeps no high-water mark; otherwise it is the same allocator: the same
+// handles, step for step, as the form the benchmarks take their marks from.
+TEST(offset_allocator_baseline, the_timed_form_places_as_the_form_with_a_peak) {
+  std::mt19937_64 rng(11);
+  offset_allocator_baseline timed(0, 256);
+  offset_allocator_baseline_with_peak marked(0, 256);
+  std::vector<offset_allocator_baseline::handle> live;
+  for (int step = 0; step < 100'000; ++step) {
+    if (live.empty() || (live.size() < 1000 && rng() % 100 < 55)) {
+      const std::uint64_t bytes = 1 + rng() % (1 << (rng() % 22));
+      const auto t = timed.allocate(bytes);
+      const auto m = marked.allocate(bytes);
+      ASSERT_TRUE(t.has_value() && m.has_value());
+      ASSERT_EQ(t->offset, m->offset) << "step " << step;
+      ASSERT_EQ(t->node, m->node) << "step " << step;
+      live.push_back(*t);
+    } else {
+      const std::size_t k = rng() % live.size();
+      timed.deallocate(live[k]);
+      marked.deallocate({live[k].offset, live[k].node});
+      live[k] = live.back();
+      live.pop_back();
+    }
+  }
+}
+
+// The node pool is made once, as OffsetAllocator's: an allocation that would need a node
+// more fails and changes nothing; freeing gives nodes back.
+TEST(offset_allocator_baseline, a_full_node_pool_fails_the_allocation_and_frees_refill_it) {
+  offset_allocator_baseline_with_peak a(0, 256, 4);  // the free arena takes one node
+  std::vector<offset_allocator_baseline_with_peak::handle> h;
+  for (std::uint64_t i = 0; i < 3; ++i) {
+    const auto r = a.allocate(256);
+    ASSERT_TRUE(r.has_value()) << i;
+    EXPECT_EQ(a.offset_of(*r), 256 * i);
+    h.push_back(*r);
+  }
+  EXPECT_FALSE(a.allocate(256).has_value());  // four nodes in use: three blocks and the rest
+  EXPECT_EQ(a.peak(), 768U);
+  a.deallocate(h[1]);  // a free block between two live ones: still four nodes
+  EXPECT_FALSE(a.allocate(512).has_value());
+  a.deallocate(h[2]);  // merges with the block below and the rest: two nodes
+  const auto r = a.allocate(512);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(a.offset_of(*r), 256U);
+  EXPECT_EQ(a.peak(), 768U);
 }
 
 }  // namespace
