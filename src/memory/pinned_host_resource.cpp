@@ -99,23 +99,28 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
     system_calls_.fetch_add((head != 0 ? 1U : 0U) + (tail != 0 ? 1U : 0U), std::memory_order_relaxed);
     start += head;
   }
+  // Undoes the mapping on a failure below (and its registration once made).
+  bool registered = false;
+  const auto unmap = [&] {
+    if (registered) cuda_unregister_host(start);
+    munmap(start, mapped);
+    system_calls_.fetch_add(1, std::memory_order_relaxed);
+  };
   if (options_.register_with_cuda) {
     try {
       cuda_register_host(start, mapped);
     } catch (...) {
-      munmap(start, mapped);
-      system_calls_.fetch_add(1, std::memory_order_relaxed);
+      unmap();
       throw;
     }
+    registered = true;
   }
   system_calls_.fetch_add(1, std::memory_order_relaxed);
   // The raw system call: sanitizer runtimes replace mlock() with a no-op.
   if (syscall(SYS_mlock, start, mapped) != 0) {
     const int error = errno;
     if (!options_.allow_unlocked_fallback) {
-      if (options_.register_with_cuda) cuda_unregister_host(start);
-      munmap(start, mapped);
-      system_calls_.fetch_add(1, std::memory_order_relaxed);
+      unmap();
       const std::size_t limit = memlock_limit_bytes();
       throw lock_limit_error(
           "pinned_host_resource: cannot lock " + std::to_string(mapped) + " bytes (" +
@@ -131,15 +136,14 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
       const std::lock_guard lock(unlocked_mutex_);
       unlocked_.insert(start);
     } catch (...) {
-      if (options_.register_with_cuda) cuda_unregister_host(start);
-      munmap(start, mapped);
+      unmap();
       throw;
     }
     unlocked_live_.fetch_add(1, std::memory_order_relaxed);
   } else {
     locked_bytes_.fetch_add(mapped, std::memory_order_relaxed);
   }
-  if (options_.register_with_cuda) registered_bytes_.fetch_add(mapped, std::memory_order_relaxed);
+  if (registered) registered_bytes_.fetch_add(mapped, std::memory_order_relaxed);
   mappings_.fetch_add(1, std::memory_order_relaxed);
   mapped_bytes_.fetch_add(mapped, std::memory_order_relaxed);
   return start;

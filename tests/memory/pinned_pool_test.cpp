@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <random>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "tensormem/memory/errors.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 
 namespace tensormem::memory {
@@ -238,6 +240,39 @@ TEST(pinned_pool, lock_limit_gives_a_clear_error) {
   EXPECT_NE(message.find("cannot lock 4194304 bytes"), std::string::npos) << message;
   EXPECT_NE(message.find("RLIMIT_MEMLOCK is 1048576 bytes"), std::string::npos) << message;
   EXPECT_NE(message.find("ulimit -l"), std::string::npos) << message;
+}
+
+// A refused lock gives the mapping back: nothing stays mapped (the process's address space
+// is as before) and the stats count mmap, mlock and munmap.
+TEST(pinned_pool, a_refused_lock_unmaps_and_counts_its_calls) {
+  const auto [code, message] = in_limited_child([](std::string& out) {
+    const auto mapped_pages = [] {  // the process's virtual size, in pages
+      std::FILE* f = std::fopen("/proc/self/statm", "r");
+      unsigned long pages = 0;
+      if (f != nullptr) {
+        if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
+        std::fclose(f);
+      }
+      return pages;
+    };
+    pinned_host_resource resource;
+    const unsigned long before = mapped_pages();
+    try {
+      resource.allocate(64 * mib);
+      out = "allocation past RLIMIT_MEMLOCK succeeded";
+      return 1;
+    } catch (const lock_limit_error&) {
+    }
+    const unsigned long after = mapped_pages();
+    const pinned_stats s = resource.stats();
+    out = "pages " + std::to_string(before) + " -> " + std::to_string(after) + ", mappings " +
+          std::to_string(s.mappings) + ", mapped " + std::to_string(s.mapped_bytes) + ", calls " +
+          std::to_string(s.system_calls);
+    // (Below 64 MiB of growth: the allocator's own bookkeeping may map a little.)
+    const bool unmapped = after < before + (16 * mib) / 4096;
+    return unmapped && s.mappings == 0 && s.mapped_bytes == 0 && s.system_calls == 3 ? 0 : 2;
+  });
+  EXPECT_EQ(code, 0) << message;
 }
 
 TEST(pinned_pool, unlocked_fallback_is_reported) {
