@@ -150,6 +150,94 @@ TEST(strong_guarantee, best_fit_free_by_offset_without_memory_for_the_index) {
   free_by_offset_without_memory_for_the_index<core::best_fit_allocator>();
 }
 
+// After reserve(B), a stream that never has more than B blocks runs with every allocation
+// failing: neither allocate nor deallocate asks for memory. Random sizes, both exact and
+// class sizes, at most L = 300 live (so at most 2L + 1 blocks); the counter is re-armed
+// before each call, so a single allocation anywhere fails the test.
+TEST(reserve, tlsf_allocates_nothing_while_the_blocks_stay_within_the_reserve) {
+  constexpr std::size_t most_live = 300;
+  core::tlsf_allocator a(core::growing, 256);
+  a.reserve(2 * most_live + 1);
+  std::mt19937_64 rng(17);
+  std::vector<core::allocation> live;
+  live.reserve(most_live);  // the test's own list asks for nothing while armed either
+  std::size_t most_blocks = 0;
+  for (int step = 0; step < 20'000; ++step) {
+    countdown = 0;
+    if (live.empty() || (live.size() < most_live && rng() % 100 < 55)) {
+      const std::uint64_t bytes = rng() % 4 == 0 ? (std::uint64_t{1} << 24) + rng() % (std::uint64_t{1} << 26)
+                                                 : 1 + rng() % (std::uint64_t{1} << 20);
+      std::optional<core::allocation> got;
+      ASSERT_NO_THROW(got = a.allocate(bytes)) << "step " << step;
+      ASSERT_TRUE(got);
+      live.push_back(*got);
+    } else {
+      const std::size_t i = rng() % live.size();
+      ASSERT_NO_THROW(a.deallocate(live[i])) << "step " << step;
+      live[i] = live.back();
+      live.pop_back();
+    }
+    countdown = -1;
+    most_blocks = std::max<std::size_t>(most_blocks, live.size() + a.stats().free_blocks);
+  }
+  EXPECT_EQ(a.check_invariants(), "");
+  EXPECT_GT(most_blocks, 2 * most_live * 3 / 4);  // the stream came near the reserve
+
+  // Exactly at the bound: 101 blocks side by side, then every other one freed and taken
+  // again, with a reserve of 101.
+  core::tlsf_allocator c(core::growing, 256);
+  c.reserve(101);
+  std::vector<core::allocation> row;
+  row.reserve(101);
+  countdown = 0;
+  for (std::uint64_t i = 0; i < 101; ++i) {
+    ASSERT_NO_THROW(row.push_back(*c.allocate(256 * (1 + i % 5)))) << "block " << i;
+    countdown = 0;
+  }
+  for (int round = 0; round < 3; ++round) {
+    for (std::size_t i = 0; i < row.size(); i += 2) {
+      ASSERT_NO_THROW(c.deallocate(row[i]));
+      countdown = 0;
+    }
+    for (std::size_t i = 0; i < row.size(); i += 2) {
+      ASSERT_NO_THROW(row[i] = *c.allocate(row[i].bytes)) << "round " << round << " block " << i;
+      countdown = 0;
+    }
+  }
+  countdown = -1;
+  EXPECT_EQ(c.check_invariants(), "");
+  EXPECT_EQ(c.stats().live_allocations, 101U);
+  // Without the reserve the same stream asks for memory (the pool grows from empty).
+  core::tlsf_allocator b(core::growing, 256);
+  countdown = 0;
+  EXPECT_THROW((void)b.allocate(1000), std::bad_alloc);
+  countdown = -1;
+  EXPECT_EQ(b.check_invariants(), "");
+  EXPECT_EQ(b.used(), 0U);
+}
+
+// A reserve that cannot be had changes nothing: the allocator goes on as before, and a
+// reserve no larger than the pool already is asks for nothing.
+TEST(reserve, tlsf_reserve_without_memory_changes_nothing) {
+  core::tlsf_allocator a(core::growing, 256);
+  const auto first = *a.allocate(1000);
+  const auto second = *a.allocate(5000);
+  a.deallocate(first);
+  const int injected = inject_until_success([&] { a.reserve(100'000); }, [&] {
+    ASSERT_EQ(a.check_invariants(), "");
+    ASSERT_EQ(a.used(), 5120U);
+    ASSERT_EQ(a.stats().free_blocks, 1U);
+  });
+  EXPECT_GT(injected, 0);
+  countdown = 0;
+  EXPECT_NO_THROW(a.reserve(50'000));  // within what is reserved: no allocation
+  countdown = -1;
+  EXPECT_THROW(a.reserve(std::size_t{0xffffffffU} - 17U), std::length_error);
+  EXPECT_NO_THROW(a.deallocate(second));
+  EXPECT_EQ(a.check_invariants(), "");
+  EXPECT_EQ(a.used(), 0U);
+}
+
 std::byte pattern(std::uint64_t id, std::uint64_t i) {
   return static_cast<std::byte>((id * 131 + i * 7) & 0xff);
 }

@@ -156,6 +156,17 @@ class block_chain_allocator {
     if (indexed_) live_.reserve(live_.size() + 1);
   }
 
+  /// Room in the node pool for `blocks` blocks (live and free together) and the two that
+  /// reserve_nodes asks for beyond them: while no more blocks exist, allocating and freeing
+  /// by handle never grow the pool. Never shrinks it. Throws std::length_error past the node
+  /// limit and std::bad_alloc, changing nothing observable either way.
+  void reserve_blocks(std::size_t blocks) {
+    if (blocks >= most_nodes - 2U) throw std::length_error(std::string(name_) + ": too many blocks");
+    if (blocks + 2U <= nodes_.capacity()) return;
+    unused_nodes_.reserve(blocks + 2U);
+    nodes_.reserve(blocks + 2U);
+  }
+
   std::uint32_t new_node() noexcept {
     if (!unused_nodes_.empty()) {
       const std::uint32_t n = unused_nodes_.back();
