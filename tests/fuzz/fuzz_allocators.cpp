@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
@@ -81,7 +82,13 @@ class driver {
         if (!freed_.empty()) refused(a_.try_deallocate(freed_[operand % freed_.size()]), before);
         break;
       case 3: free_by_offset(code, operand, before); break;
-      case 4: {  // another allocator's handle
+      case 4: {  // another allocator's handle (or, for the O(1) allocator, a reserve)
+        if constexpr (std::is_same_v<Allocator, tensormem::core::tlsf_allocator>) {
+          if ((code & 0x80U) != 0) {
+            reserve(operand, before);
+            break;
+          }
+        }
         if (!other_) other_.emplace(capacity_, alignment_);
         const auto foreign = other_->allocate(operand % 4096 + 1);
         if (foreign) {
@@ -114,6 +121,23 @@ class driver {
     if (r->bytes == 0) return;  // the zero-byte allocation: nothing to keep
     REQUIRE(r->offset % alignment_ == 0);
     live_.push_back(*r);
+  }
+
+  // A reserve of a few blocks up to 2^17, or of more than the node limit (refused); either
+  // way the allocator is as before.
+  void reserve(std::uint64_t operand, const allocator_stats& before) {
+    if ((operand >> 63U) != 0) {
+      bool refused = false;
+      try {
+        a_.reserve(static_cast<std::size_t>(operand));
+      } catch (const std::length_error&) {
+        refused = true;
+      }
+      REQUIRE(refused);
+    } else {
+      a_.reserve(static_cast<std::size_t>(operand % (std::uint64_t{1} << 17)));
+    }
+    REQUIRE(same(a_.stats(), before));
   }
 
   // Whether a free block, or the untouched end of a fixed arena joined to a free block
