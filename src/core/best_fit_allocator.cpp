@@ -18,10 +18,23 @@ void best_fit_allocator::reserve_for_allocation(std::size_t blocks) {
     // every allocation).
     const std::size_t total = spare_nodes_.size() + free_by_size_.size() + 1;
     if (spare_nodes_.capacity() < total) spare_nodes_.reserve(std::max(total, 2 * spare_nodes_.capacity()));
-    // A node is made by inserting a key no real block has, then extracting it.
-    constexpr auto max = std::numeric_limits<std::uint64_t>::max();
-    spare_nodes_.push_back(free_by_size_.extract(free_by_size_.insert({max, max, none}).first));
+    add_spare_index_node();
   }
+}
+
+void best_fit_allocator::add_spare_index_node() {
+  // A node is made by inserting a key no real block has, then extracting it.
+  constexpr auto max = std::numeric_limits<std::uint64_t>::max();
+  spare_nodes_.push_back(free_by_size_.extract(free_by_size_.insert({max, max, none}).first));
+}
+
+void best_fit_allocator::reserve(std::size_t blocks) {
+  reserve_blocks(blocks);
+  // With blocks + 2 index nodes made (spare or holding a free block), reserve_for_allocation
+  // finds enough while no more than `blocks` blocks, so no more live ones, exist.
+  const std::size_t want = blocks + 2U;
+  if (spare_nodes_.capacity() < want) spare_nodes_.reserve(want);
+  while (spare_nodes_.size() + free_by_size_.size() < want) add_spare_index_node();
 }
 
 void best_fit_allocator::index_free(std::uint32_t n) noexcept {

@@ -332,6 +332,11 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
       // (members inherited from the block-chain base are adapted or wrapped to take an
       // Allocator; pybind11's adaptor does not take noexcept members)
       .def("deallocate", py::method_adaptor<Allocator>(&Allocator::deallocate), py::arg("allocation"))
+      .def("reserve", [](Allocator& a, u64 blocks) { a.reserve(static_cast<std::size_t>(std::uint64_t{blocks})); },
+           py::arg("blocks"),
+           "Room for this many blocks, live and free together, so that allocating and "
+           "deallocating by handle ask for no memory until more exist; ValueError for 2**32 - 18 "
+           "or more, changing nothing.")
       .def("free", [](Allocator& a, u64 offset, u64 bytes) { a.free(offset, bytes); }, py::arg("offset"), py::arg("bytes"),
            "InfiniTensor-style free; raises ValueError on misuse, changing nothing.")
       .def_property_readonly("peak", [](const Allocator& a) { return a.peak(); })

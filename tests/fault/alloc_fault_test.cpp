@@ -154,9 +154,10 @@ TEST(strong_guarantee, best_fit_free_by_offset_without_memory_for_the_index) {
 // failing: neither allocate nor deallocate asks for memory. Random sizes, both exact and
 // class sizes, at most L = 300 live (so at most 2L + 1 blocks); the counter is re-armed
 // before each call, so a single allocation anywhere fails the test.
-TEST(reserve, tlsf_allocates_nothing_while_the_blocks_stay_within_the_reserve) {
+template <class Allocator>
+void allocates_nothing_within_the_reserve() {
   constexpr std::size_t most_live = 300;
-  core::tlsf_allocator a(core::growing, 256);
+  Allocator a(core::growing, 256);
   a.reserve(2 * most_live + 1);
   std::mt19937_64 rng(17);
   std::vector<core::allocation> live;
@@ -185,7 +186,7 @@ TEST(reserve, tlsf_allocates_nothing_while_the_blocks_stay_within_the_reserve) {
 
   // Exactly at the bound: 101 blocks side by side, then every other one freed and taken
   // again, with a reserve of 101.
-  core::tlsf_allocator c(core::growing, 256);
+  Allocator c(core::growing, 256);
   c.reserve(101);
   std::vector<core::allocation> row;
   row.reserve(101);
@@ -207,8 +208,8 @@ TEST(reserve, tlsf_allocates_nothing_while_the_blocks_stay_within_the_reserve) {
   countdown = -1;
   EXPECT_EQ(c.check_invariants(), "");
   EXPECT_EQ(c.stats().live_allocations, 101U);
-  // Without the reserve the same stream asks for memory (the pool grows from empty).
-  core::tlsf_allocator b(core::growing, 256);
+  // Without a reserve, the first allocation asks for memory (the pool grows from empty).
+  Allocator b(core::growing, 256);
   countdown = 0;
   EXPECT_THROW((void)b.allocate(1000), std::bad_alloc);
   countdown = -1;
@@ -216,10 +217,18 @@ TEST(reserve, tlsf_allocates_nothing_while_the_blocks_stay_within_the_reserve) {
   EXPECT_EQ(b.used(), 0U);
 }
 
+TEST(reserve, tlsf_allocates_nothing_while_the_blocks_stay_within_the_reserve) {
+  allocates_nothing_within_the_reserve<core::tlsf_allocator>();
+}
+TEST(reserve, best_fit_allocates_nothing_while_the_blocks_stay_within_the_reserve) {
+  allocates_nothing_within_the_reserve<core::best_fit_allocator>();
+}
+
 // A reserve that cannot be had changes nothing: the allocator goes on as before, and a
 // reserve no larger than the pool already is asks for nothing.
-TEST(reserve, tlsf_reserve_without_memory_changes_nothing) {
-  core::tlsf_allocator a(core::growing, 256);
+template <class Allocator>
+void reserve_without_memory_changes_nothing() {
+  Allocator a(core::growing, 256);
   const auto first = *a.allocate(1000);
   const auto second = *a.allocate(5000);
   a.deallocate(first);
@@ -236,6 +245,11 @@ TEST(reserve, tlsf_reserve_without_memory_changes_nothing) {
   EXPECT_NO_THROW(a.deallocate(second));
   EXPECT_EQ(a.check_invariants(), "");
   EXPECT_EQ(a.used(), 0U);
+}
+
+TEST(reserve, tlsf_reserve_without_memory_changes_nothing) { reserve_without_memory_changes_nothing<core::tlsf_allocator>(); }
+TEST(reserve, best_fit_reserve_without_memory_changes_nothing) {
+  reserve_without_memory_changes_nothing<core::best_fit_allocator>();
 }
 
 std::byte pattern(std::uint64_t id, std::uint64_t i) {

@@ -82,12 +82,10 @@ class driver {
         if (!freed_.empty()) refused(a_.try_deallocate(freed_[operand % freed_.size()]), before);
         break;
       case 3: free_by_offset(code, operand, before); break;
-      case 4: {  // another allocator's handle (or, for the O(1) allocator, a reserve)
-        if constexpr (std::is_same_v<Allocator, tensormem::core::tlsf_allocator>) {
-          if ((code & 0x80U) != 0) {
-            reserve(operand, before);
-            break;
-          }
+      case 4: {  // another allocator's handle, or a reserve
+        if ((code & 0x80U) != 0) {
+          reserve(operand, before);
+          break;
         }
         if (!other_) other_.emplace(capacity_, alignment_);
         const auto foreign = other_->allocate(operand % 4096 + 1);
@@ -123,7 +121,7 @@ class driver {
     live_.push_back(*r);
   }
 
-  // A reserve of a few blocks up to 2^17, or of more than the node limit (refused); either
+  // A reserve of up to 4,095 blocks, or of more than the node limit (refused); either
   // way the allocator is as before.
   void reserve(std::uint64_t operand, const allocator_stats& before) {
     if ((operand >> 63U) != 0) {
@@ -135,7 +133,7 @@ class driver {
       }
       REQUIRE(refused);
     } else {
-      a_.reserve(static_cast<std::size_t>(operand % (std::uint64_t{1} << 17)));
+      a_.reserve(static_cast<std::size_t>(operand % 4096));
     }
     REQUIRE(same(a_.stats(), before));
   }

@@ -40,6 +40,30 @@ def test_allocators_reuse_and_report_misuse(cls):
     assert a.stats()["used_bytes"] == 1024 + 3072
 
 
+@pytest.mark.parametrize("cls", [tensormem.BestFitAllocator, tensormem.TlsfAllocator])
+def test_allocator_reserve(cls):
+    a = cls()
+    x = a.allocate(1000)
+    a.reserve(1000)
+    a.reserve(10)  # never shrinks; nothing changes
+    held = [a.allocate(256 * (1 + i % 7)) for i in range(400)]
+    for h in held[::2]:
+        a.deallocate(h)
+    assert a.stats()["live_allocations"] == 201
+    for bad in (2**32 - 18, 2**64 - 1):
+        with pytest.raises(ValueError, match="too many blocks"):
+            a.reserve(bad)
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="expected a whole number"):
+            a.reserve(bad)
+    for bad in (1.5, True, "8"):
+        with pytest.raises(TypeError):
+            a.reserve(bad)
+    assert a.check_invariants() == ""
+    assert a.stats()["live_allocations"] == 201 and a.stats()["used_bytes"] == x.bytes + sum(
+        h.bytes for h in held[1::2])
+
+
 # ----------------------------------------------------------------------------- planner
 
 def test_plan_and_validate_with_numpy():

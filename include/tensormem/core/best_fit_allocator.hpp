@@ -54,6 +54,14 @@ class best_fit_allocator : public detail::block_chain_allocator<best_fit_allocat
   /// capacity. Used to rebuild an allocator around blocks that already sit somewhere.
   std::optional<allocation> allocate_at(std::uint64_t offset, std::uint64_t bytes);
 
+  /// Makes room for `blocks` blocks, live and free together: nodes and index nodes. While
+  /// no more blocks than that exist, `allocate`, `deallocate` and `try_deallocate` allocate
+  /// no memory. A stream with at most L allocations live at once has at most 2L + 1 blocks.
+  /// `free(offset, bytes)` keeps an index of its own that this does not cover. Never
+  /// shrinks. Throws std::length_error for 2^32 - 18 blocks or more and std::bad_alloc
+  /// without the memory, changing nothing observable either way.
+  void reserve(std::size_t blocks);
+
   // deallocate, try_deallocate, free (InfiniTensor style: `bytes` as asked at allocation,
   // rounded here), try_free, capacity, alignment, peak, used and for_each_block come from
   // detail::block_chain_allocator.
@@ -82,6 +90,7 @@ class best_fit_allocator : public detail::block_chain_allocator<best_fit_allocat
   /// one more live-index entry: after it, an allocation and any later free change state
   /// without allocating. May throw; changes nothing observable.
   void reserve_for_allocation(std::size_t blocks);
+  void add_spare_index_node();  // one more spare index node (may throw)
   void index_free(std::uint32_t n) noexcept;
   void unindex_free(std::uint32_t n) noexcept;
   void release(std::uint32_t n) noexcept;
