@@ -182,21 +182,26 @@ Allocator make_for(std::uint64_t alignment, std::size_t max_live) {
   }
 }
 
+// One W1 event: an allocation kept in `live`, or the free of live[victim], whose place the
+// last live handle takes.
+template <class Allocator>
+[[gnu::always_inline]] inline void apply(Allocator& a, std::vector<handle_of<Allocator>>& live, const mix_op& op) {
+  if (op.bytes != 0) {
+    live.push_back(*a.allocate(op.bytes));
+  } else {
+    a.deallocate(live[op.victim]);
+    live[op.victim] = live.back();
+    live.pop_back();
+  }
+}
+
 template <class Allocator>
 run_result run_mix(const mix_workload& w) {
   Allocator a = make_for<Allocator>(256, 4096);
   std::vector<handle_of<Allocator>> live;
   live.reserve(4096);
   const auto start = std::chrono::steady_clock::now();
-  for (const mix_op& op : w.ops) {
-    if (op.bytes != 0) {
-      live.push_back(*a.allocate(op.bytes));
-    } else {
-      a.deallocate(live[op.victim]);
-      live[op.victim] = live.back();
-      live.pop_back();
-    }
-  }
+  for (const mix_op& op : w.ops) apply(a, live, op);
   const auto stop = std::chrono::steady_clock::now();
   return {std::chrono::duration<double, std::nano>(stop - start).count() / static_cast<double>(w.ops.size()),
           peak_of(a)};
@@ -295,6 +300,49 @@ void bm_versus_baseline(benchmark::State& state, Run run, std::uint64_t lower_bo
   }
 }
 
+// The slowest single calls: W1's first 200,000 events (the live set and the blocks grow to
+// their full counts in the first 50,000 or so), each `allocate` or `deallocate` timed alone
+// by a new allocator, with `reserve(2 * 4,096 + 1)` before the stream or without it; one
+// pass, registered first, so that the heap is as new as in a program's first steps.
+// steady_clock costs about 20 ns a reading, which every call's time includes. Counters: the
+// slowest call, the 99.99th and 99.9th percentiles, and the calls slower than 10 us and
+// than 200 us (a pool that doubles copies every node; a page touched for the first time
+// costs a fault; an interrupt lands in some call whatever the allocator does).
+template <class Allocator, bool Reserve>
+void bm_call_latency(benchmark::State& state) {
+  constexpr std::size_t events = 200'000;
+  const mix_workload& w = random_mix();
+  std::vector<double> all;
+  all.reserve(events * 5);
+  double slow = 0;
+  double slower = 0;
+  for (auto _ : state) {
+    Allocator a(core::growing, 256);
+    if constexpr (Reserve) a.reserve(2 * 4096 + 1);
+    std::vector<handle_of<Allocator>> live(4096);  // its pages touched before the clock starts
+    live.clear();
+    double total = 0;
+    for (std::size_t i = 0; i < events; ++i) {
+      const mix_op& op = w.ops[i];
+      const auto start = std::chrono::steady_clock::now();
+      apply(a, live, op);
+      const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+      total += ns;
+      all.push_back(ns);
+      slow += ns > 10'000 ? 1 : 0;
+      slower += ns > 200'000 ? 1 : 0;
+    }
+    state.SetIterationTime(total * 1e-9);
+  }
+  std::sort(all.begin(), all.end());
+  const auto at = [&all](double q) { return all[static_cast<std::size_t>(q * static_cast<double>(all.size() - 1))]; };
+  state.counters["max_ns"] = all.back();
+  state.counters["p99_99_ns"] = at(0.9999);
+  state.counters["p99_9_ns"] = at(0.999);
+  state.counters["calls_over_10us"] = slow / static_cast<double>(state.iterations());
+  state.counters["calls_over_200us"] = slower / static_cast<double>(state.iterations());
+}
+
 const std::vector<std::string>& trace_names() {
   static const std::vector<std::string> names = {
       "minimalloc_A.csv", "minimalloc_B.csv", "minimalloc_C.csv", "minimalloc_D.csv", "minimalloc_E.csv",
@@ -321,6 +369,15 @@ void register_versus(const std::string& group, const std::string& label) {
 }
 
 void register_all() {
+  // First, while the process's heap is new (as in a program's first steps).
+  benchmark::RegisterBenchmark("call_latency/tlsf/reserve", bm_call_latency<core::tlsf_allocator, true>)
+      ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("call_latency/tlsf/grow", bm_call_latency<core::tlsf_allocator, false>)
+      ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("call_latency/best_fit/reserve", bm_call_latency<core::best_fit_allocator, true>)
+      ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("call_latency/best_fit/grow", bm_call_latency<core::best_fit_allocator, false>)
+      ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("random_mix/best_fit", bm_random_mix<core::best_fit_allocator>)
       ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("random_mix/tlsf", bm_random_mix<core::tlsf_allocator>)

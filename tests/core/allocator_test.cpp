@@ -4,6 +4,10 @@
 
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
@@ -269,6 +273,40 @@ TYPED_TEST(allocator_test, misuse_is_reported_and_changes_nothing) {
   a.deallocate(z);
   EXPECT_EQ(a.used(), 0U);
   EXPECT_EQ(a.check_invariants(), "");
+}
+
+// A reserve changes no handle: the same random stream, with a reserve before it and another
+// in its middle (while recycled nodes wait), hands out the same offsets, sizes, node indices
+// and generations as without, and the blocks and statistics agree after every step.
+TYPED_TEST(allocator_test, reserve_changes_no_handle) {
+  TypeParam plain;
+  TypeParam reserved;
+  reserved.reserve(40);
+  std::mt19937_64 rng(11);
+  std::vector<std::pair<allocation, allocation>> live;
+  for (int step = 0; step < 4000; ++step) {
+    if (step == 1500) reserved.reserve(700);
+    if (live.empty() || rng() % 100 < 52) {
+      const std::uint64_t bytes = 1 + rng() % (std::uint64_t{1} << (rng() % 2 == 0 ? 14 : 26));
+      const auto p = must_allocate(plain, bytes);
+      const auto r = must_allocate(reserved, bytes);
+      ASSERT_EQ(std::tie(p.offset, p.bytes, p.node, p.generation), std::tie(r.offset, r.bytes, r.node, r.generation))
+          << "step " << step;
+      live.emplace_back(p, r);
+    } else {
+      const std::size_t i = rng() % live.size();
+      plain.deallocate(live[i].first);
+      reserved.deallocate(live[i].second);
+      live[i] = live.back();
+      live.pop_back();
+    }
+    const allocator_stats ps = plain.stats();
+    const allocator_stats rs = reserved.stats();
+    ASSERT_EQ(std::tie(ps.free_blocks, ps.largest_free_bytes, ps.peak_bytes, ps.used_bytes),
+              std::tie(rs.free_blocks, rs.largest_free_bytes, rs.peak_bytes, rs.used_bytes))
+        << "step " << step;
+  }
+  EXPECT_EQ(reserved.check_invariants(), "");
 }
 
 }  // namespace

@@ -157,14 +157,28 @@ class block_chain_allocator {
   }
 
   /// Room in the node pool for `blocks` blocks (live and free together) and the two that
-  /// reserve_nodes asks for beyond them: while no more blocks exist, allocating and freeing
-  /// by handle never grow the pool. Never shrinks it. Throws std::length_error past the node
-  /// limit and std::bad_alloc, changing nothing observable either way.
+  /// reserve_nodes asks for beyond them, and the nodes themselves made (unused), so that
+  /// their pages are touched here rather than by a later allocation: while no more blocks
+  /// exist, allocating and freeing by handle never grow the pool nor touch a new page of it.
+  /// The new nodes go below the recycled ones in the stack of unused nodes, lowest index on
+  /// top, so that nodes are handed out in the order they would have been made. Never
+  /// shrinks. Throws std::length_error past the node limit and std::bad_alloc, changing
+  /// nothing observable either way.
   void reserve_blocks(std::size_t blocks) {
     if (blocks >= most_nodes - 2U) throw std::length_error(std::string(name_) + ": too many blocks");
-    if (blocks + 2U <= nodes_.capacity()) return;
-    unused_nodes_.reserve(blocks + 2U);
-    nodes_.reserve(blocks + 2U);
+    if (blocks + 2U > nodes_.capacity()) {
+      unused_nodes_.reserve(blocks + 2U);
+      nodes_.reserve(blocks + 2U);
+    }
+    if (nodes_.size() >= blocks) return;
+    const auto first = static_cast<std::uint32_t>(nodes_.size());
+    const auto last = static_cast<std::uint32_t>(blocks);
+    nodes_.resize(blocks);  // capacity reserved: cannot throw
+    const std::size_t recycled = unused_nodes_.size();
+    unused_nodes_.resize(recycled + (last - first));  // capacity reserved: cannot throw
+    std::copy_backward(unused_nodes_.begin(), unused_nodes_.begin() + static_cast<std::ptrdiff_t>(recycled),
+                       unused_nodes_.end());
+    for (std::uint32_t i = 0; i < last - first; ++i) unused_nodes_[i] = last - 1U - i;
   }
 
   std::uint32_t new_node() noexcept {
