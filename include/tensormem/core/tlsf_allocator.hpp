@@ -99,10 +99,11 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   std::optional<allocation> allocate(std::uint64_t bytes);
 
   /// Makes room for `blocks` blocks, live and free together (as OffsetAllocator's
-  /// `maxAllocs`, but a hint: the pool still grows past it). While no more blocks than that
-  /// exist, `allocate`, `deallocate` and `try_deallocate` allocate no memory, so none of
+  /// `maxAllocs`, but a hint: the pool still grows past it), and makes their nodes, so that
+  /// the pool's pages are touched here. While no more blocks than that exist, `allocate`,
+  /// `deallocate` and `try_deallocate` allocate no memory and touch no new page, so none of
   /// them pays for growing the pool, which otherwise doubles (a copy of every node) inside
-  /// some `allocate`. A stream with at most L allocations live at once has at most 2L + 1
+  /// some `allocate`, nor for a page fault on a new node. A stream with at most L allocations live at once has at most 2L + 1
   /// blocks. `free(offset, bytes)` keeps an index of its own that this does not cover.
   /// Never shrinks. Throws std::length_error for 2^32 - 18 blocks or more and
   /// std::bad_alloc without the memory, changing nothing either way.
