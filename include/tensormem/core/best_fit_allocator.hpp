@@ -56,10 +56,10 @@ class best_fit_allocator : public detail::block_chain_allocator<best_fit_allocat
 
   /// Makes room for `blocks` blocks, live and free together: nodes and index nodes, made
   /// here. While no more blocks than that exist, `allocate`, `deallocate` and
-  /// `try_deallocate` allocate no memory. A stream with at most L allocations live at once has at most 2L + 1 blocks.
-  /// `free(offset, bytes)` keeps an index of its own that this does not cover. Never
-  /// shrinks. Throws std::length_error for 2^32 - 18 blocks or more and std::bad_alloc
-  /// without the memory, changing nothing observable either way.
+  /// `try_deallocate` allocate no memory. A stream with at most L allocations live at once
+  /// has at most 2L + 1 blocks. `free(offset, bytes)` keeps an index of its own that this
+  /// does not cover. Never shrinks. Throws std::length_error for 2^32 - 18 blocks or more
+  /// and std::bad_alloc without the memory, changing nothing observable either way.
   void reserve(std::size_t blocks);
 
   // deallocate, try_deallocate, free (InfiniTensor style: `bytes` as asked at allocation,

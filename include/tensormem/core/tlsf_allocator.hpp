@@ -103,10 +103,11 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   /// the pool's pages are touched here. While no more blocks than that exist, `allocate`,
   /// `deallocate` and `try_deallocate` allocate no memory and touch no new page, so none of
   /// them pays for growing the pool, which otherwise doubles (a copy of every node) inside
-  /// some `allocate`, nor for a page fault on a new node. A stream with at most L allocations live at once has at most 2L + 1
-  /// blocks. `free(offset, bytes)` keeps an index of its own that this does not cover.
-  /// Never shrinks. Throws std::length_error for 2^32 - 18 blocks or more and
-  /// std::bad_alloc without the memory, changing nothing either way.
+  /// some `allocate`, nor for a page fault on a new node. A stream with at most L
+  /// allocations live at once has at most 2L + 1 blocks. `free(offset, bytes)` keeps an
+  /// index of its own that this does not cover. Never shrinks. Throws std::length_error for
+  /// 2^32 - 18 blocks or more and std::bad_alloc without the memory, changing nothing
+  /// observable either way.
   void reserve(std::size_t blocks) { reserve_blocks(blocks); }
   // deallocate, try_deallocate, free, try_free, capacity, alignment, peak, used and
   // for_each_block (TLSF's walk_pool) come from detail::block_chain_allocator.
