@@ -166,10 +166,8 @@ class block_chain_allocator {
   /// nothing observable either way.
   void reserve_blocks(std::size_t blocks) {
     if (blocks >= most_nodes - 2U) throw std::length_error(std::string(name_) + ": too many blocks");
-    if (blocks + 2U > nodes_.capacity()) {
-      unused_nodes_.reserve(blocks + 2U);
-      nodes_.reserve(blocks + 2U);
-    }
+    unused_nodes_.reserve(blocks + 2U);  // (each a no-op where the room is there)
+    nodes_.reserve(blocks + 2U);
     if (nodes_.size() >= blocks) return;
     const auto first = static_cast<std::uint32_t>(nodes_.size());
     const auto last = static_cast<std::uint32_t>(blocks);
