@@ -313,7 +313,7 @@ void bm_call_latency(benchmark::State& state) {
   constexpr std::size_t events = 200'000;
   const mix_workload& w = random_mix();
   std::vector<double> all;
-  all.reserve(events * 5);
+  all.reserve(events * static_cast<std::size_t>(state.max_iterations));
   double slow = 0;
   double slower = 0;
   for (auto _ : state) {

@@ -33,7 +33,7 @@ void best_fit_allocator::reserve(std::size_t blocks) {
   // With blocks + 2 index nodes made (spare or holding a free block), reserve_for_allocation
   // finds enough while no more than `blocks` blocks, so no more live ones, exist.
   const std::size_t want = blocks + 2U;
-  if (spare_nodes_.capacity() < want) spare_nodes_.reserve(want);
+  spare_nodes_.reserve(want);  // a no-op where the room is there
   while (spare_nodes_.size() + free_by_size_.size() < want) add_spare_index_node();
 }
 
