@@ -701,12 +701,19 @@ def _example_model(name: str, batch: int, sequence: int, layers: int):
             def forward(self, ids):
                 return self.head(self.blocks(self.embed(ids)))
         return GPT().eval(), torch.randint(0, 50257, (batch, sequence))
+    import inspect
+
     import torchvision
     try:
-        model = torchvision.models.get_model(name, weights=None)
+        builder = torchvision.models.get_model_builder(name)
     except (KeyError, ValueError, AttributeError) as e:
         raise SystemExit(f"unknown model '{name}': a torchvision model name (resnet50, vit_b_16...) or gpt") from e
-    return model.eval(), torch.randn(batch, 3, 224, 224)
+    # Random weights, never a download: segmentation and detection builders otherwise fetch a
+    # pretrained backbone even with weights=None.
+    kwargs = {"weights": None}
+    if "weights_backbone" in inspect.signature(builder).parameters:
+        kwargs["weights_backbone"] = None
+    return builder(**kwargs).eval(), torch.randn(batch, 3, 224, 224)
 
 
 def _positive_int(text: str) -> int:
@@ -731,6 +738,32 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+    flat_x, flat_y = x.detach().reshape(-1), y.detach().reshape(-1)
+    # Bits, not values: -0.0 and 0.0 differ, a NaN equals the same NaN.
+    return torch.equal(flat_x.view(as_int[x.element_size()]), flat_y.view(as_int[y.element_size()]))
+
+
+def _bitwise_equal(a, b) -> bool:
+    """The same structure (tensor, or tuples, lists and dicts of them) with bitwise equal
+    tensors and equal other leaves."""
+    from torch.utils._pytree import tree_flatten
+    leaves_a, shape_a = tree_flatten(a)
+    leaves_b, shape_b = tree_flatten(b)
+    if shape_a != shape_b:
+        return False
+    for x, y in zip(leaves_a, leaves_b):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _same_bits(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
 def main(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="python3 -m tensormem.torch",
@@ -750,7 +783,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model, x = _example_model(args.model, args.batch, args.sequence, args.layers)
     t0 = time.perf_counter()
-    plan = plan_module(model, x, training=args.training, time_limit=args.time_limit)
+    try:
+        plan = plan_module(model, x, training=args.training, time_limit=args.time_limit)
+    except UnsupportedGraph as e:  # e.g. a model that takes other inputs than one image batch
+        print(f"{parser.prog}: {args.model}: {e}", file=sys.stderr)
+        return 1
     seconds = time.perf_counter() - t0
     print(f"{args.model}, batch {args.batch}: traced, measured and planned in {seconds:.1f} s")
     print(plan.report(), end="")
@@ -769,7 +806,7 @@ def main(argv=None) -> int:
         out = plan.run(x)
         with torch.no_grad():
             ref = model(x) if not args.training else None
-        same = "not compared (training)" if ref is None else ("bitwise equal" if torch.equal(out, ref) else
+        same = "not compared (training)" if ref is None else ("bitwise equal" if _bitwise_equal(out, ref) else
                                                              "DIFFERENT")
         print(f"planned run: {plan.placed_buffers} buffers at their offsets, {plan.moved_ops} ops moved into "
               f"their slot; output {same}")

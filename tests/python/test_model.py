@@ -422,6 +422,56 @@ def test_command_line_refuses_bad_numbers_before_any_work(args, message, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_command_line_builds_models_without_any_download_and_compares_dict_outputs(tmp_path, monkeypatch, capsys):
+    # A segmentation model: with weights=None alone, its builder fetches a pretrained backbone;
+    # its output is a dict of tensors. Any connection attempt fails the test, network or not.
+    import socket
+
+    from tensormem.model import main
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the command line tried to open a connection")
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    code = main(["plan", "lraspp_mobilenet_v3_large", "--time-limit", "0", "--run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "output bitwise equal" in out and "planned arena" in out
+    assert not any(tmp_path.iterdir())
+
+
+def test_command_line_names_a_model_it_cannot_trace_in_one_line(capsys):
+    from tensormem.model import main
+    assert main(["plan", "raft_small", "--time-limit", "0"]) == 1  # takes two images
+    out, err = capsys.readouterr()
+    assert err.startswith("python3 -m tensormem.torch: raft_small: cannot trace RAFT:")
+    assert "image2" in err and "Traceback" not in err and err.count("\n") == 1
+    assert out == ""
+
+
+def test_bitwise_equal_compares_structure_dtype_and_bits():
+    from collections import OrderedDict
+
+    from tensormem.model import _bitwise_equal
+    a = torch.arange(4.0)
+    assert _bitwise_equal(OrderedDict(out=a, aux=(a, 3)), OrderedDict(out=a.clone(), aux=(a.clone(), 3)))
+    assert not _bitwise_equal(OrderedDict(out=a), OrderedDict(aux=a))              # other keys
+    assert not _bitwise_equal((a, a), [a, a])                                      # tuple against list
+    assert not _bitwise_equal(a, a.to(torch.float64))                              # same values, other dtype
+    assert not _bitwise_equal(a, a.to(torch.int64))
+    assert not _bitwise_equal(a, torch.tensor([0.0, 1.0, 2.0, 3.0000002]))         # one bit apart
+    assert not _bitwise_equal((a, 3), (a, 4))                                      # a non-tensor leaf
+    assert not _bitwise_equal((a, 3), (a, a))
+    assert not _bitwise_equal(torch.tensor([-0.0]), torch.tensor([0.0]))            # equal values, other bits
+    nan = torch.tensor([float("nan"), 1.0])
+    assert _bitwise_equal(nan, nan.clone())                                        # the same bits
+    assert not _bitwise_equal(a, a.reshape(2, 2))                                  # other shape
+    for t in (torch.tensor([True, False]), torch.arange(3, dtype=torch.int16), torch.tensor([1 + 2j]),
+              torch.arange(6.0).reshape(2, 3).t()):                                # not contiguous
+        other = ~t if t.dtype == torch.bool else t + 1
+        assert other.dtype == t.dtype and _bitwise_equal(t, t.clone()) and not _bitwise_equal(t, other)
+
+
 def test_command_line_names_an_unwritable_output_and_keeps_the_report(capsys):
     from tensormem.model import main
     for option in ("--trace", "--svg"):
