@@ -686,7 +686,8 @@ def _clone_tree(v):
 # ----------------------------------------------------------------------------- command line
 
 def _example_model(name: str, batch: int, sequence: int, layers: int):
-    """A torchvision model by name (weights=None) with a 224 x 224 batch, or "gpt": a
+    """A torchvision model by name (random weights) and its inputs: a batch of 224 x 224
+    images, of 16-frame clips for video models, of image pairs for optical flow; or "gpt": a
     GPT-style stack of pre-norm transformer blocks (hidden 768, 12 heads) over token ids."""
     if name == "gpt":
         class GPT(torch.nn.Module):
@@ -700,7 +701,7 @@ def _example_model(name: str, batch: int, sequence: int, layers: int):
 
             def forward(self, ids):
                 return self.head(self.blocks(self.embed(ids)))
-        return GPT().eval(), torch.randint(0, 50257, (batch, sequence))
+        return GPT().eval(), (torch.randint(0, 50257, (batch, sequence)),)
     import inspect
 
     import torchvision
@@ -713,7 +714,12 @@ def _example_model(name: str, batch: int, sequence: int, layers: int):
     kwargs = {"weights": None}
     if "weights_backbone" in inspect.signature(builder).parameters:
         kwargs["weights_backbone"] = None
-    return builder(**kwargs).eval(), torch.randn(batch, 3, 224, 224)
+    model = builder(**kwargs).eval()
+    if ".video." in builder.__module__:  # a clip of 16 frames (MViT's fixed input size)
+        return model, (torch.randn(batch, 3, 16, 224, 224),)
+    if ".optical_flow." in builder.__module__:  # the flow between two frames
+        return model, (torch.randn(batch, 3, 224, 224), torch.randn(batch, 3, 224, 224))
+    return model, (torch.randn(batch, 3, 224, 224),)
 
 
 def _positive_int(text: str) -> int:
@@ -781,11 +787,11 @@ def main(argv=None) -> int:
     p.add_argument("--run", action="store_true", help="also run the plan and compare with eager PyTorch")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    model, x = _example_model(args.model, args.batch, args.sequence, args.layers)
+    model, inputs = _example_model(args.model, args.batch, args.sequence, args.layers)
     t0 = time.perf_counter()
     try:
-        plan = plan_module(model, x, training=args.training, time_limit=args.time_limit)
-    except UnsupportedGraph as e:  # e.g. a model that takes other inputs than one image batch
+        plan = plan_module(model, *inputs, training=args.training, time_limit=args.time_limit)
+    except UnsupportedGraph as e:  # e.g. a detection model's data-dependent control flow
         print(f"{parser.prog}: {args.model}: {e}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - t0
@@ -803,9 +809,9 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
     if args.run:
-        out = plan.run(x)
+        out = plan.run(*inputs)
         with torch.no_grad():
-            ref = model(x) if not args.training else None
+            ref = model(*inputs) if not args.training else None
         same = "not compared (training)" if ref is None else ("bitwise equal" if _bitwise_equal(out, ref) else
                                                              "DIFFERENT")
         print(f"planned run: {plan.placed_buffers} buffers at their offsets, {plan.moved_ops} ops moved into "

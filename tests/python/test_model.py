@@ -442,11 +442,26 @@ def test_command_line_builds_models_without_any_download_and_compares_dict_outpu
 
 def test_command_line_names_a_model_it_cannot_trace_in_one_line(capsys):
     from tensormem.model import main
-    assert main(["plan", "raft_small", "--time-limit", "0"]) == 1  # takes two images
+    model = "fasterrcnn_mobilenet_v3_large_320_fpn"  # its control flow depends on the values
+    assert main(["plan", model, "--time-limit", "0"]) == 1
     out, err = capsys.readouterr()
-    assert err.startswith("python3 -m tensormem.torch: raft_small: cannot trace RAFT:")
-    assert "image2" in err and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith(f"python3 -m tensormem.torch: {model}: cannot trace FasterRCNN:")
+    assert "data-dependent control flow" in err and "Traceback" not in err and err.count("\n") == 1
     assert out == ""
+
+
+def test_command_line_drives_optical_flow_with_two_frames_and_video_with_a_clip(capsys):
+    from tensormem.model import _example_model, main
+    assert main(["plan", "raft_small", "--time-limit", "0", "--run"]) == 0  # a list of flows
+    out, err = capsys.readouterr()
+    assert "output bitwise equal" in out, err
+    _model, inputs = _example_model("raft_small", 2, 0, 0)
+    assert [tuple(x.shape) for x in inputs] == [(2, 3, 224, 224)] * 2
+    for video in ("r3d_18", "mvit_v2_s", "s3d"):
+        _model, inputs = _example_model(video, 1, 0, 0)
+        assert [tuple(x.shape) for x in inputs] == [(1, 3, 16, 224, 224)]
+    _model, inputs = _example_model("resnet18", 3, 0, 0)
+    assert [tuple(x.shape) for x in inputs] == [(3, 3, 224, 224)]
 
 
 def test_bitwise_equal_compares_structure_dtype_and_bits():
