@@ -272,6 +272,17 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
         if node.op == "call_function" and node.target is operator.getitem:
             unpacked.setdefault(node.args[0].name, {})[node.args[1]] = node.meta.get("tensor_meta")
     metas_of: Dict[str, list] = {}
+    # Values the trace alone decides (constants, and what deterministic ops make of them; not
+    # the inputs, the parameters or a random draw), and the buffers of such values that an op
+    # on other values wrote into after all. An op whose output shape depends on its
+    # arguments' values is planned only when those values are decided here.
+    decided: set = set()
+    overwritten: set = set()
+    constants_decided = True  # until an op on other values writes into a graph constant
+
+    def is_decided(value) -> bool:
+        return all(v.name in decided and not any(b in overwritten for b in node_buffers.get(v.name, []))
+                   for v in _flat_tensors(value) if isinstance(v, torch.fx.Node))
 
     placeholders = 0
     for step, node in enumerate(nodes):
@@ -284,6 +295,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             placeholders += 1
         elif node.op == "get_attr":
             node_buffers[node.name] = [None]  # a constant the traced code made, held by the graph
+            if constants_decided:
+                decided.add(node.name)
         elif node.op == "call_function" and node.target is operator.getitem:
             # Unpacking one output uses that output's buffer alone: the others of a
             # multi-output op (a norm's mean and rstd, say) are free from their last use.
@@ -292,16 +305,19 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             node_buffers[node.name] = [bid]
             if bid is not None:
                 last_use[bid] = max(last_use.get(bid, step), step)
+            if source.name in decided:
+                decided.add(node.name)
         elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             op = node.target
             tags = set(getattr(op, "tags", ()))
+            args = _schema_args(op, node)
+            known = torch.Tag.nondeterministic_seeded not in tags and is_decided(args)
             if (torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags) \
-                    and not _indexes_by_integers(op, node):
+                    and not known and not _indexes_by_integers(op, node):
                 raise UnsupportedGraph(f"unsupported op {op} (node {node.name}): its output depends on the "
                                        "input values, so a plan made for these inputs would not hold for others")
             ops[str(op)] = ops.get(str(op), 0) + 1
             sources = _alias_sources(op)
-            args = _schema_args(op, node)
             for a in args:
                 use(a, step)
             returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "List[Tensor]"
@@ -327,6 +343,20 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                 else:
                     out.append(new_buffer(node, i, r_meta, "activation", step))
             node_buffers[node.name] = out
+            if known:
+                decided.add(node.name)
+            else:  # what it writes into is no longer decided
+                for a, arg in zip(op._schema.arguments, args):
+                    if a.alias_info is None or not a.alias_info.is_write:
+                        continue
+                    for v in _flat_tensors(arg):
+                        if isinstance(v, torch.fx.Node) and v.name in decided:
+                            written = [b for b in node_buffers.get(v.name, []) if b is not None]
+                            if written:
+                                overwritten.update(written)
+                            else:  # a graph constant, read again later through views or new get_attr
+                                decided.clear()  # nodes, which cannot be told apart: none stays decided
+                                constants_decided = False
         elif node.op == "call_function":
             raise UnsupportedGraph(f"unsupported op {node.target} (node {node.name}): not an aten operator")
         elif node.op == "output":

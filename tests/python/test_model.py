@@ -278,6 +278,73 @@ def test_integer_indexing_is_planned_and_a_boolean_mask_is_refused():
         trace(Mask(), torch.randn(5))
 
 
+def test_a_value_dependent_shape_is_planned_when_the_trace_alone_decides_the_values():
+    # MViT's positional encoding: repeat_interleave by an int becomes aten.repeat_interleave of
+    # a counts tensor that the trace makes from constants (empty, fill_), so its output shape
+    # is the same for every input.
+    class Repeated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return x + torch.repeat_interleave(self.pos, 5, dim=0)
+
+    class CountsFromInput(torch.nn.Module):
+        def forward(self, x, counts):
+            return torch.repeat_interleave(x, counts, dim=0)
+
+    class ConstantOverwritten(torch.nn.Module):  # a decided tensor written with input values
+        def forward(self, x):
+            counts = torch.ones(3, dtype=torch.long)
+            counts.add_(x[:3].abs().long())
+            return torch.repeat_interleave(counts)
+
+    class ConstantViewOverwritten(torch.nn.Module):  # the same through a view of the counts
+        def forward(self, x):
+            counts = torch.ones(3, dtype=torch.long)
+            counts[1:].add_(x[:2].abs().long())
+            return torch.repeat_interleave(counts)
+
+    class LiteralOverwritten(torch.nn.Module):  # a constant the graph holds, through a view
+        def forward(self, x):
+            counts = torch.tensor([1, 1, 1])
+            counts[1:].add_(x[:2].abs().long())
+            return torch.repeat_interleave(counts)
+
+    class AttributeOverwritten(torch.nn.Module):  # a plain tensor attribute: a graph constant
+        def __init__(self):
+            super().__init__()
+            self.counts = torch.ones(3, dtype=torch.long)
+
+        def forward(self, x):
+            self.counts[1:].add_(x[:2].abs().long())
+            return torch.repeat_interleave(self.counts)
+
+    class AttributeViewOverwritten(AttributeOverwritten):  # a view taken before the write
+        def forward(self, x):
+            counts = self.counts[:]
+            self.counts[1:].add_(x[:2].abs().long())
+            return torch.repeat_interleave(counts)
+
+    class RandomCounts(torch.nn.Module):  # made without the inputs, but not the same each run
+        def forward(self, x):
+            return torch.repeat_interleave(x, torch.randint(1, 4, (x.shape[0],)), dim=0)
+
+    torch.manual_seed(0)
+    for training in (False, True):
+        planned_equals_eager(Repeated(), torch.randn(20, 3), training=training)
+    for module, inputs in ((CountsFromInput(), (torch.randn(3, 2), torch.tensor([1, 2, 3]))),
+                           (ConstantOverwritten(), (torch.randn(5) * 3,)),
+                           (ConstantViewOverwritten(), (torch.randn(5) * 3,)),
+                           (LiteralOverwritten(), (torch.randn(5) * 3,)),
+                           (AttributeOverwritten(), (torch.randn(5) * 3,)),
+                           (AttributeViewOverwritten(), (torch.randn(5) * 3,)),
+                           (RandomCounts(), (torch.randn(3, 2),))):
+        with pytest.raises(UnsupportedGraph, match="aten.repeat_interleave.Tensor.*depends on the input values"):
+            trace(module, *inputs)
+
+
 @contextlib.contextmanager
 def eager_as_traced(graph):
     """Eager inference on the path the trace took. PyTorch 2.x's tracer records the unfused
