@@ -775,8 +775,13 @@ def _seconds(text: str) -> float:
 
 
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if x.dtype != y.dtype or x.shape != y.shape:
+    if x.dtype != y.dtype or x.shape != y.shape or x.layout != y.layout:
         return False
+    if x.is_quantized:  # (a quantized tensor viewed as integers crashes PyTorch 1.13)
+        return x.qscheme() == y.qscheme() and _same_bits(x.int_repr(), y.int_repr()) and \
+            _same_bits(x.dequantize(), y.dequantize())
+    if x.layout != torch.strided:  # sparse
+        return _same_bits(x.to_dense(), y.to_dense())
     as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
     flat_x, flat_y = x.detach().reshape(-1), y.detach().reshape(-1)
     # Bits, not values: -0.0 and 0.0 differ, a NaN equals the same NaN.

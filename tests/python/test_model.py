@@ -552,6 +552,13 @@ def test_bitwise_equal_compares_structure_dtype_and_bits():
               torch.arange(6.0).reshape(2, 3).t()):                                # not contiguous
         other = ~t if t.dtype == torch.bool else t + 1
         assert other.dtype == t.dtype and _bitwise_equal(t, t.clone()) and not _bitwise_equal(t, other)
+    q = torch.quantize_per_tensor(torch.arange(4.0), 0.5, 1, torch.quint8)
+    assert _bitwise_equal(q, q.clone())
+    assert not _bitwise_equal(q, torch.quantize_per_tensor(torch.arange(4.0), 0.25, 1, torch.quint8))
+    assert not _bitwise_equal(q, torch.quantize_per_tensor(torch.arange(4.0) + 1, 0.5, 1, torch.quint8))
+    sparse = torch.tensor([[0.0, 1.0], [2.0, 0.0]]).to_sparse()
+    assert _bitwise_equal(sparse, sparse.clone()) and not _bitwise_equal(sparse, (sparse * 2).coalesce())
+    assert not _bitwise_equal(sparse, sparse.to_dense())
 
 
 def test_command_line_names_an_unwritable_output_and_keeps_the_report(capsys):
