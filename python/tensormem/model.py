@@ -197,6 +197,15 @@ def _schema_args(op, node: torch.fx.Node) -> list:
     return values
 
 
+def _default_loss(module: torch.nn.Module, out):
+    """The sum of every tensor the module returns, in tuples, lists and dicts alike."""
+    from torch.utils._pytree import tree_flatten
+    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise UnsupportedGraph(f"{type(module).__name__} returns no tensor to make the default loss of; pass loss_fn")
+    return sum(t.float().sum() for t in tensors)
+
+
 def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
           loss_fn: Optional[Callable] = None) -> Graph:
     """The operator graph of ``module(*example_inputs)`` and its activation buffers.
@@ -213,10 +222,7 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     grad_params = [k for k, v in params.items() if v.requires_grad]
 
     def loss_of(out):
-        if loss_fn is not None:
-            return loss_fn(out)
-        tensors = [t for t in _flat_tensors(out) if isinstance(t, torch.Tensor)]
-        return sum(t.float().sum() for t in tensors)
+        return loss_fn(out) if loss_fn is not None else _default_loss(module, out)
 
     from torch.utils._pytree import tree_flatten
     structure = []  # the structure the traced call returns (the graph returns its leaves)
@@ -393,8 +399,7 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
     def call():
         out = module(*inputs)
         if training:
-            tensors = [t for t in _flat_tensors(out) if isinstance(t, torch.Tensor)]
-            loss = loss_fn(out) if loss_fn else sum(t.float().sum() for t in tensors)
+            loss = loss_fn(out) if loss_fn else _default_loss(module, out)
             torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad], allow_unused=True)
 
     def run():

@@ -414,6 +414,40 @@ def test_to_trace_reads_back(tmp_path):
     assert tensormem.lower_bound(lower, upper, size) == tensormem.lower_bound(back["lower"], back["upper"], back["size"])
 
 
+def test_training_sums_every_tensor_of_a_dict_output_and_refuses_an_output_without_one():
+    # Segmentation models return {"out": ..., "aux": ...}: the default loss is the sum of every
+    # tensor in it (it used to see none in a dict, and the trace failed on an int loss).
+    from torch.utils._pytree import tree_flatten
+
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(6, 8)
+            self.out = torch.nn.Linear(8, 3)
+            self.aux = torch.nn.Linear(8, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.body(x))
+            return {"out": self.out(h), "aux": [self.aux(h), h.mean()]}
+
+    class Nothing(torch.nn.Module):
+        def forward(self, x):
+            return {"count": 3}
+
+    torch.manual_seed(0)
+    module, x = Heads(), torch.randn(4, 6)
+    plan = plan_module(module, x, training=True, time_limit=1)
+    loss, grads = plan.run(x)
+    eager = sum(t.float().sum() for t in tree_flatten(module(x))[0])
+    expected = torch.autograd.grad(eager, list(module.parameters()))
+    assert torch.equal(loss, eager.detach()) and len(grads) == len(expected) == 6
+    for a, b in zip(grads, expected):
+        assert torch.equal(a, b)
+    assert plan.arena_bytes >= plan.lower_bound > 0
+    with pytest.raises(UnsupportedGraph, match="Nothing returns no tensor to make the default loss of; pass loss_fn"):
+        trace(Nothing(), torch.randn(2), training=True)
+
+
 def test_misuse_gives_clear_errors():
     class Branchy(torch.nn.Module):
         def forward(self, x):
