@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.fx
 from torch.nn.utils import stateless
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _tensormem
 
@@ -199,7 +200,6 @@ def _schema_args(op, node: torch.fx.Node) -> list:
 
 def _default_loss(module: torch.nn.Module, out):
     """The sum of every tensor the module returns, in tuples, lists and dicts alike."""
-    from torch.utils._pytree import tree_flatten
     tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if not tensors:
         raise UnsupportedGraph(f"{type(module).__name__} returns no tensor to make the default loss of; pass loss_fn")
@@ -224,7 +224,6 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     def loss_of(out):
         return loss_fn(out) if loss_fn is not None else _default_loss(module, out)
 
-    from torch.utils._pytree import tree_flatten
     structure = []  # the structure the traced call returns (the graph returns its leaves)
 
     def forward(state_values, *inputs):
@@ -705,7 +704,6 @@ def _graph_constant(gm: torch.fx.GraphModule, target: str):
 
 def _unflatten(g: Graph, out):
     """The graph's flat outputs in the structure the traced call returned."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten
     leaves = tree_flatten(list(out) if isinstance(out, (list, tuple)) else [out])[0]
     return tree_unflatten(leaves, g.out_spec) if g.out_spec is not None else out
 
@@ -796,7 +794,6 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _bitwise_equal(a, b) -> bool:
     """The same structure (tensor, or tuples, lists and dicts of them) with bitwise equal
     tensors and equal other leaves."""
-    from torch.utils._pytree import tree_flatten
     leaves_a, shape_a = tree_flatten(a)
     leaves_b, shape_b = tree_flatten(b)
     if shape_a != shape_b:
