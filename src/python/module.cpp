@@ -205,11 +205,29 @@ struct held_view {
   swap::tensor_ref ref;
 };
 
+/// True if a buffer's struct format (PEP 3118) has an item that is a Python object ('O'):
+/// such bytes are pointers that own references, not data. Field names (":name:") are skipped.
+bool holds_python_objects(const std::string& format) {
+  bool in_name = false;
+  for (const char c : format) {
+    if (c == ':') in_name = !in_name;
+    else if (c == 'O' && !in_name) return true;
+  }
+  return false;
+}
+
 held_view hold(const py::handle& object, bool writable) {
   held_view h;
   if (PyObject_CheckBuffer(object.ptr()) != 0) {
     h.info = py::reinterpret_borrow<py::buffer>(object).request(writable);
     if (!PyBuffer_IsContiguous(h.info->view(), 'C')) throw std::invalid_argument("buffer is not contiguous");
+    // Writing file bytes over object pointers would corrupt the interpreter; writing the
+    // pointers to a file would save addresses, not the data.
+    if (holds_python_objects(h.info->format)) {
+      throw py::type_error("a buffer of Python objects (format '" + h.info->format +
+                           "', such as a numpy array of dtype object) cannot be swapped: its bytes are "
+                           "references, not data");
+    }
     h.ref = {h.info->ptr, static_cast<std::size_t>(h.info->size * h.info->itemsize)};
     return h;
   }

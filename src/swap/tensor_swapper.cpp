@@ -807,6 +807,44 @@ void tensor_swapper::run_reaper() {
 
 // ---------------------------------------------------------------- the callers
 
+namespace {
+// The address range of a tensor's memory; empty for no memory (checked per tensor later).
+std::uintptr_t begin_of(const tensor_ref& t) { return reinterpret_cast<std::uintptr_t>(t.data); }
+std::uintptr_t end_of(const tensor_ref& t) { return t.data == nullptr ? begin_of(t) : begin_of(t) + t.bytes; }
+}  // namespace
+
+// Refuses a batch whose memory would be written by two transfers at once, or read by one
+// while another writes it (see the contract); changes nothing.
+void tensor_swapper::check_memory(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
+                                  bool out) const {
+  std::vector<std::pair<std::uintptr_t, std::size_t>> written;  // (begin, index) of this swap-in's
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const std::uintptr_t begin = begin_of(tensors[i]);
+    if (end_of(tensors[i]) < begin) {
+      throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
+                                  " runs past the end of the address space");
+    }
+    if (writing_.overlaps(begin, end_of(tensors[i]))) {
+      throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
+                                  " overlaps a swap-in not yet waited for");
+    }
+    if (!out && reading_.overlaps(begin, end_of(tensors[i]))) {
+      throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
+                                  " overlaps a swap-out not yet waited for");
+    }
+    if (!out && end_of(tensors[i]) > begin) written.emplace_back(begin, i);
+  }
+  std::sort(written.begin(), written.end());
+  for (std::size_t k = 1; k < written.size(); ++k) {
+    const std::size_t a = written[k - 1].second;
+    const std::size_t b = written[k].second;
+    if (written[k].first < end_of(tensors[a])) {
+      throw std::invalid_argument("tensor_swapper: the tensors for " + paths[std::min(a, b)] + " and " +
+                                  paths[std::max(a, b)] + " overlap in memory; a swap-in writes each byte once");
+    }
+  }
+}
+
 std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
                                     std::span<const std::string> paths,
                                     std::span<const std::string> keys, bool out) {
@@ -830,6 +868,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
       throw std::invalid_argument("tensor_swapper: " + p + " is in a transfer not yet waited for");
     }
   }
+  check_memory(tensors, paths, out);
   const std::uint64_t ticket = next_ticket_++;
   auto& members = tickets_[ticket].jobs;
   tickets_[ticket].unfinished = tensors.size();
@@ -845,6 +884,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     j.packed = out ? options_.pack_below > 0 && j.tensor.bytes <= options_.pack_below : packed_.contains(j.path);
     j.started = now;
     busy_paths_.insert(j.path);
+    (out ? reading_ : writing_).add(begin_of(j.tensor), end_of(j.tensor));
     members.push_back(id);
   }
   // Packed swap-ins are queued in the order of their slots in the pack (the disk reads
@@ -936,6 +976,7 @@ std::vector<swap_result> tensor_swapper::wait_locked(std::unique_lock<std::mutex
   for (const std::uint64_t id : members) {
     const job& j = jobs_.at(id);
     busy_paths_.erase(j.path);
+    (j.out ? reading_ : writing_).remove(begin_of(j.tensor), end_of(j.tensor));
     results.push_back({j.path, j.tensor.bytes, j.error, j.message});
     if (j.error != 0) {
       ++stats_.failed;

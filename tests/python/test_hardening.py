@@ -144,6 +144,57 @@ def test_same_path_twice_in_one_batch_is_refused(tmp_path):
         s.swap_out([a, a], [str(tmp_path / "p"), str(tmp_path / "p")])
 
 
+@pytest.mark.parametrize("make", [
+    lambda: np.array([object(), object()]),
+    lambda: np.zeros(2, dtype=[("O", "<i8"), ("b", "O")]),  # an object field named after a real one
+    lambda: np.zeros((2,), dtype=("O", (2,))),
+])
+def test_buffers_of_python_objects_are_refused_both_ways(tmp_path, make):
+    pool = tensormem.PinnedPool(slab_bytes=4 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2)
+    path = str(tmp_path / "o")
+    with pytest.raises(TypeError, match="Python objects"):
+        s.swap_out([make()], [path])
+    assert not os.path.exists(path)
+    # A file of 16 bytes read into object pointers would crash the interpreter.
+    assert s.wait(s.swap_out([np.full(2, 12345678, dtype=np.int64)], [path]))[0]["error"] == 0
+    target = make()
+    before = [repr(v) for v in target.flat]  # object addresses: unchanged if untouched
+    with pytest.raises(TypeError, match="Python objects"):
+        s.swap_in([path], [target])
+    assert [repr(v) for v in target.flat] == before
+    # Fields named with an O hold no objects: they swap.
+    plain = np.zeros(2, dtype=[("O", "<i8"), ("OO", "<f8")])
+    plain["O"] = [3, 4]
+    assert s.wait(s.swap_out([plain], [path]))[0]["error"] == 0
+    back = np.zeros_like(plain)
+    assert s.wait(s.swap_in([path], [back]))[0]["error"] == 0
+    assert back.tobytes() == plain.tobytes()
+
+
+def test_memory_a_swap_in_writes_is_in_no_other_unwaited_transfer(tmp_path):
+    pool = tensormem.PinnedPool(slab_bytes=8 << 20)
+    s = tensormem.TensorSwapper(pool, staging_buffers=2, checksums=False)
+    p1, p2, p3 = (str(tmp_path / n) for n in ("1", "2", "3"))
+    s.wait(s.swap_out([np.ones(1 << 16), np.full(1 << 16, 2.0)], [p1, p2]))
+    x = np.zeros(3 << 15)
+    # Overlapping views: with checksums off both reads used to report success, one lost.
+    with pytest.raises(ValueError, match=r"tensors for .*1 and .*2 overlap in memory"):
+        s.swap_in([p1, p2], [x[:1 << 16], x[1 << 15:]])
+    y = np.zeros(1 << 16)
+    t = torch.zeros(1 << 16, dtype=torch.float64)
+    ticket = s.swap_in([p1], [y])
+    with pytest.raises(ValueError, match="overlaps a swap-in not yet waited for"):
+        s.swap_out([y[100:200]], [p3])
+    out = s.swap_out([t], [p3])
+    with pytest.raises(ValueError, match="overlaps a swap-out not yet waited for"):
+        s.swap_in([p2], [t[5:]])
+    assert s.wait(ticket)[0]["error"] == 0 and s.wait(out)[0]["error"] == 0
+    assert np.all(y == 1.0)
+    assert s.wait(s.swap_in([p2], [t]))[0]["error"] == 0
+    assert torch.all(t == 2.0)
+
+
 # ----------------------------------------------------------------------------- pinned buffers
 
 def test_freed_pinned_buffer_raises_instead_of_aborting():

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -374,6 +375,74 @@ TEST_P(integrity, a_swap_out_replaces_only_a_regular_file) {
   EXPECT_EQ(packing.wait(packing.swap_out(small_refs, to_link))[0].error, EINVAL);
   EXPECT_TRUE(fs::is_symlink(link));
   EXPECT_EQ(fs::file_size(target), std::string("the target").size());
+}
+
+// Memory a swap-in writes may be in no other unwaited transfer; swap-outs may share memory.
+// Each refusal names the path and queues nothing: the same paths go through afterwards.
+TEST_P(integrity, memory_written_by_a_swap_in_is_in_no_other_unwaited_transfer) {
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  auto a = pattern(8192, 51);
+  auto b = pattern(8192, 52);
+  const std::string pa[] = {dir_.file("a")};
+  const std::string pb[] = {dir_.file("b")};
+  const std::string both[] = {dir_.file("a"), dir_.file("b")};
+  const tensor_ref ra[] = {{a.data(), a.size()}};
+  const tensor_ref rb[] = {{b.data(), b.size()}};
+  ASSERT_EQ(s.wait(s.swap_out(ra, pa))[0].error, 0);
+  ASSERT_EQ(s.wait(s.swap_out(rb, pb))[0].error, 0);
+  const auto want_a = a;
+  const auto want_b = b;
+
+  std::vector<std::byte> dest(8192 * 2, std::byte{0});
+  auto refused = [&](auto call, const std::string& named) {
+    try {
+      call();
+      ADD_FAILURE() << "not refused";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("overlap"), std::string::npos) << e.what();
+    }
+  };
+  // One swap-in batch whose destinations share a byte.
+  const tensor_ref one_byte_shared[] = {{dest.data(), 8192}, {dest.data() + 8191, 8192}};
+  refused([&] { (void)s.swap_in(both, one_byte_shared); }, dir_.file("a"));
+  const tensor_ref reversed[] = {{dest.data() + 8191, 8192}, {dest.data(), 8192}};
+  refused([&] { (void)s.swap_in(both, reversed); }, dir_.file("b"));
+  EXPECT_TRUE(std::all_of(dest.begin(), dest.end(), [](std::byte x) { return x == std::byte{0}; }));
+  // Touching is not sharing: the same paths, nothing queued before, read back exactly.
+  const tensor_ref touching[] = {{dest.data(), 8192}, {dest.data() + 8192, 8192}};
+  auto results = s.wait(s.swap_in(both, touching));
+  ASSERT_EQ(results[0].error, 0);
+  ASSERT_EQ(results[1].error, 0);
+  EXPECT_TRUE(std::equal(want_a.begin(), want_a.end(), dest.begin()));
+  EXPECT_TRUE(std::equal(want_b.begin(), want_b.end(), dest.begin() + 8192));
+
+  // A swap-out not yet waited for: its memory may be read again, not written.
+  const std::string pc[] = {dir_.file("c")};
+  const std::string pd[] = {dir_.file("d")};
+  const std::uint64_t out = s.swap_out(ra, pc);
+  const tensor_ref last_byte_of_a[] = {{a.data() + a.size() - 1, 1}};
+  refused([&] { (void)s.swap_in(pb, last_byte_of_a); }, dir_.file("b"));
+  const tensor_ref a_again[] = {{a.data(), a.size()}};
+  const std::uint64_t out_again = s.swap_out(a_again, pd);
+  EXPECT_EQ(s.wait(out_again)[0].error, 0);
+  refused([&] { (void)s.swap_in(pb, ra); }, dir_.file("b"));  // the first swap-out still holds a
+  EXPECT_EQ(s.wait(out)[0].error, 0);
+
+  // A swap-in not yet waited for: its memory is in no other transfer, either way.
+  std::vector<std::byte> target(8192, std::byte{0});
+  const tensor_ref rt[] = {{target.data(), target.size()}};
+  const std::uint64_t in = s.swap_in(pa, rt);
+  const tensor_ref first_byte[] = {{target.data(), 1}};
+  refused([&] { (void)s.swap_out(first_byte, pc); }, dir_.file("c"));
+  refused([&] { (void)s.swap_in(pb, first_byte); }, dir_.file("b"));
+  const tensor_ref just_past[] = {{target.data() + target.size(), 0}};  // no bytes: no memory
+  EXPECT_EQ(s.wait(s.swap_out(just_past, pd))[0].error, 0);
+  EXPECT_EQ(s.wait(in)[0].error, 0);
+  EXPECT_EQ(target, want_a);
+  // Waited for: free again.
+  EXPECT_EQ(s.wait(s.swap_in(pb, rt))[0].error, 0);
+  EXPECT_EQ(target, want_b);
 }
 
 TEST_P(integrity, empty_paths_and_paths_with_a_nul_byte_are_refused_before_anything_is_queued) {

@@ -17,6 +17,7 @@
 
 #include "tensormem/io/io_engine.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
+#include "tensormem/swap/detail/range_cover.hpp"
 
 namespace tensormem::swap {
 
@@ -122,6 +123,11 @@ struct swap_stats {
 /// - A path may be in one unwaited transfer at a time: a batch naming a path twice, or a
 ///   path whose earlier transfer was not waited for, throws std::invalid_argument and
 ///   queues nothing; so does an empty path or one holding a NUL byte.
+/// - Memory written by an unwaited swap-in is in no other unwaited transfer: a swap-in whose
+///   tensors overlap one another, or overlap the memory of any unwaited transfer, and a
+///   swap-out whose tensors overlap the memory of an unwaited swap-in, throw
+///   std::invalid_argument and queue nothing (the bytes would be written twice, or read while
+///   they are written, each side reporting success). Swap-outs may share memory.
 /// - A swap-out replaces only a regular file: a path that names a directory (EISDIR), a
 ///   symbolic link, a pipe, a socket or a device (EINVAL) is an error for that tensor and
 ///   stays as it was, also when it appears there while the tensor is being written. The
@@ -185,6 +191,7 @@ class tensor_swapper {
 
   std::uint64_t start(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
                       std::span<const std::string> keys, bool out);
+  void check_memory(std::span<const tensor_ref> tensors, std::span<const std::string> paths, bool out) const;
   std::vector<swap_result> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket);
   void run();
   void queue_ready();
@@ -239,6 +246,8 @@ class tensor_swapper {
   swap_stats stats_;
   std::map<std::string, double> timers_;
   std::set<std::string, std::less<>> busy_paths_;  // paths of unwaited transfers
+  detail::range_cover reading_;  // the memory of unwaited swap-outs (they may share it)
+  detail::range_cover writing_;  // the memory of unwaited swap-ins (disjoint)
   std::map<std::string, std::unique_ptr<pack_file>> packs_;  // by directory
   std::map<std::string, packed_entry, std::less<>> packed_;  // by path: its current version
   bool stop_ = false;
