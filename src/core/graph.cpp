@@ -2,15 +2,36 @@
 
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 #include "tensormem/core/align.hpp"
 #include "tensormem/core/allocation.hpp"
 
 namespace tensormem::core {
 
+graph::graph(std::size_t tensor_limit) : tensor_limit_(tensor_limit) {
+  if (tensor_limit > max_tensors) {
+    throw std::invalid_argument("graph: a limit of " + std::to_string(tensor_limit) +
+                                " tensors is more than 32-bit indices allow (" + std::to_string(max_tensors) + ")");
+  }
+}
+
 std::uint32_t graph::add_tensor(std::string name, std::uint64_t bytes, tensor_role role) {
+  if (tensors_.size() >= tensor_limit_) {
+    throw std::length_error("graph: tensor '" + name + "' would be one more than the " +
+                            std::to_string(tensor_limit_) + " this graph holds");
+  }
   tensors_.push_back({std::move(name), bytes, role});
   return static_cast<std::uint32_t>(tensors_.size() - 1);
+}
+
+void graph::reserve(std::size_t tensors, std::size_t ops) {
+  if (tensors > tensor_limit_) {
+    throw std::length_error("graph: room for " + std::to_string(tensors) + " tensors asked, more than the " +
+                            std::to_string(tensor_limit_) + " this graph holds");
+  }
+  tensors_.reserve(tensors);
+  ops_.reserve(ops);
 }
 
 void graph::add_op(std::string name, std::vector<std::uint32_t> inputs,

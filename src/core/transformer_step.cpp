@@ -30,7 +30,16 @@ graph make_transformer_step(const transformer_config& c) {
     throw std::invalid_argument("transformer_config: dimensions must be positive and heads "
                                 "must divide hidden");
   }
+  // Counted ahead, so that a size no graph holds is refused at once, and one whose arrays do
+  // not fit in memory fails here rather than after minutes of building.
+  const std::uint64_t tensor_count = transformer_tensors_fixed + transformer_tensors_per_layer * std::uint64_t{c.layers};
+  if (tensor_count > graph::max_tensors) {
+    throw std::length_error("transformer_config: " + std::to_string(c.layers) + " layers make " +
+                            std::to_string(tensor_count) + " tensors, more than a graph holds (" +
+                            std::to_string(graph::max_tensors) + ")");
+  }
   graph g;
+  g.reserve(tensor_count, transformer_ops_fixed + transformer_ops_per_layer * std::size_t{c.layers});
   const std::uint64_t d = c.dtype_bytes;
   const std::uint64_t h = c.hidden;
   // Every size below, checked once: [B, S] token ids, [B, S, H] activations (x3 for QKV, x4

@@ -187,5 +187,51 @@ TEST(transformer_step, sizes_past_two_to_the_64_are_refused) {
   expect_overflow({1, 4, 1, 1, 1, std::uint64_t{1} << 62, 1}, "the token embedding");
 }
 
+// A graph's tensor indices are 32-bit: the tensor past the limit is refused, not given
+// index 0 again (a static_cast of the size did that at 2^32 tensors). The limit is the
+// caller's to lower, and reserve respects it.
+TEST(graph, the_tensor_past_the_limit_is_refused_and_changes_nothing) {
+  EXPECT_EQ(graph().tensor_limit(), graph::max_tensors);
+  EXPECT_EQ(graph::max_tensors, std::uint64_t{std::numeric_limits<std::uint32_t>::max()});
+  EXPECT_THROW(graph(graph::max_tensors + 1), std::invalid_argument);
+  graph g(3);
+  EXPECT_EQ(g.add_tensor("a", 1), 0U);
+  EXPECT_EQ(g.add_tensor("b", 2), 1U);
+  EXPECT_EQ(g.add_tensor("c", 3), 2U);
+  try {
+    g.add_tensor("d", 4);
+    ADD_FAILURE() << "a fourth tensor was accepted";
+  } catch (const std::length_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'d'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("3"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(g.tensors().size(), 3U);
+  EXPECT_EQ(g.tensors()[0].name, "a");
+  EXPECT_THROW(g.reserve(4, 0), std::length_error);
+  g.reserve(3, 10);
+  g.add_op("op", {0, 1}, {2});
+  EXPECT_EQ(g.ops().size(), 1U);
+}
+
+// The builder's count ahead is its real count, and too many layers for 32-bit indices are
+// refused before anything is built (at once: 10^9 layers used to build until memory ran out).
+TEST(transformer_step, its_size_is_known_ahead_and_too_many_layers_are_refused_at_once) {
+  for (const std::uint32_t layers : {1U, 2U, 7U}) {
+    const graph g = make_transformer_step({layers, 64, 4, 16, 2, 100, 2});
+    EXPECT_EQ(g.tensors().size(), transformer_tensors_fixed + transformer_tensors_per_layer * layers);
+    EXPECT_EQ(g.ops().size(), transformer_ops_fixed + transformer_ops_per_layer * layers);
+  }
+  const auto most = static_cast<std::uint32_t>((graph::max_tensors - transformer_tensors_fixed) /
+                                               transformer_tensors_per_layer);
+  for (const std::uint32_t layers : {most + 1U, 1000000000U, std::numeric_limits<std::uint32_t>::max()}) {
+    try {
+      make_transformer_step({layers, 64, 4, 16, 2, 100, 2});
+      ADD_FAILURE() << layers << " layers were accepted";
+    } catch (const std::length_error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(layers) + " layers"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tensormem::core

@@ -1,6 +1,7 @@
 #pragma once
 // A small operator graph and the reference-count walk that turns it into buffer lifetimes.
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -31,9 +32,23 @@ struct graph_op {
 /// Operators in execution order (a topological order) over tensors of known sizes.
 class graph {
  public:
+  /// The most tensors a graph holds: indices are 32-bit (0 to 2^32 - 2).
+  static constexpr std::size_t max_tensors = 0xffffffffU;
+
+  graph() = default;
+  /// A graph that holds at most `tensor_limit` tensors (a bound on the memory of a graph
+  /// built from input the caller does not control); std::invalid_argument above max_tensors.
+  explicit graph(std::size_t tensor_limit);
+
   /// Adds a tensor and returns its index. Names are for reports; they need not be unique.
+  /// Throws std::length_error, changing nothing, when the graph holds its limit already.
   std::uint32_t add_tensor(std::string name, std::uint64_t bytes,
                            tensor_role role = tensor_role::activation);
+  /// Room for that many tensors and ops in all, made now (a graph of known size then fails
+  /// for want of memory here, at once, rather than part-way). std::length_error for more
+  /// tensors than the limit.
+  void reserve(std::size_t tensors, std::size_t ops);
+  std::size_t tensor_limit() const noexcept { return tensor_limit_; }
   /// Appends an op that runs after every op added before it. Throws std::invalid_argument
   /// for an unknown tensor index.
   void add_op(std::string name, std::vector<std::uint32_t> inputs,
@@ -45,6 +60,7 @@ class graph {
  private:
   std::vector<graph_tensor> tensors_;
   std::vector<graph_op> ops_;
+  std::size_t tensor_limit_ = max_tensors;
 };
 
 /// The memory of a graph run: lifetimes of activations, inputs and outputs, and the bump

@@ -1,6 +1,7 @@
 #pragma once
 // The built-in model of `tensormem demo`: one training step of a GPT-style transformer.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "tensormem/core/graph.hpp"
@@ -26,8 +27,16 @@ struct transformer_config {
 /// forward activations it needs, so those stay alive until the backward pass reaches them.
 /// Weights and weight gradients are `tensor_role::weight`; tokens and labels are graph inputs,
 /// the loss is the graph output. Throws std::invalid_argument for a zero dimension or heads
-/// not dividing hidden, std::overflow_error (naming the tensor and its shape) when a tensor
-/// would need more than 2^64 - 1 bytes.
+/// not dividing hidden; std::length_error, at once, for more layers than a graph's 32-bit
+/// tensor indices allow; std::bad_alloc, before any op is built, when the graph's arrays of
+/// tensors and ops cannot be had; std::overflow_error (naming the tensor and its shape) when
+/// a tensor would need more than 2^64 - 1 bytes.
 graph make_transformer_step(const transformer_config& config);
+/// Its size: fixed + per_layer x layers tensors (std::length_error above graph::max_tensors,
+/// before anything is built) and ops.
+inline constexpr std::uint64_t transformer_tensors_fixed = 15;
+inline constexpr std::uint64_t transformer_tensors_per_layer = 35;
+inline constexpr std::size_t transformer_ops_fixed = 7;
+inline constexpr std::size_t transformer_ops_per_layer = 22;
 
 }  // namespace tensormem::core
