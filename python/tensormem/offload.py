@@ -80,6 +80,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                 raise ValueError(f"parameter {i} must be a contiguous float32 CPU tensor, not "
                                  f"{p.dtype} on {p.device}{'' if p.is_contiguous() else ' (non-contiguous)'}")
+        self._numels = [p.numel() for p in self._params]
         self.rank = _default_rank() if rank is None else operator.index(rank)
         self.progress = progress
         self.arithmetic = torch_arithmetic() if arithmetic == "auto" else arithmetic
@@ -94,6 +95,20 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         self.last_stats: Dict[str, float] = {}
         self.totals = {"steps": 0, "seconds": 0.0, "io_wait_seconds": 0.0, "bytes_read": 0, "bytes_written": 0}
 
+    def _check_params(self) -> None:
+        """The core reads and writes numel x 4 bytes at each parameter's address: the
+        parameters must still be the tensors, sizes and layout it was made for (``p.data = ...``
+        can give a parameter other memory of any size, dtype or layout)."""
+        current = [p for g in self.param_groups for p in g["params"]]
+        if len(current) != len(self._params) or any(a is not b for a, b in zip(current, self._params)):
+            raise ValueError("param_groups no longer hold the parameters this optimizer was made for (one was "
+                             "added, removed or replaced); make a new optimizer")
+        for i, (p, n) in enumerate(zip(self._params, self._numels)):
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or p.numel() != n:
+                raise ValueError(f"parameter {i} is now {p.numel()} elements of {p.dtype} on {p.device}"
+                                 f"{'' if p.is_contiguous() else ' (non-contiguous)'}; this optimizer was made for "
+                                 f"{n} contiguous float32 elements on the CPU: make a new optimizer")
+
     # -- torch.optim.Optimizer ---------------------------------------------------------------
     def _hyper(self, group) -> dict:
         return {k: group[k] for k in ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
@@ -105,6 +120,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params()
         grads, keep, hyper = [], [], []
         for group in self.param_groups:
             h = self._hyper(group)
@@ -115,6 +131,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported")
+                if p.grad.numel() != p.numel():
+                    raise ValueError(f"parameter {len(grads)}: its gradient holds {p.grad.numel()} elements, "
+                                     f"the parameter {p.numel()}")
                 g = p.grad if p.grad.is_contiguous() and p.grad.dtype == torch.float32 else \
                     p.grad.to(torch.float32).contiguous()
                 keep.append(g)
@@ -154,6 +173,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch.optim's format (per-parameter tensors, so the whole state is in memory): use
         ``save_checkpoint`` for large models."""
+        self._check_params()
         fields = list(self._core.fields)
         steps = self._core.steps
         state = {i: {"step": torch.tensor(float(steps[i]))} for i in range(len(self._params)) if steps[i] > 0}
@@ -191,6 +211,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         one of the optimizer's fields (``None`` is taken as zeros, as torch's SGD writes it) or
         a step that is not a whole number >= 0 is a ``ValueError``, and the state and
         ``param_groups`` stay as they were; so they do when writing the state fails."""
+        self._check_params()
         groups_in = state_dict["param_groups"]
         if len(groups_in) != len(self.param_groups) or any(
                 len(a["params"]) != len(b["params"]) for a, b in zip(groups_in, self.param_groups)):

@@ -593,6 +593,51 @@ def test_misuse_is_refused(tmp_path):
     assert e.value.errno == errno.ENOSPC
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda p, q: setattr(p, "data", torch.zeros(16)), r"parameter 0 is now 16 elements of torch.float32"),
+    (lambda p, q: setattr(p, "data", torch.zeros(1 << 12, dtype=torch.float64)), "torch.float64"),
+    (lambda p, q: setattr(p, "data", torch.zeros(64, 64).t()), "non-contiguous"),
+    (lambda p, q: setattr(q, "data", torch.zeros(1 << 13)), r"parameter 1 is now 8192 elements"),
+])
+def test_a_parameter_given_other_memory_is_refused_before_the_core_touches_it(tmp_path, change, message):
+    # The core writes numel x 4 bytes at each parameter's address: a parameter whose .data
+    # became 16 elements was overrun (the interpreter crashed).
+    p = torch.nn.Parameter(torch.ones(1 << 12))
+    q = torch.nn.Parameter(torch.ones(1 << 12))
+    opt = OffloadedAdamW([p, q], swap_dirs=[str(tmp_path)], pinned_budget=BUDGET)
+    p.grad, q.grad = torch.ones(1 << 12), torch.ones(1 << 12)
+    opt.step()
+    before = opt.state_dict()
+    change(p, q)
+    p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    with pytest.raises(ValueError, match=message):
+        opt.state_dict()
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(before)
+    assert opt.totals["steps"] == 1
+
+
+def test_param_groups_changed_after_construction_are_refused(tmp_path):
+    p = torch.nn.Parameter(torch.ones(1 << 10))
+    opt = OffloadedAdamW([p], swap_dirs=[str(tmp_path)], pinned_budget=BUDGET)
+    other = torch.nn.Parameter(torch.ones(8))
+    other.grad = torch.ones(8)
+    opt.param_groups[0]["params"][0] = other  # same count, another tensor
+    with pytest.raises(ValueError, match="no longer hold the parameters"):
+        opt.step()
+    opt.param_groups[0]["params"][0] = p
+    opt.add_param_group({"params": [other]})
+    with pytest.raises(ValueError, match="no longer hold the parameters"):
+        opt.step()
+    del opt.param_groups[1]
+    p.grad = torch.ones(1 << 10)
+    opt.step()
+    assert opt.totals["steps"] == 1
+    assert not torch.equal(p.detach(), torch.ones(1 << 10))
+
+
 @pytest.mark.parametrize("cls, kwargs, message", [
     (OffloadedAdamW, dict(lr=-1.0), "lr must be >= 0, not -1.0"),
     (OffloadedAdamW, dict(lr=float("nan")), "lr must be >= 0, not nan"),
