@@ -467,7 +467,8 @@ class ModulePlan:
     strategy: str
     moved_ops: int = 0  # ops of the last run that computed outside their slot and were copied in
     placed_buffers: int = 0  # buffers of the last run found at their planned offset in the arena
-    state: Optional[Callable[[], list]] = field(default=None, repr=False)  # parameters, module buffers
+    # (name, tensor) of the module's parameters and buffers, in the order the trace took them
+    state: Optional[Callable[[], list]] = field(default=None, repr=False)
 
     def report(self) -> str:
         """A readable table: eager peak, planned arena, lower bound, online best fit."""
@@ -515,7 +516,7 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
     return ModulePlan(g, np.asarray(r["offsets"]), int(r["arena_bytes"]), int(r["lower_bound"]),
                       eager_peak, eager_method, _online_best_fit(g.buffers, alignment),
                       seconds, alignment, r["strategy"],
-                      state=lambda: [*dict(module.named_parameters()).values(), *dict(module.named_buffers()).values()])
+                      state=lambda: [*dict(module.named_parameters()).items(), *dict(module.named_buffers()).items()])
 
 
 # ----------------------------------------------------------------------------- planned execution
@@ -537,10 +538,22 @@ def _planned_run(plan: ModulePlan, inputs):
     if plan.state is None:
         raise RuntimeError("ModulePlan.run needs the module's parameters: make the plan with plan_module()")
     # Detached: the graph holds the backward ops itself, so nothing is to be recorded.
-    module_state = [t.detach() for t in plan.state()]
-    if len(inputs) + len(module_state) != sum(1 for n in g.module.graph.nodes if n.op == "placeholder"):
+    named_state = plan.state()
+    module_state = [t.detach() for _, t in named_state]
+    placeholders = [n for n in g.module.graph.nodes if n.op == "placeholder"]
+    # The module may have changed since it was planned: its parameters and buffers are read
+    # now, and a kernel given another shape writes past its slot (PyTorch resizes the output).
+    if len(module_state) != g.n_state:
+        raise ValueError(f"ModulePlan.run: the module now has {len(module_state)} parameters and buffers, "
+                         f"the plan was made for {g.n_state}; plan it again")
+    for (name, t), node in zip(named_state, placeholders):
+        meta = node.meta.get("tensor_meta")
+        if meta is not None and (tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype):
+            raise ValueError(f"ModulePlan.run: the module's {name} is now {tuple(t.shape)} {t.dtype}; the plan "
+                             f"was made for {tuple(meta.shape)} {meta.dtype}; plan it again")
+    if len(inputs) != len(placeholders) - g.n_state:
         raise ValueError(f"ModulePlan.run: {len(inputs)} inputs given, the traced call had "
-                         f"{sum(1 for n in g.module.graph.nodes if n.op == 'placeholder') - len(module_state)}")
+                         f"{len(placeholders) - g.n_state}")
     misplaced = _misaligned_buffer(plan)
     if misplaced is not None:
         b, element, widest = misplaced

@@ -653,6 +653,34 @@ def test_run_refuses_inputs_the_plan_was_not_made_for():
         assert torch.equal(plan.run(x), model(x))
 
 
+def test_run_refuses_a_module_changed_since_it_was_planned():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.BatchNorm1d(4)).eval()
+    x = torch.randn(2, 8)
+    plan = plan_module(model, x, time_limit=0.5)
+    weight, bias = model[0].weight, model[0].bias
+    with torch.no_grad():
+        assert torch.equal(plan.run(x), model(x))
+    # Wider: PyTorch resized the output slot and the error came from a later kernel.
+    model[0].weight = torch.nn.Parameter(torch.randn(16, 8))
+    with pytest.raises(ValueError, match=r"module's 0.weight is now \(16, 8\) torch.float32; the plan was made "
+                                         r"for \(4, 8\) torch.float32"):
+        plan.run(x)
+    model[0].weight = torch.nn.Parameter(weight.detach().double())
+    with pytest.raises(ValueError, match="0.weight is now .* torch.float64"):
+        plan.run(x)
+    model[2].running_mean = torch.zeros(5)
+    model[0].weight = weight
+    with pytest.raises(ValueError, match=r"2.running_mean is now \(5,\)"):
+        plan.run(x)
+    model[2].running_mean = torch.zeros(4)
+    model[0].bias = None  # one parameter fewer: it used to be reported as an input too many
+    with pytest.raises(ValueError, match="module now has .* parameters and buffers, the plan was made for"):
+        plan.run(x)
+    model[0].bias = bias
+    with torch.no_grad():
+        assert torch.equal(plan.run(x), model(x))
+
+
 def test_run_refuses_a_plan_whose_offsets_split_an_element():
     """An alignment below the element size packs tighter, and the plan is valid as bytes, but
     a float32 tensor cannot start at an odd byte: run says so instead of failing inside torch."""
