@@ -477,7 +477,12 @@ PYBIND11_MODULE(_tensormem, m) {
 
   m.def("read_trace", [](const std::string& path) {
     python::require_numpy_abi("read_trace");
-    const auto b = trace::read_trace(path);
+    std::vector<core::buffer> b;
+    {
+      // Other threads run meanwhile: a pipe's writer may be one of them.
+      py::gil_scoped_release release;
+      b = trace::read_trace(path);
+    }
     py::array_t<std::uint64_t> lower(static_cast<py::ssize_t>(b.size()));
     py::array_t<std::uint64_t> upper(static_cast<py::ssize_t>(b.size()));
     py::array_t<std::uint64_t> size(static_cast<py::ssize_t>(b.size()));
@@ -498,7 +503,9 @@ PYBIND11_MODULE(_tensormem, m) {
 
   m.def("lower_bound", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
                           u64 alignment) {
-    return core::lower_bound(buffers_from(lower, upper, size), alignment);
+    const auto buffers = buffers_from(lower, upper, size);
+    py::gil_scoped_release release;
+    return core::lower_bound(buffers, alignment);
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("alignment") = 1);
 
   m.def("plan", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
@@ -595,6 +602,7 @@ PYBIND11_MODULE(_tensormem, m) {
     }
     const std::vector<std::uint64_t> off = unsigned_array(offsets, "offsets");
     if (off.size() != buffers.size()) throw std::invalid_argument("offsets: one per buffer");
+    py::gil_scoped_release release;
     if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".html") == 0) {
       trace::write_plan_html(path, buffers, off, arena_bytes, lower_bound, title);
     } else {
@@ -607,7 +615,9 @@ PYBIND11_MODULE(_tensormem, m) {
   m.def("validate", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
                        const py::handle& offsets, u64 arena_bytes, u64 alignment) {
     const std::vector<std::uint64_t> off = unsigned_array(offsets, "offsets");
-    return core::validate(buffers_from(lower, upper, size), off, arena_bytes, alignment);
+    const auto buffers = buffers_from(lower, upper, size);
+    py::gil_scoped_release release;
+    return core::validate(buffers, off, arena_bytes, alignment);
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("offsets"), py::arg("arena_bytes"),
      py::arg("alignment") = 1, "Empty string when the plan is valid, else what is wrong.");
 

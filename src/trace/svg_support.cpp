@@ -1,19 +1,31 @@
 #include "svg_support.hpp"
 
 #include <cstdio>
+#include <string_view>
+
+#include "tensormem/trace/trace_io.hpp"
 
 namespace tensormem::trace::detail {
 
 std::string escape(const std::string& s) {
   std::string out;
-  for (const char c : s) {
-    switch (c) {
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '&': out += "&amp;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+  const std::string_view text = s;
+  for (std::size_t i = 0; i < text.size();) {
+    // XML takes neither control characters nor bytes that are not UTF-8: each such byte is
+    // drawn as U+FFFD, the replacement character.
+    const std::size_t bad = i + first_non_text_byte(text.substr(i));
+    for (const char c : text.substr(i, bad - i)) {
+      switch (c) {
+        case '<': out += "&lt;"; break;
+        case '>': out += "&gt;"; break;
+        case '&': out += "&amp;"; break;
+        case '"': out += "&quot;"; break;
+        default: out += c;
+      }
     }
+    if (bad == text.size()) break;
+    out += "\xEF\xBF\xBD";
+    i = bad + 1;
   }
   return out;
 }

@@ -5,7 +5,8 @@
 
 namespace tensormem::trace::detail {
 
-/// Text safe inside an SVG element or attribute.
+/// Text safe inside an SVG element or attribute; a byte that is not text (a control
+/// character, or not UTF-8) becomes U+FFFD.
 std::string escape(const std::string& s);
 /// Bytes in the largest binary unit that keeps the number at least 1: "1.25 GiB".
 std::string human(double bytes);

@@ -6,6 +6,7 @@
 #include <array>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -197,10 +198,58 @@ bool read_line(std::istream& in, std::string& line, std::size_t max_bytes, const
   }
 }
 
+std::size_t first_non_text_byte(std::string_view text) noexcept {
+  std::size_t i = 0;
+  while (i < text.size()) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      ++i;
+      continue;
+    }
+    // A lead byte: how many continuation bytes follow, and the range of the first of them
+    // (narrower after E0, ED, F0 and F4: no overlong forms, surrogates or code points past
+    // U+10FFFF); the rest lie in 80-BF.
+    std::size_t more = 0;
+    unsigned low = 0x80;
+    unsigned high = 0xbf;
+    if (c >= 0xc2 && c <= 0xdf) {
+      more = 1;
+    } else if (c >= 0xe0 && c <= 0xef) {
+      more = 2;
+      low = c == 0xe0 ? 0xa0 : 0x80;
+      high = c == 0xed ? 0x9f : 0xbf;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+      more = 3;
+      low = c == 0xf0 ? 0x90 : 0x80;
+      high = c == 0xf4 ? 0x8f : 0xbf;
+    } else {
+      return i;  // a control character, a continuation byte alone, C0, C1 or F5-FF
+    }
+    if (text.size() - i <= more) return i;
+    for (std::size_t k = 1; k <= more; ++k) {
+      const auto t = static_cast<unsigned char>(text[i + k]);
+      if (t < (k == 1 ? low : 0x80U) || t > (k == 1 ? high : 0xbfU)) return i;
+    }
+    i += more + 1;
+  }
+  return text.size();
+}
+
 std::string brief(std::string_view field) {
   constexpr std::size_t shown = 40;
-  if (field.size() <= shown) return "'" + std::string(field) + "'";
-  return "'" + std::string(field.substr(0, shown)) + "...' (" + std::to_string(field.size()) + " bytes)";
+  const std::string_view head = field.substr(0, shown);
+  std::string quoted = "'";
+  for (std::size_t i = 0; i < head.size();) {
+    const std::size_t bad = i + first_non_text_byte(head.substr(i));
+    quoted.append(head.substr(i, bad - i));
+    if (bad == head.size()) break;
+    char code[5];
+    std::snprintf(code, sizeof code, "\\x%02X", static_cast<unsigned char>(head[bad]));
+    quoted += code;
+    i = bad + 1;
+  }
+  if (field.size() <= shown) return quoted + "'";
+  return quoted + "...' (" + std::to_string(field.size()) + " bytes)";
 }
 
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) {
@@ -280,6 +329,10 @@ std::vector<core::buffer> read_trace(std::istream& in, const std::string& name) 
         throw fail(std::string(column_names[c]) + " is not an unsigned integer: " + brief(f));
     }
     if (fields[0].empty()) throw fail("empty id column");
+    if (const std::size_t bad = first_non_text_byte(fields[0]); bad != fields[0].size()) {
+      throw fail("the id " + brief(fields[0]) + " is not UTF-8 text without control characters (byte " +
+                 std::to_string(bad + 1) + ")");
+    }
     core::buffer b;
     b.id = std::string(fields[0]);
     b.lower = values[1];

@@ -84,6 +84,57 @@ def test_malformed_trace_is_a_value_error(tmp_path):
         tensormem.read_trace(str(f))
 
 
+def test_trace_ids_are_text_exactly_when_python_decodes_them(tmp_path):
+    """Random byte ids against Python's own UTF-8 decoder: an id is read back as the same str
+    exactly when Python decodes it and it holds no control character; otherwise the error
+    names the file and line, in a message Python can show (a byte 0xFF in it used to give a
+    ValueError with an empty message)."""
+    import random
+    rng = random.Random(11)
+    alphabet = [bytes([b]) for b in range(256) if b not in b",\n\r \t"] + \
+        ["é".encode(), "€".encode(), "😀".encode(), b"\xed\xa0\x80", b"\xc0\xaf", b"\xf4\x90\x80\x80"]
+    f = tmp_path / "t.csv"
+    accepted = refused = 0
+    for _ in range(1500):
+        raw = b"x" + b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+        f.write_bytes(b"id,lower,upper,size\nfirst,0,1,4\n" + raw + b",0,1,4\n")
+        try:
+            text = raw.decode("utf-8")
+            expected = None if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text) else text
+        except UnicodeDecodeError:
+            expected = None
+        if expected is None:
+            with pytest.raises(ValueError, match=r"t\.csv:3: the id '.*' is not UTF-8 text without control characters"):
+                tensormem.read_trace(str(f))
+            refused += 1
+        else:
+            assert tensormem.read_trace(str(f))["id"] == ["first", expected]
+            accepted += 1
+    assert accepted > 150 and refused > 150
+
+
+def test_a_trace_is_read_from_a_pipe_that_another_thread_writes(tmp_path):
+    """read_trace lets other threads run while it reads: the writer of a pipe may be one
+    (it used to keep the interpreter's lock while opening the pipe, and both waited forever)."""
+    import threading
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def write():
+        with open(fifo, "w") as out:
+            out.write("id,lower,upper,size\na,0,2,8\nb,1,3,4\n")
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(tensormem.read_trace(str(fifo))), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    writer.join(timeout=1)
+    assert not reader.is_alive(), "read_trace and the pipe's writer wait on each other"
+    assert result["id"] == ["a", "b"] and list(result["size"]) == [8, 4]
+
+
 # ----------------------------------------------------------------------------- pinned pool
 
 def test_pinned_buffers_cross_without_copies():

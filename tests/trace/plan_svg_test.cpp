@@ -11,6 +11,7 @@
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/plan_svg.hpp"
+#include "tensormem/trace/trace_io.hpp"
 
 namespace tensormem::trace {
 namespace {
@@ -40,6 +41,22 @@ TEST(plan_svg, axes_labels_and_legend) {
   }
   EXPECT_EQ(count(svg, "class=\"lower-bound\""), 1U);
   EXPECT_EQ(count(svg, "class=\"arena\""), 1U);
+}
+
+// Ids given through the API (not read from a trace) may hold any bytes: the picture stays
+// well-formed XML, each byte that is not text drawn as U+FFFD.
+TEST(plan_svg, ids_that_are_not_text_are_drawn_as_replacement_characters) {
+  const std::vector<core::buffer> buffers = {{"a\x01<b>\xFF\xC3", 0, 10, 64, {}}, {"caf\xC3\xA9", 0, 10, 64, {}}};
+  std::ostringstream out;
+  const std::vector<std::uint64_t> offsets = {0, 64};
+  write_plan_svg(out, buffers, offsets, 128, 128);
+  const std::string svg = out.str();
+  std::istringstream lines(svg);
+  for (std::string line; std::getline(lines, line);) {
+    ASSERT_EQ(first_non_text_byte(line), line.size()) << line;
+  }
+  EXPECT_NE(svg.find("<title>a\xEF\xBF\xBD&lt;b&gt;\xEF\xBF\xBD\xEF\xBF\xBD: steps"), std::string::npos);
+  EXPECT_NE(svg.find("<title>caf\xC3\xA9: steps"), std::string::npos);
 }
 
 // Nothing ever alive and an empty arena: 1.0000 x, as the planner reports it, not 0.

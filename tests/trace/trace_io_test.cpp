@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -68,6 +70,75 @@ TEST(trace_io, malformed_input_names_file_and_line) {
   EXPECT_EQ(error_of("id,lower,upper,size\n,0,1,2\n"), "t.csv:2: empty id column");
   EXPECT_EQ(error_of("id,lower,upper,size,offset\na,0,1,2\n"),
             "t.csv:2: expected 5 columns, found 4");
+}
+
+// An independent reading of UTF-8: decode each sequence by its bit pattern, then refuse
+// overlong forms, surrogates, code points past U+10FFFF and control characters.
+std::size_t oracle_first_non_text(const std::string& s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const std::size_t length = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+    if (length == 0 || i + length > s.size()) return i;
+    std::uint32_t code = length == 1 ? c : c & (0x7FU >> length);
+    for (std::size_t k = 1; k < length; ++k) {
+      const auto t = static_cast<unsigned char>(s[i + k]);
+      if ((t & 0xC0) != 0x80) return i;
+      code = (code << 6) | (t & 0x3FU);
+    }
+    static constexpr std::uint32_t least[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (code < least[length] || code > 0x10FFFF || (code >= 0xD800 && code <= 0xDFFF)) return i;
+    if (code < 0x20 || code == 0x7F) return i;
+    i += length;
+  }
+  return s.size();
+}
+
+// Every string of one and two bytes, every one of three bytes from a lead byte E0-EF, and a
+// million random strings of up to six bytes (leads F0-F7 favoured), with text around them.
+TEST(trace_io, text_bytes_agree_with_an_independent_utf8_decoder) {
+  auto check = [](const std::string& s) {
+    ASSERT_EQ(first_non_text_byte(s), oracle_first_non_text(s)) << ::testing::PrintToString(s);
+    const std::string framed = "ok " + s + " ok";
+    ASSERT_EQ(first_non_text_byte(framed), oracle_first_non_text(framed)) << ::testing::PrintToString(s);
+  };
+  for (unsigned a = 0; a < 256; ++a) {
+    check(std::string(1, static_cast<char>(a)));
+    for (unsigned b = 0; b < 256; ++b) check({static_cast<char>(a), static_cast<char>(b)});
+  }
+  for (unsigned a = 0xE0; a < 0xF0; ++a) {
+    for (unsigned b = 0x70; b < 0xD0; ++b) {
+      for (unsigned c = 0x70; c < 0xD0; ++c) check({static_cast<char>(a), static_cast<char>(b), static_cast<char>(c)});
+    }
+  }
+  std::mt19937_64 rng(7);
+  for (int n = 0; n < 1'000'000; ++n) {
+    std::string s(1 + rng() % 6, ' ');
+    for (auto& ch : s) {
+      const unsigned pick = rng() % 4;
+      ch = static_cast<char>(pick == 0 ? 0xF0 + rng() % 8 : pick == 1 ? 0x80 + rng() % 64 : rng() % 256);
+    }
+    check(s);
+  }
+  EXPECT_EQ(first_non_text_byte("caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80"), 14U);  // all text: cafe, euro, emoji
+}
+
+// An id that is not text is refused by file and line; the message itself is UTF-8, so that
+// Python can show it (a byte 0xFF in it used to give an empty ValueError).
+TEST(trace_io, ids_and_fields_that_are_not_text_are_named_in_a_utf8_message) {
+  EXPECT_EQ(error_of("id,lower,upper,size\nok,0,1,2\na\x01" "b,0,1,2\n"),
+            "t.csv:3: the id 'a\\x01b' is not UTF-8 text without control characters (byte 2)");
+  EXPECT_EQ(error_of("id,lower,upper,size\n\xFF\xC3,0,1,2\n"),
+            "t.csv:2: the id '\\xFF\\xC3' is not UTF-8 text without control characters (byte 1)");
+  EXPECT_EQ(error_of("id,lower,upper,size\na\xED\xA0\x80,0,1,2\n"),  // a surrogate
+            "t.csv:2: the id 'a\\xED\\xA0\\x80' is not UTF-8 text without control characters (byte 2)");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,\xFF\x01,1,2\n"), "t.csv:2: lower is not an unsigned integer: '\\xFF\\x01'");
+  const std::string message = error_of("id,lower,upper,size\na,0,1," + std::string(50, '\xFF') + "\n");
+  EXPECT_EQ(first_non_text_byte(message), message.size()) << message;
+  EXPECT_NE(message.find("(50 bytes)"), std::string::npos) << message;
+  // Text that is not ASCII is an id like any other.
+  std::istringstream in("id,lower,upper,size\ncaf\xC3\xA9.\xE2\x82\xAC,0,1,2\n");
+  EXPECT_EQ(read_trace(in, "t.csv").at(0).id, "caf\xC3\xA9.\xE2\x82\xAC");
 }
 
 // The first error in file order is the one reported, whatever it is: a repeated id on line d

@@ -46,6 +46,10 @@ std::vector<arena_op> parse_arena_ops(std::istream& in, const std::string& sourc
     }
     std::string extra;
     if (words >> extra) throw fail("unexpected " + trace::brief(extra) + " at the end of the step");
+    if (const std::size_t bad = trace::first_non_text_byte(op.name); bad != op.name.size()) {
+      throw fail("the ID " + trace::brief(op.name) + " is not UTF-8 text without control characters (byte " +
+                 std::to_string(bad + 1) + ")");
+    }
     ops.push_back(std::move(op));
   }
   return ops;

@@ -38,15 +38,23 @@ inline bool starts_with_byte_order_mark(std::string_view line) noexcept {
   return line.starts_with("\xEF\xBB\xBF");
 }
 
-/// A field quoted briefly for an error message: at most 40 characters, then how long it was.
+/// The index of the first byte of `text` that is not part of UTF-8 text without control
+/// characters (C0 codes and DEL; a byte of a malformed, overlong or surrogate sequence, or
+/// of a code point above U+10FFFF), or text.size() when there is none.
+std::size_t first_non_text_byte(std::string_view text) noexcept;
+
+/// A field quoted briefly for an error message: at most 40 bytes, then how long it was; a
+/// byte that is not text (first_non_text_byte) is written \xNN, so the message is UTF-8.
 std::string brief(std::string_view field);
 
-/// Reads a whole trace. `id` is any text without a comma; the other columns are unsigned
+/// Reads a whole trace. `id` is UTF-8 text without a comma or control characters (it names
+/// the buffer in reports, pictures and Python strings); the other columns are unsigned
 /// 64-bit integers; lifetimes are half-open, so `lower < upper` is required. An `offset`
 /// column, when the header has it, must be filled on every line. Blank lines are ignored, as
 /// is a UTF-8 byte order mark before the header; fields are not quoted.
-/// Throws trace_error on the first problem (missing or extra column, non-numeric, negative or
-/// out-of-range value, lower >= upper, duplicate id, no buffers); nothing is returned then.
+/// Throws trace_error on the first problem (missing or extra column, an id that is not text,
+/// non-numeric, negative or out-of-range value, lower >= upper, duplicate id, no buffers);
+/// nothing is returned then.
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name);
 /// As above, from a file; a file that cannot be opened is a trace_error naming it; an empty
 /// path or one holding a NUL byte is std::invalid_argument (io::check_path_argument).
