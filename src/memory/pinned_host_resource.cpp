@@ -47,6 +47,15 @@ std::size_t memlock_limit_bytes() noexcept {
   return static_cast<std::size_t>(r.rlim_cur);
 }
 
+std::size_t physical_memory_bytes() noexcept {
+  static const std::size_t physical = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES);
+    return pages > 0 ? static_cast<std::size_t>(pages) * pinned_host_resource::page_bytes()
+                     : std::numeric_limits<std::size_t>::max();
+  }();
+  return physical;
+}
+
 std::size_t process_locked_bytes() {
   std::ifstream status("/proc/self/status");
   std::string line;
@@ -72,11 +81,7 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
   // Alignments above a page: map more and trim both ends.
   const std::size_t extra = alignment > page ? alignment - page : 0;
   // Populating a mapping larger than the machine would only end in the OOM killer.
-  static const std::size_t physical = [] {
-    const long pages = sysconf(_SC_PHYS_PAGES);
-    return pages > 0 ? static_cast<std::size_t>(pages) * page_bytes()
-                     : std::numeric_limits<std::size_t>::max();
-  }();
+  const std::size_t physical = physical_memory_bytes();
   if (bytes > physical || mapped + extra > physical) {
     throw out_of_memory("pinned_host_resource: " + std::to_string(bytes) +
                         " bytes is more than this machine's " + std::to_string(physical) +

@@ -19,6 +19,8 @@
 #include "tensormem/core/best_fit_allocator.hpp"
 #include "tensormem/io/file_io.hpp"
 #include "tensormem/io/path_argument.hpp"
+#include "tensormem/memory/errors.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/swap/crc32c.hpp"
 
 namespace tensormem::swap {
@@ -179,6 +181,15 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   // Headers have pages of their own (one per request the swapper may have queued), so small
   // tensors do not hold a whole staging buffer each for their 4 KiB header.
   const std::size_t headers = max_queued_;
+  // Checked before any is taken: buffers locked one by one would hold the whole machine
+  // before the pool refused one.
+  const std::size_t physical = memory::physical_memory_bytes();
+  const std::size_t header_total = headers * header_bytes;  // at most 2 x 32,768 pages
+  if (header_total >= physical || options_.block_bytes > (physical - header_total) / count) {
+    throw memory::out_of_memory("tensor_swapper: " + std::to_string(count) + " staging buffers of " +
+                                std::to_string(options_.block_bytes) + " bytes are more than this machine's " +
+                                std::to_string(physical) + " bytes of memory");
+  }
   try {
     for (std::size_t i = 0; i < count; ++i) {
       staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <chrono>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -22,6 +23,8 @@
 #include <vector>
 
 #include "swap_test_support.hpp"
+#include "tensormem/memory/errors.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/crc32c.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
@@ -247,6 +250,33 @@ TEST(swapper, staging_buffers_are_reused_only_after_their_io_completes) {
   if (swapper.stats().direct) {
     EXPECT_GE(swapper.stats().staged_bytes, 2 * t.bytes);
   }
+}
+
+// Staging buffers that could not all be had are refused before the first is taken: they
+// were locked one by one until the machine's memory ran out (staging_buffers = 10^9).
+TEST(swapper, staging_beyond_the_machines_memory_is_refused_before_any_is_taken) {
+  memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+  const std::size_t physical = memory::physical_memory_bytes();
+  ASSERT_LT(physical, std::numeric_limits<std::size_t>::max());
+  const std::size_t block = std::size_t{1} << 20;
+  for (const std::size_t count : {physical / block + 1, std::size_t{1000000000}, std::numeric_limits<std::size_t>::max()}) {
+    try {
+      tensor_swapper s(pool, {.block_bytes = block, .staging_buffers = count});
+      ADD_FAILURE() << count << " staging buffers were accepted";
+    } catch (const memory::out_of_memory& e) {
+      EXPECT_NE(std::string(e.what()).find(std::to_string(count) + " staging buffers of 1048576 bytes are more than this "
+                                           "machine's " + std::to_string(physical) + " bytes"),
+                std::string::npos) << e.what();
+    }
+    EXPECT_EQ(pool.stats().slabs, 0U);
+    EXPECT_EQ(pool.stats().allocations, 0U);
+  }
+  // A block alone larger than the machine.
+  EXPECT_THROW(tensor_swapper(pool, {.block_bytes = (physical / 4096 + 1) * 4096, .staging_buffers = 2}),
+               memory::out_of_memory);
+  EXPECT_EQ(pool.stats().slabs, 0U);
+  tensor_swapper fits(pool, {.block_bytes = block, .staging_buffers = 2});
+  EXPECT_GT(pool.stats().allocations, 0U);
 }
 
 TEST(swapper, tmpfs_direct_or_buffered_is_reported) {

@@ -69,6 +69,9 @@ class pinned_host_resource final : public memory_resource {
 
 /// RLIMIT_MEMLOCK's soft limit in bytes (SIZE_MAX when unlimited).
 std::size_t memlock_limit_bytes() noexcept;
+/// The machine's physical memory in bytes (SIZE_MAX when it cannot be read): no request for
+/// more locked memory than this can succeed.
+std::size_t physical_memory_bytes() noexcept;
 /// VmLck of this process from /proc/self/status, in bytes (0 if it cannot be read).
 std::size_t process_locked_bytes();
 
