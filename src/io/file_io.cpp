@@ -44,7 +44,10 @@ void sync_folder_of(std::string_view who, const std::string& path) {
 async_file_io::async_file_io(file_io_options options) : options_(options) {
   if (options_.block_bytes == 0) throw std::invalid_argument("async_file_io: block_bytes must be positive");
   if (options_.queue_depth == 0) throw std::invalid_argument("async_file_io: queue_depth must be positive");
-  if (options_.rings == 0) throw std::invalid_argument("async_file_io: rings must be positive");
+  if (options_.rings == 0 || options_.rings > max_rings) {
+    throw std::invalid_argument("async_file_io: rings must be 1 to " + std::to_string(max_rings) + ", not " +
+                                std::to_string(options_.rings));
+  }
   for (unsigned i = 0; i < options_.rings; ++i) {
     auto r = std::make_unique<ring>();
     std::string why;
@@ -54,17 +57,28 @@ async_file_io::async_file_io(file_io_options options) : options_(options) {
     stats_.engine = std::string(to_string(r->engine->kind()));
     rings_.push_back(std::move(r));
   }
-  for (auto& r : rings_) r->thread = std::thread([this, ring = r.get()] { run(*ring); });
+  try {
+    for (auto& r : rings_) r->thread = std::thread([this, ring = r.get()] { run(*ring); });
+  } catch (...) {
+    stop_rings();  // those started so far: a joinable thread destroyed would end the process
+    throw;
+  }
 }
 
-async_file_io::~async_file_io() {
+void async_file_io::stop_rings() noexcept {
   {
     std::unique_lock lock(mutex_);
     done_.wait(lock, [this] { return unfinished_ops_ == 0; });
     stop_ = true;
   }
   for (auto& r : rings_) r->work.notify_all();
-  for (auto& r : rings_) r->thread.join();
+  for (auto& r : rings_) {
+    if (r->thread.joinable()) r->thread.join();
+  }
+}
+
+async_file_io::~async_file_io() {
+  stop_rings();
   for (auto& [id, o] : ops_) {
     if (o.fd >= 0) ::close(o.fd);
   }

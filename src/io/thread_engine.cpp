@@ -40,17 +40,15 @@ class thread_engine final : public io_engine {
   thread_engine(unsigned queue_depth, unsigned threads)
       : depth_(queue_depth == 0 ? 1 : queue_depth) {
     threads = std::clamp(threads, 1U, depth_);
-    for (unsigned t = 0; t < threads; ++t) workers_.emplace_back([this] { work(); });
+    try {
+      for (unsigned t = 0; t < threads; ++t) workers_.emplace_back([this] { work(); });
+    } catch (...) {
+      stop();  // the workers started so far: a joinable thread destroyed would end the process
+      throw;
+    }
   }
 
-  ~thread_engine() override {
-    {
-      const std::lock_guard lock(mutex_);
-      stopping_ = true;  // workers finish the queue first
-    }
-    work_ready_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
+  ~thread_engine() override { stop(); }
 
   void submit(std::span<const io_request> requests) override {
     {
@@ -96,6 +94,15 @@ class thread_engine final : public io_engine {
   }
 
   unsigned depth_;
+  void stop() noexcept {
+    {
+      const std::lock_guard lock(mutex_);
+      stopping_ = true;  // workers finish the queue first
+    }
+    work_ready_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable work_ready_;

@@ -210,31 +210,42 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   for (std::size_t i = 0; i < data_staging_; ++i) regions.emplace_back(staging_[i], options_.block_bytes);
   regions.emplace_back(header_slab_, headers * header_bytes);
   stats_.registered_staging = engine_->register_buffers(regions);
-  reaper_ = std::thread([this] { run_reaper(); });
-  committer_ = std::thread([this] { run_committer(); });
-  worker_ = std::thread([this] { run(); });
+  try {
+    reaper_ = std::thread([this] { run_reaper(); });
+    committer_ = std::thread([this] { run_committer(); });
+    worker_ = std::thread([this] { run(); });
+  } catch (...) {
+    // No thread to start (EAGAIN): end those started and give the staging back, as the
+    // destructor would (a joinable thread destroyed would end the process).
+    stop_threads_and_free_staging();
+    throw;
+  }
 }
 
 tensor_swapper::~tensor_swapper() {
   synchronize();
+  stop_threads_and_free_staging();
+}
+
+void tensor_swapper::stop_threads_and_free_staging() noexcept {
   {
     const std::lock_guard lock(mutex_);
     stop_ = true;
   }
   work_cv_.notify_all();
-  worker_.join();
+  if (worker_.joinable()) worker_.join();
   {
     const std::lock_guard lock(mutex_);
     commit_stop_ = true;
   }
   commit_cv_.notify_all();
-  committer_.join();
+  if (committer_.joinable()) committer_.join();
   {
     const std::lock_guard lock(reap_mutex_);
     reap_stop_ = true;
   }
   reap_cv_.notify_all();
-  reaper_.join();  // every displaced file is gone before the destructor returns
+  if (reaper_.joinable()) reaper_.join();  // every displaced file is gone before this returns
   engine_.reset();  // unregisters the staging buffers before they go back to the pool
   for (std::size_t i = 0; i < data_staging_; ++i) pool_.free(staging_[i]);
   pool_.free(header_slab_);

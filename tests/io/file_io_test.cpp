@@ -383,6 +383,47 @@ TEST(file_io, options_are_checked) {
   o = {};
   o.rings = 0;
   EXPECT_THROW(async_file_io{o}, std::invalid_argument);
+  o.rings = max_rings + 1;  // each ring is a thread: 100,000 of them took minutes, then failed
+  try {
+    async_file_io io{o};
+    ADD_FAILURE() << "257 rings were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("rings must be 1 to 256, not 257"), std::string::npos) << e.what();
+  }
+}
+
+// A thread that cannot be started (EAGAIN at the user's process limit) is an exception from
+// the constructor, the threads started before it ended: a joinable std::thread destroyed
+// during the unwinding called std::terminate and ended the whole process.
+TEST(file_io, a_thread_that_cannot_start_is_an_exception_not_the_end_of_the_process) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
+#endif
+  const int engine = swap::testing::with_thread_limit(3, [] {
+    try {
+      const auto e = make_thread_engine(8, 8);
+      return 1;  // eight workers started: the limit did not hold
+    } catch (const std::system_error& e) {
+      return e.code() == std::errc::resource_unavailable_try_again ? 0 : 2;
+    }
+  });
+  ASSERT_NE(engine, 77) << "the child could not drop root or set its process limit";
+  EXPECT_EQ(engine, 0);
+  for (const engine_kind kind : {engine_kind::uring, engine_kind::threads}) {
+    const int rings = swap::testing::with_thread_limit(3, [kind] {
+      file_io_options o;
+      o.rings = 8;
+      o.queue_depth = 1;  // one worker per thread engine
+      o.engine = kind;
+      try {
+        async_file_io io{o};
+        return 1;
+      } catch (const std::system_error& e) {
+        return e.code() == std::errc::resource_unavailable_try_again ? 0 : 2;
+      }
+    });
+    EXPECT_EQ(rings, 0) << to_string(kind);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, file_io_test,

@@ -2,14 +2,18 @@
 // Helpers shared by the swapper and file I/O tests: a scratch directory removed with its
 // contents, reproducible tensor bytes, an engine wrapper, and a full disk in a child process.
 
+#include <grp.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -77,6 +81,57 @@ int in_small_tmpfs(const std::filesystem::path& dir, const char* size, Body body
   int status = 0;
   waitpid(child, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
+/// Tasks (threads) whose real user is `uid`, from /proc.
+inline std::size_t tasks_of_user(uid_t uid) {
+  std::size_t n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream status(entry.path() / "status");
+    std::string line;
+    long real = -1;
+    std::size_t threads = 0;
+    while (std::getline(status, line)) {
+      if (line.starts_with("Uid:")) real = std::stol(line.substr(4));
+      if (line.starts_with("Threads:")) threads = std::stoul(line.substr(8));
+    }
+    if (real == static_cast<long>(uid)) n += threads;
+  }
+  return n;
+}
+
+/// Runs `body` in a child process, as user nobody when running as root, that may start only
+/// `threads` more threads (RLIMIT_NPROC counts every task of its user; root ignores it, so the
+/// child drops root first). Returns body's result (0 for success), 99 when the child died (an
+/// exception escaping a thread's owner, std::terminate), 98 when it still ran after 60 s (it
+/// is killed), 77 when it could not set itself up.
+template <class Body>
+int with_thread_limit(std::size_t threads, Body body) {
+  constexpr uid_t nobody = 65534;
+  const std::size_t others = tasks_of_user(nobody);
+  const pid_t child = fork();
+  if (child < 0) return 77;
+  if (child == 0) {
+    const bool dropped = geteuid() == 0;
+    if (dropped && (setgroups(0, nullptr) != 0 || setgid(nobody) != 0 || setuid(nobody) != 0)) _exit(77);
+    const std::size_t mine = dropped ? others + 1 : tasks_of_user(getuid());  // this child included
+    const rlim_t most = static_cast<rlim_t>(mine + threads);
+    const rlimit limit{most, most};
+    if (setrlimit(RLIMIT_NPROC, &limit) != 0) _exit(77);
+    _exit(body());
+  }
+  int status = 0;
+  for (int waited_ms = 0; waitpid(child, &status, WNOHANG) == 0; waited_ms += 10) {
+    if (waited_ms >= 60'000) {  // a deadlock: a condition variable destroyed under its waiters
+      kill(child, SIGKILL);
+      waitpid(child, &status, 0);
+      return 98;
+    }
+    usleep(10'000);
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 99;
 }
 
 }  // namespace tensormem::swap::testing

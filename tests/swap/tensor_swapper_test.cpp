@@ -18,6 +18,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <string>
 #include <vector>
@@ -277,6 +278,31 @@ TEST(swapper, staging_beyond_the_machines_memory_is_refused_before_any_is_taken)
   EXPECT_EQ(pool.stats().slabs, 0U);
   tensor_swapper fits(pool, {.block_bytes = block, .staging_buffers = 2});
   EXPECT_GT(pool.stats().allocations, 0U);
+}
+
+// The swapper's three threads (reaper, committer, worker): when one cannot start, those
+// started end, the staging goes back to the pool and the constructor throws (a joinable
+// std::thread destroyed while unwinding ended the process, and the staging stayed taken).
+TEST(swapper, a_thread_that_cannot_start_is_an_exception_and_the_staging_goes_back) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
+#endif
+  for (const std::size_t allowed : {0U, 1U, 2U}) {
+    const int status = testing::with_thread_limit(allowed, [] {
+      memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20});
+      try {
+        tensor_swapper s(pool, {.engine = io::engine_kind::uring, .block_bytes = std::size_t{64} << 10,
+                                .staging_buffers = 2});
+        return 1;
+      } catch (const std::system_error& e) {
+        return pool.stats().in_use_bytes == 0 ? 0 : 3;
+      } catch (const memory::out_of_memory&) {
+        return 76;  // this user may not lock even 1 MiB here
+      }
+    });
+    if (status == 76 || status == 77) GTEST_SKIP() << "the limited child could not be set up (" << status << ")";
+    EXPECT_EQ(status, 0) << allowed << " threads allowed";
+  }
 }
 
 TEST(swapper, tmpfs_direct_or_buffered_is_reported) {

@@ -34,10 +34,13 @@ int open_direct_or_buffered(Open open_as, bool& direct) {
   return fd;
 }
 
+/// The most rings one async_file_io drives (each is an engine and a thread).
+inline constexpr unsigned max_rings = 256;
+
 struct file_io_options {
   std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per request (an op is split in blocks)
   unsigned queue_depth = 128;                      ///< requests in flight per ring, 1 to max_queue_depth
-  unsigned rings = 1;           ///< engines, each driven by its own thread; an op's blocks are dealt out in turn
+  unsigned rings = 1;           ///< engines (1 to max_rings), each driven by its own thread; an op's blocks are dealt out in turn
   engine_kind engine = engine_kind::uring;
   bool direct = true;           ///< O_DIRECT where buffer, offset and length are 4096-aligned
   /// Makes each ring's engine instead of `engine` (tests wrap engines to inject faults).
@@ -104,6 +107,7 @@ class async_file_io {
   const file_io_options& options() const noexcept { return options_; }
 
  private:
+  void stop_rings() noexcept;  // waits for queued operations, then ends the started threads
   struct op {
     std::string path;
     int fd = -1;

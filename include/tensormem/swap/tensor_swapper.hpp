@@ -192,6 +192,7 @@ class tensor_swapper {
   std::uint64_t start(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
                       std::span<const std::string> keys, bool out);
   void check_memory(std::span<const tensor_ref> tensors, std::span<const std::string> paths, bool out) const;
+  void stop_threads_and_free_staging() noexcept;
   std::vector<swap_result> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket);
   void run();
   void queue_ready();
