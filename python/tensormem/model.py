@@ -26,6 +26,7 @@ with every activation inside ONE preallocated arena tensor at its planned offset
 from __future__ import annotations
 
 import operator
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -731,11 +732,31 @@ def _clone_tree(v):
 
 # ----------------------------------------------------------------------------- command line
 
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+def _refuse_beyond_memory(what: str, nbytes: int) -> None:
+    """Before building anything: sizes whose parameters and inputs alone exceed the machine
+    (``--layers 1000000000`` built layers until memory ran out)."""
+    physical = _physical_memory()
+    if nbytes > physical:
+        raise SystemExit(f"{what}: its parameters and inputs alone need {nbytes / 2**30:.1f} GiB, more than this "
+                         f"machine's {physical / 2**30:.1f} GiB of memory")
+
+
 def _example_model(name: str, batch: int, sequence: int, layers: int):
     """A torchvision model by name (random weights) and its inputs: a batch of 224 x 224
     images, of 16-frame clips for video models, of image pairs for optical flow; or "gpt": a
     GPT-style stack of pre-norm transformer blocks (hidden 768, 12 heads) over token ids."""
     if name == "gpt":
+        # float32 parameters: embedding and head, and per block attention (4 x 768^2), MLP
+        # (8 x 768^2) and their biases and norms; int64 token ids.
+        _refuse_beyond_memory(f"gpt with {layers} layers, batch {batch}, sequence {sequence}",
+                              4 * (2 * 50257 * 768 + layers * (12 * 768 * 768 + 13 * 768)) + 8 * batch * sequence)
         class GPT(torch.nn.Module):
             def __init__(self):
                 super().__init__()
@@ -760,6 +781,8 @@ def _example_model(name: str, batch: int, sequence: int, layers: int):
     kwargs = {"weights": None}
     if "weights_backbone" in inspect.signature(builder).parameters:
         kwargs["weights_backbone"] = None
+    frames = 16 if ".video." in builder.__module__ else 2 if ".optical_flow." in builder.__module__ else 1
+    _refuse_beyond_memory(f"{name} at batch {batch}", 4 * 3 * 224 * 224 * frames * batch)
     model = builder(**kwargs).eval()
     if ".video." in builder.__module__:  # a clip of 16 frames (MViT's fixed input size)
         return model, (torch.randn(batch, 3, 16, 224, 224),)

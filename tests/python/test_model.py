@@ -6,6 +6,7 @@ PyTorch decides outputs and gradients."""
 
 import contextlib
 import re
+import time
 
 import pytest
 import torch
@@ -539,6 +540,29 @@ def test_command_line_builds_models_without_any_download_and_compares_dict_outpu
     assert code == 0, err
     assert "output bitwise equal" in out and "planned arena" in out
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gpt", "--layers", "1000000000"], r"gpt with 1000000000 layers, batch 1, sequence 128: its parameters and inputs "
+                                        r"alone need [0-9.]+ GiB, more than this machine's [0-9.]+ GiB of memory"),
+    (["resnet18", "--batch", "100000000"], r"resnet18 at batch 100000000: its parameters and inputs alone need"),
+    (["mvit_v1_b", "--batch", "1000000"], r"mvit_v1_b at batch 1000000: .* more than this machine's"),
+])
+def test_command_line_refuses_sizes_past_the_machines_memory_before_building(args, message):
+    """Checked before the model is built: 10^9 layers were built until memory ran out."""
+    from tensormem.model import main
+    start = time.perf_counter()
+    with pytest.raises(SystemExit, match=message):
+        main(["plan"] + args)
+    assert time.perf_counter() - start < 10
+
+
+def test_command_line_reports_activations_past_the_machines_memory_in_one_line(capsys):
+    """Parameters and inputs fit, the activations do not: the trace fails on one line, exit 1."""
+    from tensormem.model import main
+    assert main(["plan", "gpt", "--layers", "1", "--sequence", "100000000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gpt: cannot trace GPT:" in err[0] and "can't allocate memory" in err[0], err
 
 
 def test_command_line_names_a_model_it_cannot_trace_in_one_line(capsys):
