@@ -93,7 +93,6 @@ class thread_engine final : public io_engine {
     }
   }
 
-  unsigned depth_;
   void stop() noexcept {
     {
       const std::lock_guard lock(mutex_);
@@ -103,6 +102,7 @@ class thread_engine final : public io_engine {
     for (auto& w : workers_) w.join();
   }
 
+  unsigned depth_;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable work_ready_;
