@@ -66,7 +66,7 @@ def step_bench(folders, param_gib, budget_mib, group_mib, stripe_mib):
     opt._core.initialize([p.data_ptr()])
     write_gbps = state_bytes / (time.perf_counter() - t) / 1e9
     t = time.perf_counter()
-    opt._core.visit(lambda g, rec: None)
+    opt._core.visit(lambda g, rec: None, copy=False)
     read_gbps = state_bytes / (time.perf_counter() - t) / 1e9
     opt.step()
     s = opt.last_stats

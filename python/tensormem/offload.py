@@ -138,7 +138,10 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     p.grad.to(torch.float32).contiguous()
                 keep.append(g)
                 grads.append(g.data_ptr())
-        stats = self._core.step([p.data_ptr() for p in self._params], grads, hyper)
+        # The core runs without the GIL: views keep each parameter's memory alive even if another
+        # thread gives the parameter other memory (``p.data = ...``) meanwhile.
+        held = [p.detach() for p in self._params]
+        stats = self._core.step([p.data_ptr() for p in held], grads, hyper)
         self.last_stats = stats
         self.totals["steps"] += 1
         for k in ("seconds", "io_wait_seconds", "bytes_read", "bytes_written"):
@@ -187,10 +190,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                 if param not in state:
                     continue
                 for f in self._state_fields():
-                    dst = state[param][f].view(-1)[poff:poff + count]
-                    dst.copy_(torch.from_numpy(record[fields.index(f), goff:goff + count]))
+                    state[param][f].view(-1)[poff:poff + count].numpy()[:] = record[fields.index(f), goff:goff + count]
 
-        self._core.visit(take)
+        self._core.visit(take, copy=False)  # take copies what it needs
         if self._kind == "sgd":  # torch keeps no buffer without momentum
             momentum = [g.get("momentum", 0) for g in self.param_groups for _ in g["params"]]
             for i in state:
@@ -251,7 +253,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     row = record[fields.index(f), goff:goff + count]
                     row[:] = 0 if t is None else t.detach().to(torch.float32).reshape(-1)[poff:poff + count].numpy()
 
-        self._core.rewrite(put, steps)
+        self._core.rewrite(put, steps, copy=False)  # put keeps no record
         for g, saved in zip(self.param_groups, groups_in):
             g.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -156,6 +156,33 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
 
 offloaded_optimizer::~offloaded_optimizer() = default;
 
+offloaded_optimizer::exclusive_call::exclusive_call(const offloaded_optimizer& o, const char* what) : o_(o) {
+  if (o.called_from_this_thread()) {
+    throw std::logic_error(std::string("offloaded_optimizer::") + what +
+                           " called from inside the callback of visit or rewrite on the same optimizer: it would "
+                           "change the records being streamed; call it after visit or rewrite returns");
+  }
+  o.calls_.lock();
+  o.caller_.store(std::this_thread::get_id());
+}
+
+offloaded_optimizer::exclusive_call::~exclusive_call() {
+  o_.caller_.store(std::thread::id{});
+  o_.calls_.unlock();
+}
+
+std::vector<std::uint64_t> offloaded_optimizer::steps() const {
+  if (called_from_this_thread()) return steps_;
+  const std::lock_guard lock(calls_);
+  return steps_;
+}
+
+bool offloaded_optimizer::initialized() const {
+  if (called_from_this_thread()) return initialized_;
+  const std::lock_guard lock(calls_);
+  return initialized_;
+}
+
 std::uint64_t offloaded_optimizer::record_bytes(const group& g) const { return fields_.size() * g.stride * 4; }
 
 std::vector<std::size_t> offloaded_optimizer::order() const {
@@ -209,6 +236,7 @@ void write_every_record(const std::vector<offloaded_optimizer::group>& groups, s
 }  // namespace
 
 void offloaded_optimizer::initialize(std::span<const float* const> params) {
+  const exclusive_call call(*this, "initialize");
   if (params.size() != numels_.size()) {
     throw std::invalid_argument("offloaded_optimizer::initialize: " + std::to_string(params.size()) +
                                 " parameters, expected " + std::to_string(numels_.size()));
@@ -254,6 +282,7 @@ void offloaded_optimizer::update_group(const group& g, float* record, std::span<
 
 step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<const float* const> grads,
                                      std::span<const param_hyper> hyper) {
+  const exclusive_call call(*this, "step");
   if (!initialized_) throw std::logic_error("offloaded_optimizer::step before initialize or load");
   if (params.size() != numels_.size() || grads.size() != numels_.size() || hyper.size() != numels_.size()) {
     throw std::invalid_argument("offloaded_optimizer::step: " + std::to_string(params.size()) + " parameters, " +
@@ -322,6 +351,11 @@ void offloaded_optimizer::roll_back(const std::vector<std::size_t>& groups, std:
 }
 
 void offloaded_optimizer::visit(const std::function<void(const group&, const float* record)>& f) {
+  const exclusive_call call(*this, "visit");
+  visit_records(f);
+}
+
+void offloaded_optimizer::visit_records(const std::function<void(const group&, const float* record)>& f) {
   if (!initialized_) throw std::logic_error("offloaded_optimizer: no state before initialize or load");
   prefetch_pipeline pipe(*space_, *pool_, order(), options_.pipeline);
   for (const group& g : groups_) {
@@ -332,6 +366,7 @@ void offloaded_optimizer::visit(const std::function<void(const group&, const flo
 
 void offloaded_optimizer::rewrite(const std::function<void(const group&, float* record)>& edit,
                                   std::vector<std::uint64_t> steps) {
+  const exclusive_call call(*this, "rewrite");
   if (!initialized_) throw std::logic_error("offloaded_optimizer: no state before initialize or load");
   if (!steps.empty() && steps.size() != numels_.size()) {
     throw std::invalid_argument("offloaded_optimizer::rewrite: " + std::to_string(steps.size()) +
@@ -352,6 +387,7 @@ void offloaded_optimizer::rewrite(const std::function<void(const group&, float* 
 }
 
 void offloaded_optimizer::save(const std::string& path, std::string_view note) {
+  const exclusive_call call(*this, "save");
   io::check_path_argument("offloaded_optimizer::save", path);
   const std::string tmp = path + ".tmp";
   const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
@@ -363,7 +399,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
     out.write_all(head.data(), head.size(), 0);
     std::uint32_t crc = swap::crc32c(head.data(), head.size());
     std::uint64_t at = head.size();
-    visit([&](const group& g, const float* record) {
+    visit_records([&](const group& g, const float* record) {
       out.write_all(record, record_bytes(g), at);
       crc = swap::crc32c(record, record_bytes(g), crc);
       at += record_bytes(g);
@@ -389,6 +425,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
 }
 
 std::string offloaded_optimizer::load(const std::string& path) {
+  const exclusive_call call(*this, "load");
   io::check_path_argument("offloaded_optimizer::load", path);
   const file in(path, O_RDONLY);
   std::vector<char> head(header_bytes(numels_.size()), 0);

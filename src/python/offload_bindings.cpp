@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -66,13 +67,33 @@ py::dict to_dict(const offload::step_stats& s) {
   return d;
 }
 
-// A record as a float32 array (no copy), valid only inside the callback.
-py::array_t<float> record_array(const offload::offloaded_optimizer& o, const offload::offloaded_optimizer::group& g,
-                                const float* record) {
+// Calls f(index, record) with the GIL held. The record goes to Python as a (fields, stride)
+// float32 array: a copy that f may keep (`copy`), or the staging buffer itself, which the
+// pipeline reuses for the next sub-group, so that neither it nor a view of it may outlive the
+// call (a RuntimeError if one does). `writable`: what f leaves in the array is the record.
+void call_with_record(const py::function& f, const offload::offloaded_optimizer& o,
+                      const offload::offloaded_optimizer::group& g, float* record, bool copy, bool writable) {
+  py::gil_scoped_acquire gil;
   python::require_numpy_abi("a record's array");
   const auto fields = static_cast<py::ssize_t>(o.fields().size());
   const auto stride = static_cast<py::ssize_t>(g.stride);
-  return py::array_t<float>({fields, stride}, {stride * 4, py::ssize_t{4}}, record, py::none());
+  const auto bytes = static_cast<std::size_t>(fields * stride) * sizeof(float);
+  if (copy) {
+    py::array_t<float> a({fields, stride});
+    std::memcpy(a.mutable_data(), record, bytes);
+    f(g.index, a);
+    if (writable) std::memcpy(record, a.data(), bytes);
+    return;
+  }
+  // A view counts as a reference to the array it was made from (its base).
+  py::array_t<float> a({fields, stride}, {stride * py::ssize_t{4}, py::ssize_t{4}}, record, py::none());
+  if (!writable) a.attr("setflags")(py::arg("write") = false);
+  f(g.index, a);
+  if (a.ref_count() > 1) {
+    throw std::runtime_error("the record of sub-group " + std::to_string(g.index) +
+                             " (or a view of it) was kept after the callback returned; with copy=False it is "
+                             "valid only during the call: copy what you need (record.copy()), or pass copy=True");
+  }
 }
 
 }  // namespace
@@ -176,9 +197,16 @@ void bind_offload(py::module_& m) {
            }, py::arg("params"), py::arg("grads"), py::arg("hyper"),
            "One step; a gradient address of 0 skips that parameter. Returns the step's statistics.")
       .def_property_readonly("fields", &offload::offloaded_optimizer::fields)
-      .def_property_readonly("steps", &offload::offloaded_optimizer::steps)
+      // Read under the optimizer's lock, which another thread's step may hold for long.
+      .def_property_readonly("steps", [](const offload::offloaded_optimizer& o) {
+        py::gil_scoped_release release;
+        return o.steps();
+      })
       .def_property_readonly("numels", &offload::offloaded_optimizer::numels)
-      .def_property_readonly("initialized", &offload::offloaded_optimizer::initialized)
+      .def_property_readonly("initialized", [](const offload::offloaded_optimizer& o) {
+        py::gil_scoped_release release;
+        return o.initialized();
+      })
       .def_property_readonly("simd", [](const offload::offloaded_optimizer& o) {
         return std::string(offload::to_string(o.simd()));
       })
@@ -191,19 +219,30 @@ void bind_offload(py::module_& m) {
         }
         return out;
       }, "Per sub-group: (index, elements, stride, [(param, param_offset, count, group_offset)]).")
-      .def("visit", [](offload::offloaded_optimizer& o, const py::function& f) {
+      // The optimizer's lock is taken with the GIL released and the callback runs with it
+      // held, so that another thread's call waits for the lock without holding the GIL.
+      .def("visit", [](offload::offloaded_optimizer& o, const py::function& f, bool copy) {
+             py::gil_scoped_release release;
              o.visit([&](const offload::offloaded_optimizer::group& g, const float* record) {
-               f(g.index, record_array(o, g, record));
+               call_with_record(f, o, g, const_cast<float*>(record), copy, false);
              });
-           }, py::arg("callback"),
+           }, py::arg("callback"), py::arg("copy") = true,
            "Calls callback(group, record) for each sub-group, one record in memory at a time; record is a "
-           "(fields, stride) float32 array valid only during the call.")
-      .def("rewrite", [](offload::offloaded_optimizer& o, const py::function& f, std::vector<std::uint64_t> steps) {
+           "(fields, stride) float32 array: a copy of the committed record (copy=True: keep it if you like, "
+           "changing it changes nothing), or a read-only view of the staging buffer, valid only during the "
+           "call (copy=False: no copy; a RuntimeError if it or a view of it is kept). Calling the optimizer's "
+           "step, visit, rewrite, save, load or initialize from the callback is a RuntimeError; other "
+           "threads' calls wait until visit returns.")
+      .def("rewrite", [](offload::offloaded_optimizer& o, const py::function& f, std::vector<std::uint64_t> steps,
+                         bool copy) {
+             py::gil_scoped_release release;
              o.rewrite([&](const offload::offloaded_optimizer::group& g, float* record) {
-               f(g.index, record_array(o, g, record));
+               call_with_record(f, o, g, record, copy, true);
              }, std::move(steps));
-           }, py::arg("callback"), py::arg("steps") = std::vector<std::uint64_t>{},
-           "Like visit, with a writable record; the edited state is committed when every record is written.")
+           }, py::arg("callback"), py::arg("steps") = std::vector<std::uint64_t>{}, py::arg("copy") = true,
+           "Like visit, with a writable record: what the callback leaves in it when it returns is written "
+           "(with copy=True, later changes to the array change nothing); the edited state is committed when "
+           "every record is written.")
       .def("save", [](offload::offloaded_optimizer& o, const std::string& path, const py::bytes& note) {
              const std::string bytes = note;
              py::gil_scoped_release release;

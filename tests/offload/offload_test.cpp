@@ -13,9 +13,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "../swap/swap_test_support.hpp"
@@ -672,6 +674,98 @@ TEST_F(offload_checkpoint, keeps_its_note_and_damage_is_refused_without_loading)
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("has version 3"), std::string::npos) << e.what();
   }
+}
+
+// Whole steps from two threads on the same parameters give what the same number of steps
+// in one thread gives (each step adds the same gradients), while a third thread reads the
+// step counts: they only grow.
+TEST(offload_optimizer, steps_from_several_threads_run_one_at_a_time) {
+  scratch_dir dir, dir2;
+  offloaded_optimizer o(numels, small_options(dir));
+  offloaded_optimizer serial(numels, small_options(dir2));
+  model_params a(numels), b(numels);
+  o.initialize(a.cp());
+  serial.initialize(b.cp());
+  const std::vector<param_hyper> hyper(numels.size());
+  constexpr int per_thread = 15;
+  std::atomic<bool> done{false};
+  std::vector<std::string> errors;
+  std::mutex errors_lock;
+  auto stepper = [&] {
+    try {
+      for (int i = 0; i < per_thread; ++i) o.step(a.p(), a.g(), hyper);
+    } catch (const std::exception& e) {
+      const std::lock_guard lock(errors_lock);
+      errors.emplace_back(e.what());
+    }
+  };
+  std::uint64_t last_seen = 0;
+  bool counts_only_grow = true;
+  std::thread reader([&] {
+    while (!done.load()) {
+      const std::vector<std::uint64_t> s = o.steps();
+      counts_only_grow = counts_only_grow && s[0] >= last_seen && s[0] == s[1] && s[2] == 0 && o.initialized();
+      last_seen = s[0];
+    }
+  });
+  std::thread t1(stepper), t2(stepper);
+  t1.join();
+  t2.join();
+  done.store(true);
+  reader.join();
+  EXPECT_TRUE(errors.empty()) << errors.front();
+  EXPECT_TRUE(counts_only_grow);
+  for (int i = 0; i < 2 * per_thread; ++i) serial.step(b.p(), b.g(), hyper);
+  EXPECT_EQ(o.steps(), serial.steps());
+  EXPECT_EQ(a.values, b.values);
+  EXPECT_EQ(all_records(o), all_records(serial));
+}
+
+// A callback of visit or rewrite that calls the optimizer again would change the records
+// being streamed (or wait for its own call): every such call is refused, changes nothing, and
+// the optimizer takes calls again once visit or rewrite has returned, or thrown.
+TEST_F(offload_checkpoint, calls_from_inside_a_callback_are_refused_and_change_nothing) {
+  o.save(ck);
+  const std::vector<float> records = all_records(o);
+  const std::vector<std::uint64_t> steps = o.steps();
+  const auto values = a.values;
+  const std::vector<std::function<void()>> calls = {
+      [&] { o.initialize(a.cp()); },
+      [&] { o.step(a.p(), a.g(), hyper); },
+      [&] { o.visit([](const auto&, const float*) {}); },
+      [&] { o.rewrite([](const auto&, float*) {}); },
+      [&] { o.save(ck + "2"); },
+      [&] { o.load(ck); },
+  };
+  std::size_t refused = 0;
+  std::size_t groups = 0;
+  auto call_each = [&] {
+    ++groups;
+    EXPECT_EQ(o.steps(), steps);  // read directly from inside the callback
+    EXPECT_TRUE(o.initialized());
+    for (const auto& call : calls) {
+      try {
+        call();
+      } catch (const std::logic_error& e) {
+        EXPECT_NE(std::string(e.what()).find("from inside the callback"), std::string::npos) << e.what();
+        ++refused;
+      }
+    }
+  };
+  o.visit([&](const auto&, const float*) { call_each(); });
+  o.rewrite([&](const auto&, float*) { call_each(); });
+  EXPECT_EQ(refused, calls.size() * groups);
+  EXPECT_EQ(groups, 2 * o.groups().size());
+  EXPECT_FALSE(std::filesystem::exists(ck + "2"));
+  EXPECT_EQ(all_records(o), records);
+  EXPECT_EQ(o.steps(), steps);
+  EXPECT_EQ(a.values, values);
+  // A callback that throws lets go of the optimizer too.
+  EXPECT_THROW(o.visit([](const auto&, const float*) { throw std::runtime_error("callback"); }), std::runtime_error);
+  o.step(a.p(), a.g(), hyper);
+  EXPECT_EQ(o.steps()[0], steps[0] + 1);
+  o.load(ck);
+  EXPECT_EQ(all_records(o), records);
 }
 
 TEST(offload_optimizer, bad_arguments_are_refused) {

@@ -2,12 +2,14 @@
 
 import copy
 import errno
+import gc
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -768,3 +770,141 @@ def test_sgd_state_dict_matches_torch_per_group(tmp_path):
     fresh.load_state_dict(ref.state_dict())
     step_side_by_side(((a, ref), (b, fresh)), 2)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+class _CoreThatReplacesParameter0:
+    """Forwards to the optimizer's core; before its step, gives parameter 0 other memory and
+    drops the last reference to the old one, as another thread could while the core runs
+    without the GIL."""
+
+    def __init__(self, core, p):
+        self._inner, self._p = core, p
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def step(self, params, grads, hyper):
+        self._p.data = torch.zeros(1 << 20)
+        gc.collect()
+        # Tensors that may take the old memory's place once it is freed.
+        self.sentinels = [torch.full((1 << 20,), 7.0) for _ in range(4)]
+        return self._inner.step(params, grads, hyper)
+
+
+def test_a_parameter_given_other_memory_during_a_step_stays_alive_until_the_core_is_done(tmp_path):
+    # Had the step not held the old memory, the core would write into freed memory: an
+    # unmapped address (the interpreter crashes) or the tensors made after it was freed.
+    p = torch.nn.Parameter(torch.ones(1 << 20))
+    opt = OffloadedAdamW([p], swap_dirs=[str(tmp_path)], pinned_budget=8 << 20, group_bytes=1 << 20)
+    opt._core = _CoreThatReplacesParameter0(opt._core, p)
+    p.grad = torch.ones(1 << 20)
+    opt.step()
+    assert torch.equal(p.detach(), torch.zeros(1 << 20))  # the new memory, untouched by the step
+    assert all(torch.equal(t, torch.full((1 << 20,), 7.0)) for t in opt._core.sentinels)
+    assert opt.totals["steps"] == 1
+
+
+def test_steps_from_two_threads_equal_as_many_steps_in_one(tmp_path):
+    # Each step adds the same gradients, so whole steps in any order give the same values.
+    def make(folder):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 50_000))
+        p.grad = torch.linspace(1, -1, 50_000)
+        (tmp_path / folder).mkdir()
+        return p, OffloadedAdamW([p], swap_dirs=[str(tmp_path / folder)], pinned_budget=BUDGET,
+                                 group_bytes=16 << 10)
+
+    p, opt = make("threads")
+    q, serial = make("serial")
+    errors = []
+
+    def steps():
+        try:
+            for _ in range(6):
+                opt.step()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=steps) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for _ in range(12):
+        serial.step()
+    assert torch.equal(p.detach(), q.detach())
+    assert opt._core.steps == serial._core.steps == [12]
+
+
+def test_records_handed_to_callbacks_are_copies_and_calls_from_inside_are_refused(tmp_path):
+    p = torch.nn.Parameter(torch.arange(1 << 14, dtype=torch.float32))
+    opt = OffloadedAdamW([p], swap_dirs=[str(tmp_path)], pinned_budget=BUDGET, group_bytes=1 << 12)
+    core = opt._core
+    kept = []
+    core.visit(lambda i, record: kept.append((i, record)))
+    snapshot = [record.copy() for _, record in kept]
+    p.grad = torch.ones(1 << 14)
+    opt.step()  # reuses the staging buffers the records came from
+    assert all(np.array_equal(r, s) for (_, r), s in zip(kept, snapshot))
+    assert [float(r[0, 0]) for _, r in kept] == [float(i * (1 << 10)) for i in range(len(kept))]
+
+    # rewrite: what the callback leaves in the record is written; later changes are not.
+    later = []
+
+    def edit(i, record):
+        record[1:] = i  # the moments
+        later.append(record)
+
+    core.rewrite(edit)
+    for record in later:
+        record[:] = -5
+    seen = []
+    core.visit(lambda i, record: seen.append(record))
+    assert [np.unique(r[1:]).tolist() for r in seen] == [[float(i)] for i in range(len(seen))]
+    assert np.array_equal(np.concatenate([r[0] for r in seen]), p.detach().numpy())  # masters as they were
+
+    for name, call in [("step", opt.step), ("load", lambda: core.load(str(tmp_path / "none"))),
+                       ("visit", lambda: core.visit(lambda i, r: None)),
+                       ("rewrite", lambda: core.rewrite(lambda i, r: None)),
+                       ("save", lambda: core.save(str(tmp_path / "ck")))]:
+        def callback(i, record, call=call):
+            call()
+
+        steps = core.steps
+        with pytest.raises(RuntimeError, match=f"offloaded_optimizer::{name} called from inside the callback"):
+            core.visit(callback)
+        assert core.steps == steps
+    assert not (tmp_path / "ck").exists()
+    opt.step()  # the optimizer takes calls again
+    assert core.steps == [2]
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_records_without_a_copy_must_not_outlive_the_callback(tmp_path):
+    p = torch.nn.Parameter(torch.arange(1 << 14, dtype=torch.float32))
+    opt = OffloadedAdamW([p], swap_dirs=[str(tmp_path)], pinned_budget=BUDGET, group_bytes=1 << 12)
+    core = opt._core
+    seen = []
+    core.visit(lambda i, record: seen.append(float(record[0, 5])), copy=False)
+    assert seen == [float(i * (1 << 10) + 5) for i in range(len(seen))]
+
+    def write(i, record):
+        record[0, 0] = 1
+
+    with pytest.raises(ValueError, match="read-only"):
+        core.visit(write, copy=False)
+    for keep in [lambda r: r, lambda r: r[1:, :8], lambda r: torch.from_numpy(r[1])]:
+        kept = []
+        with pytest.raises(RuntimeError, match="record of sub-group 0 .* was kept after the callback returned"):
+            core.visit(lambda i, record, keep=keep: kept.append(keep(record)), copy=False)
+        steps = core.steps
+        with pytest.raises(RuntimeError, match="was kept after the callback returned"):
+            core.rewrite(lambda i, record, keep=keep: kept.append(keep(record)), copy=False)
+        assert core.steps == steps
+    # Nothing of the failed rewrite was committed: the moments are still zero.
+    moments = []
+    core.visit(lambda i, record: moments.append(bool((record[1:] == 0).all())), copy=False)
+    assert all(moments)
+    core.rewrite(lambda i, record: record.__setitem__((slice(1, None),), 2.0), copy=False)
+    core.visit(lambda i, record: moments.append(bool((record[1:] == 2).all())), copy=False)
+    assert moments[-len(opt._core.groups):] == [True] * len(opt._core.groups)

@@ -8,13 +8,16 @@
 // them are written; a failed step leaves the previous state committed and, with the master
 // copy offloaded, the parameters as they were before the step.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "tensormem/memory/pinned_pool.hpp"
@@ -62,6 +65,12 @@ struct step_stats {
   std::uint64_t elements = 0;       ///< parameters updated
 };
 
+/// Thread safety: calls from several threads run one at a time (`initialize`, `step`,
+/// `visit`, `rewrite`, `save` and `load` take one mutex for their whole run; `steps` and
+/// `initialized` read under it). A call of one of the six from inside the callback of
+/// `visit` or `rewrite` on the same optimizer would change the records being streamed, or
+/// wait for itself: it throws std::logic_error and changes nothing. Inside a callback,
+/// `steps` and `initialized` read the state directly.
 class offloaded_optimizer {
  public:
   /// One element range of a parameter inside a group's record.
@@ -96,10 +105,11 @@ class offloaded_optimizer {
   /// "momentum_buffer" (SGD).
   const std::vector<std::string>& fields() const noexcept { return fields_; }
   const std::vector<group>& groups() const noexcept { return groups_; }
-  const std::vector<std::uint64_t>& steps() const noexcept { return steps_; }
+  /// Steps taken per parameter (a copy: another thread's step may change them).
+  std::vector<std::uint64_t> steps() const;
   const std::vector<std::uint64_t>& numels() const noexcept { return numels_; }
   simd_level simd() const noexcept { return simd_; }
-  bool initialized() const noexcept { return initialized_; }
+  bool initialized() const;
 
   /// Streams the committed records through `f`, one group at a time.
   void visit(const std::function<void(const group&, const float* record)>& f);
@@ -131,6 +141,20 @@ class offloaded_optimizer {
   void roll_back(const std::vector<std::size_t>& groups, std::span<float* const> params);
   void commit_all(const std::vector<std::size_t>& tensors);
   std::vector<std::size_t> order() const;
+  void visit_records(const std::function<void(const group&, const float* record)>& f);  // visit, unguarded
+
+  // Holds calls_ for one of the six calls, after refusing one made from inside a callback.
+  class exclusive_call {
+   public:
+    exclusive_call(const offloaded_optimizer& o, const char* what);
+    ~exclusive_call();
+    exclusive_call(const exclusive_call&) = delete;
+    exclusive_call& operator=(const exclusive_call&) = delete;
+
+   private:
+    const offloaded_optimizer& o_;
+  };
+  bool called_from_this_thread() const noexcept { return caller_.load() == std::this_thread::get_id(); }
 
   std::vector<std::uint64_t> numels_;
   optimizer_options options_;
@@ -141,6 +165,8 @@ class offloaded_optimizer {
   std::unique_ptr<memory::pinned_pool> pool_;
   std::unique_ptr<swap_space> space_;
   bool initialized_ = false;
+  mutable std::mutex calls_;
+  mutable std::atomic<std::thread::id> caller_{};  // the thread inside one of the six calls
 };
 
 }  // namespace tensormem::offload
