@@ -26,6 +26,7 @@ from ._tensormem import (  # noqa: F401
     derive_lifetimes,
     lower_bound,
     make_transformer_step,
+    physical_memory_bytes,
     plan,
     read_trace,
     validate,
@@ -36,6 +37,6 @@ __all__ = [
     "GROWING", "MAX_QUEUE_DEPTH", "SWAP_BLOCK_ALIGNMENT", "IO_ENGINES", "Allocation", "BestFitAllocator",
     "ContiguousArena", "MemoryView", "OperatorGraph",
     "derive_lifetimes", "make_transformer_step", "PinnedBuffer", "PinnedPool", "TensorSwapper", "TlsfAllocator",
-    "__version__", "cuda_built", "cuda_unavailable_reason", "lower_bound", "plan", "read_trace", "validate",
-    "write_plan_picture",
+    "__version__", "cuda_built", "cuda_unavailable_reason", "lower_bound", "physical_memory_bytes", "plan",
+    "read_trace", "validate", "write_plan_picture",
 ]

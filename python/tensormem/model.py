@@ -732,17 +732,10 @@ def _clone_tree(v):
 
 # ----------------------------------------------------------------------------- command line
 
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 1 << 62
-
-
 def _refuse_beyond_memory(what: str, nbytes: int) -> None:
     """Before building anything: sizes whose parameters and inputs alone exceed the machine
     (``--layers 1000000000`` built layers until memory ran out)."""
-    physical = _physical_memory()
+    physical = _tensormem.physical_memory_bytes()
     if nbytes > physical:
         raise SystemExit(f"{what}: its parameters and inputs alone need {nbytes / 2**30:.1f} GiB, more than this "
                          f"machine's {physical / 2**30:.1f} GiB of memory")

@@ -27,6 +27,7 @@
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/io/file_io.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 #include "tensormem/trace/arena_svg.hpp"
@@ -716,6 +717,8 @@ PYBIND11_MODULE(_tensormem, m) {
         "Empty when this build reads the loaded numpy's arrays correctly, else why not (pybind11 < 2.12 "
         "with numpy 2).");
   m.def("cuda_built", &memory::cuda_built, "True when the CUDA resources were compiled in.");
+  m.def("physical_memory_bytes", &memory::physical_memory_bytes,
+        "The machine's physical memory in bytes (2^64 - 1 when it cannot be read).");
   m.def("cuda_unavailable_reason", [] {
     py::gil_scoped_release release;
     return memory::cuda_unavailable_reason();

@@ -437,3 +437,7 @@ def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match="cannot write"):
         tensormem.write_plan_picture(str(tmp_path / "missing" / "x.svg"), *args)
     assert not (tmp_path / "x.svg").exists()
+
+
+def test_physical_memory_is_the_machines():
+    assert tensormem.physical_memory_bytes() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
