@@ -26,7 +26,6 @@ with every activation inside ONE preallocated arena tensor at its planned offset
 from __future__ import annotations
 
 import operator
-import os
 import sys
 import time
 from dataclasses import dataclass, field
