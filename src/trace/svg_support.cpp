@@ -9,12 +9,10 @@ namespace tensormem::trace::detail {
 
 std::string escape(const std::string& s) {
   std::string out;
-  const std::string_view text = s;
-  for (std::size_t i = 0; i < text.size();) {
-    // XML takes neither control characters nor bytes that are not UTF-8: each such byte is
-    // drawn as U+FFFD, the replacement character.
-    const std::size_t bad = i + first_non_text_byte(text.substr(i));
-    for (const char c : text.substr(i, bad - i)) {
+  // XML takes neither control characters nor bytes that are not UTF-8: each such byte is
+  // drawn as U+FFFD, the replacement character.
+  for_each_text_run(s, [&](std::string_view run) {
+    for (const char c : run) {
       switch (c) {
         case '<': out += "&lt;"; break;
         case '>': out += "&gt;"; break;
@@ -23,10 +21,7 @@ std::string escape(const std::string& s) {
         default: out += c;
       }
     }
-    if (bad == text.size()) break;
-    out += "\xEF\xBF\xBD";
-    i = bad + 1;
-  }
+  }, [&](unsigned char) { out += "\xEF\xBF\xBD"; });
   return out;
 }
 

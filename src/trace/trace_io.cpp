@@ -239,15 +239,11 @@ std::string brief(std::string_view field) {
   constexpr std::size_t shown = 40;
   const std::string_view head = field.substr(0, shown);
   std::string quoted = "'";
-  for (std::size_t i = 0; i < head.size();) {
-    const std::size_t bad = i + first_non_text_byte(head.substr(i));
-    quoted.append(head.substr(i, bad - i));
-    if (bad == head.size()) break;
+  for_each_text_run(head, [&](std::string_view run) { quoted.append(run); }, [&](unsigned char b) {
     char code[5];
-    std::snprintf(code, sizeof code, "\\x%02X", static_cast<unsigned char>(head[bad]));
+    std::snprintf(code, sizeof code, "\\x%02X", b);
     quoted += code;
-    i = bad + 1;
-  }
+  });
   if (field.size() <= shown) return quoted + "'";
   return quoted + "...' (" + std::to_string(field.size()) + " bytes)";
 }

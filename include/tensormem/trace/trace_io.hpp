@@ -43,6 +43,19 @@ inline bool starts_with_byte_order_mark(std::string_view line) noexcept {
 /// of a code point above U+10FFFF), or text.size() when there is none.
 std::size_t first_non_text_byte(std::string_view text) noexcept;
 
+/// Walks `text` in order: `run(part)` for each longest stretch of text (first_non_text_byte),
+/// empty ones included, and `byte(b)` for each byte between them that is not text.
+template <class Run, class Byte>
+void for_each_text_run(std::string_view text, Run&& run, Byte&& byte) {
+  for (std::size_t i = 0;;) {
+    const std::size_t bad = i + first_non_text_byte(text.substr(i));
+    run(text.substr(i, bad - i));
+    if (bad == text.size()) return;
+    byte(static_cast<unsigned char>(text[bad]));
+    i = bad + 1;
+  }
+}
+
 /// A field quoted briefly for an error message: at most 40 bytes, then how long it was; a
 /// byte that is not text (first_non_text_byte) is written \xNN, so the message is UTF-8.
 std::string brief(std::string_view field);
