@@ -73,6 +73,9 @@ class ContiguousMemoryAllocator:
         self.total_size = operator.index(size)  # TypeError for 10.5, as torch.zeros(10.5) in DeepSpeed
         if self.total_size < 0:
             raise ValueError(f"size must be >= 0 elements, not {self.total_size}")
+        if self.total_size * self.itemsize >= 2**64:
+            raise ValueError(f"size {self.total_size} elements of {self.itemsize} bytes ({dtype}) is "
+                             f"{self.total_size * self.itemsize} bytes, more than 2^64 - 1")
         # CUDA: the arena's memory comes from tensormem's CUDA resource and defragmentation
         # moves by device copies; RuntimeError says why when no device can be used.
         self._arena = _tensormem.ContiguousArena(self.total_size * self.itemsize, alignment=self.itemsize,

@@ -357,6 +357,11 @@ def test_sizes_counts_and_ids_out_of_range_are_value_errors_not_signature_mismat
         ContiguousMemoryAllocator(10.5, torch.float32)  # DeepSpeed's torch.zeros(10.5) refuses it too
     with pytest.raises(ValueError, match="size must be >= 0 elements, not -1"):
         ContiguousMemoryAllocator(-1, torch.float32)
+    with pytest.raises(ValueError, match=r"size 4611686018427387904 elements of 4 bytes \(torch.float32\) is "
+                                         r"18446744073709551616 bytes, more than 2\^64 - 1"):
+        ContiguousMemoryAllocator(2**62, torch.float32)  # the byte count was refused as if it were the size
+    with pytest.raises(MemoryError):
+        ContiguousMemoryAllocator(2**62 - 1, torch.float32)  # 2^64 - 4 bytes: passed on, and too many
     with pytest.raises(TypeError):
         ContiguousMemoryAllocator(16, torch.float32).allocate_tensor(2.5)
 
