@@ -1,5 +1,8 @@
 // tensormem: command-line front end of the tensormem library.
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <new>
@@ -14,8 +17,9 @@
 #include "tensormem/memory/errors.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
-int main(int argc, char** argv) {
-  tensormem::cli::use_huge_pages(argv);
+namespace {
+
+int run(int argc, char** argv) {
   CLI::App app{"tensormem: tensor memory planning, arenas, pinned memory and swapping"};
   app.require_subcommand(1);
   // Help shows every option's default value (inherited by the subcommands added below).
@@ -71,4 +75,27 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+
+// What a command printed reaches its file only when the standard output is flushed: a full
+// disk (or any failed write) is reported here, and the exit status says so, instead of a
+// success with a truncated result.
+int finish_standard_output(int code) {
+  errno = 0;
+  std::cout.flush();  // the stream writes through stdout's buffer, so this is where a write fails
+  const bool flush_failed = std::fflush(stdout) != 0;
+  const int error = errno;
+  if (flush_failed || std::ferror(stdout) != 0 || std::cout.fail()) {
+    std::cerr << "tensormem: cannot write the standard output"
+              << (error != 0 ? std::string(": ") + std::strerror(error) : std::string()) << '\n';
+    return code != 0 ? code : 1;
+  }
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  tensormem::cli::use_huge_pages(argv);
+  return finish_standard_output(run(argc, argv));
 }
