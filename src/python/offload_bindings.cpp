@@ -82,7 +82,12 @@ void call_with_record(const py::function& f, const offload::offloaded_optimizer&
     py::array_t<float> a({fields, stride});
     std::memcpy(a.mutable_data(), record, bytes);
     f(g.index, a);
-    if (writable) std::memcpy(record, a.data(), bytes);
+    if (writable) {
+      if (static_cast<std::size_t>(a.nbytes()) != bytes) {  // resize(..., refcheck=False)
+        throw std::runtime_error("the record of sub-group " + std::to_string(g.index) + " was resized by the callback");
+      }
+      std::memcpy(record, a.data(), bytes);
+    }
     return;
   }
   // A view counts as a reference to the array it was made from (its base).

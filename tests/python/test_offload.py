@@ -858,6 +858,10 @@ def test_records_handed_to_callbacks_are_copies_and_calls_from_inside_are_refuse
     core.rewrite(edit)
     for record in later:
         record[:] = -5
+    steps = core.steps
+    with pytest.raises(RuntimeError, match="the record of sub-group 0 was resized by the callback"):
+        core.rewrite(lambda i, record: record.resize((3,), refcheck=False))
+    assert core.steps == steps
     seen = []
     core.visit(lambda i, record: seen.append(record))
     assert [np.unique(r[1:]).tolist() for r in seen] == [[float(i)] for i in range(len(seen))]
