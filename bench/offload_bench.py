@@ -3,6 +3,7 @@ floor, the update kernel against torch.optim.AdamW(foreach=True), and striping o
 
     PYTHONPATH=build/python /usr/bin/python3 bench/offload_bench.py --param-gib 4 \
         --folders /var/tmp/tm-a --folders /var/tmp/tm-a,/var/tmp/tm-b,/var/tmp/tm-c
+    PYTHONPATH=build/python /usr/bin/python3 bench/offload_bench.py --wrapper-mparams 25
 
 Per folder set: the optimizer is built (its first state written to new files), the state is
 written twice more (both generations' files then exist; the second of these is the write
@@ -84,6 +85,39 @@ def step_bench(folders, param_gib, budget_mib, group_mib, stripe_mib):
     return result
 
 
+def wrapper_bench(folder, mparams, rounds):
+    """What the Python wrapper adds (medians of `rounds` calls): state_dict and load_state_dict
+    of one parameter of `mparams` million floats (their records handed over without copies),
+    the core's visit with and without copies of the records, and, per step, the parameter check
+    and the views held during the core's step for 1,000 parameters of 1,024 floats."""
+    def median(f):
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[len(times) // 2]
+
+    p = torch.nn.Parameter(torch.randn(mparams * 10**6, generator=torch.Generator().manual_seed(0)))
+    opt = OffloadedAdamW([p], swap_dirs=[folder], pinned_budget=256 << 20)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    out = {"mparams": mparams, "state_dict_s": median(opt.state_dict),
+           "load_state_dict_s": median(lambda: opt.load_state_dict(sd)),
+           "visit_copies_s": median(lambda: opt._core.visit(lambda g, rec: None)),
+           "visit_no_copies_s": median(lambda: opt._core.visit(lambda g, rec: None, copy=False))}
+    del opt, sd
+    small = [torch.nn.Parameter(torch.zeros(1024)) for _ in range(1000)]
+    opt = OffloadedAdamW(small, swap_dirs=[folder])
+    for q in small:
+        q.grad = torch.zeros_like(q)
+    out["check_1000_params_ms"] = median(opt._check_params) * 1e3
+    out["views_1000_params_ms"] = median(lambda: [q.detach() for q in opt._params]) * 1e3
+    out["step_1000_params_ms"] = median(opt.step) * 1e3
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--param-gib", type=int, default=4)
@@ -95,7 +129,20 @@ def main():
     ap.add_argument("--kernel-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--wrapper-mparams", type=int, default=0,
+                    help="instead: what the Python wrapper adds, with one parameter of this many million floats")
     args = ap.parse_args()
+    if args.wrapper_mparams:
+        folder = (args.folders or ["/var/tmp/tensormem-offload-bench"])[0].split(",")[0]
+        os.makedirs(folder, exist_ok=True)
+        r = wrapper_bench(folder, args.wrapper_mparams, args.rounds)
+        print(json.dumps(r, indent=1) if args.json else
+              f"{r['mparams']} M parameters: state_dict {r['state_dict_s']:.3f} s, load_state_dict "
+              f"{r['load_state_dict_s']:.3f} s, visit {r['visit_copies_s']:.3f} s with copies, "
+              f"{r['visit_no_copies_s']:.3f} s without; 1,000 parameters of 1,024 floats: check "
+              f"{r['check_1000_params_ms']:.2f} ms, views {r['views_1000_params_ms']:.2f} ms, step "
+              f"{r['step_1000_params_ms']:.1f} ms")
+        return
     sets = [f.split(",") for f in (args.folders or ["/var/tmp/tensormem-offload-bench"])]
     for s in sets:
         for d in s:
