@@ -103,8 +103,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         if len(current) != len(self._params) or any(a is not b for a, b in zip(current, self._params)):
             raise ValueError("param_groups no longer hold the parameters this optimizer was made for (one was "
                              "added, removed or replaced); make a new optimizer")
+        f32 = torch.float32  # dtypes are singletons; is_cpu and `is` keep this loop at about 0.2 us a parameter
         for i, (p, n) in enumerate(zip(self._params, self._numels)):
-            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or p.numel() != n:
+            if not p.is_cpu or p.dtype is not f32 or not p.is_contiguous() or p.numel() != n:
                 raise ValueError(f"parameter {i} is now {p.numel()} elements of {p.dtype} on {p.device}"
                                  f"{'' if p.is_contiguous() else ' (non-contiguous)'}; this optimizer was made for "
                                  f"{n} contiguous float32 elements on the CPU: make a new optimizer")
@@ -138,9 +139,10 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     p.grad.to(torch.float32).contiguous()
                 keep.append(g)
                 grads.append(g.data_ptr())
-        # The core runs without the GIL: views keep each parameter's memory alive even if another
-        # thread gives the parameter other memory (``p.data = ...``) meanwhile.
-        held = [p.detach() for p in self._params]
+        # The core runs without the GIL: views (``p.data``, half the cost of ``p.detach()``) keep
+        # each parameter's memory alive even if another thread gives the parameter other memory
+        # (``p.data = ...``) meanwhile.
+        held = [p.data for p in self._params]
         stats = self._core.step([p.data_ptr() for p in held], grads, hyper)
         self.last_stats = stats
         self.totals["steps"] += 1
