@@ -25,6 +25,7 @@ with every activation inside ONE preallocated arena tensor at its planned offset
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 import time
@@ -773,14 +774,14 @@ def _example_model(name: str, batch: int, sequence: int, layers: int):
     kwargs = {"weights": None}
     if "weights_backbone" in inspect.signature(builder).parameters:
         kwargs["weights_backbone"] = None
-    frames = 16 if ".video." in builder.__module__ else 2 if ".optical_flow." in builder.__module__ else 1
-    _refuse_beyond_memory(f"{name} at batch {batch}", 4 * 3 * 224 * 224 * frames * batch)
-    model = builder(**kwargs).eval()
     if ".video." in builder.__module__:  # a clip of 16 frames (MViT's fixed input size)
-        return model, (torch.randn(batch, 3, 16, 224, 224),)
-    if ".optical_flow." in builder.__module__:  # the flow between two frames
-        return model, (torch.randn(batch, 3, 224, 224), torch.randn(batch, 3, 224, 224))
-    return model, (torch.randn(batch, 3, 224, 224),)
+        shapes = [(batch, 3, 16, 224, 224)]
+    elif ".optical_flow." in builder.__module__:  # the flow between two frames
+        shapes = [(batch, 3, 224, 224)] * 2
+    else:
+        shapes = [(batch, 3, 224, 224)]
+    _refuse_beyond_memory(f"{name} at batch {batch}", sum(4 * math.prod(shape) for shape in shapes))
+    return builder(**kwargs).eval(), tuple(torch.randn(shape) for shape in shapes)
 
 
 def _positive_int(text: str) -> int:
