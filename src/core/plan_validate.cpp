@@ -24,7 +24,10 @@ std::string validate(std::span<const buffer> buffers, std::span<const std::uint6
              "' is not a multiple of " + std::to_string(alignment);
     }
     const auto bytes = align_up(buffers[i].bytes, alignment);
-    if (!bytes || offsets[i] > UINT64_MAX - *bytes) return "'" + buffers[i].id + "' overflows";
+    if (!bytes || offsets[i] > UINT64_MAX - *bytes) {
+      return "'" + buffers[i].id + "' at offset " + std::to_string(offsets[i]) + " with " +
+             std::to_string(buffers[i].bytes) + " bytes ends past 2^64 - 1";
+    }
     ends[i] = offsets[i] + *bytes;
     if (ends[i] > arena_bytes) {
       return "'" + buffers[i].id + "' ends at " + std::to_string(ends[i]) +

@@ -375,6 +375,28 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
       });
 }
 
+/// The elements of a list or tuple of Python integers, each in [0, 2^64); anything else is a
+/// ValueError naming the argument and the element.
+std::vector<std::uint64_t> unsigned_elements(const py::sequence& items, const char* name) {
+  std::vector<std::uint64_t> out;
+  out.reserve(items.size());
+  for (const py::handle item : items) {
+    const std::string where = std::string(name) + "[" + std::to_string(out.size()) + "]";
+    const std::string shown = py::repr(item).cast<std::string>().substr(0, 40);
+    if (!PyLong_Check(item.ptr()) || PyBool_Check(item.ptr())) {
+      throw std::invalid_argument(where + " is " + shown + ", not an integer");
+    }
+    if (py::int_(0) > item) throw std::invalid_argument(where + " is " + shown + "; values must be >= 0");
+    const unsigned long long value = PyLong_AsUnsignedLongLong(item.ptr());
+    if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();
+      throw std::invalid_argument(where + " is " + shown + ", which does not fit in 64 bits");
+    }
+    out.push_back(static_cast<std::uint64_t>(value));
+  }
+  return out;
+}
+
 /// A one-dimensional array of non-negative integers, as uint64. Floats, booleans, objects
 /// and negative values are refused with a ValueError naming the argument and the element:
 /// a silent cast would turn -1 into 2^64 - 1 and 1.5 into 1.
@@ -387,6 +409,13 @@ std::vector<std::uint64_t> unsigned_array(const py::handle& object, const char* 
   }
   if (a.size() == 0) return {};  // an empty list is an array of floats to numpy
   const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u' &&
+      (py::isinstance<py::list>(object) || py::isinstance<py::tuple>(object))) {
+    // Python integers that no one numpy integer type holds ([0, 2**64 - 1], [-1, 2**63])
+    // become floats or objects to numpy: read them one by one, which also names the first
+    // element that is not an integer.
+    return unsigned_elements(py::reinterpret_borrow<py::sequence>(object), name);
+  }
   if (kind != 'i' && kind != 'u') {
     throw std::invalid_argument(std::string(name) + " must hold integers, not " +
                                 py::str(a.dtype()).cast<std::string>());

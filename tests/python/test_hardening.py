@@ -297,6 +297,27 @@ def test_plan_refuses_negative_float_and_multidimensional_arrays():
         tensormem.plan(lower, upper, size, time_limit=float("nan"))
 
 
+def test_lists_of_integers_that_no_numpy_integer_type_holds_are_read_one_by_one():
+    # numpy turns [0, 2**64 - 6] into float64 (rounding the large value) and [2**64] into
+    # objects; each element is read as the Python integer it is, or refused by name.
+    top = 2**64 - 6
+    assert tensormem.validate([0, 1], [2, 3], [10, 5], [0, top], 2**64 - 1) == ""
+    assert tensormem.validate([0, 1], [2, 3], [10, 5], (0, top), 2**64 - 1) == ""
+    assert "'1' at offset 18446744073709551610 with 20 bytes ends past 2^64 - 1" in tensormem.validate(
+        [0, 1], [2, 3], [10, 20], [0, top], 2**64 - 1)
+    assert tensormem.lower_bound([0, 1], [1, 2], [2**64 - 1, 2**63]) == 2**64 - 1
+    with pytest.raises(ValueError, match=r"size\[0\] is 18446744073709551616, which does not fit in 64 bits"):
+        tensormem.lower_bound([0, 1], [1, 2], [2**64, 2])
+    with pytest.raises(ValueError, match=r"size\[0\] is -1; values must be >= 0"):
+        tensormem.lower_bound([0, 1], [1, 2], [-1, 2**63])
+    with pytest.raises(ValueError, match=r"size\[1\] is 1\.5, not an integer"):
+        tensormem.lower_bound([0, 1], [1, 2], [2**63, 1.5])
+    with pytest.raises(ValueError, match=r"upper\[0\] is 'x', not an integer"):
+        tensormem.lower_bound([0], ["x"], [2**64 - 1])
+    with pytest.raises(ValueError, match="must hold integers, not float64"):
+        tensormem.lower_bound([0, 1], [1, 2], np.array([1.0, 2.0]))  # an array is not a list
+
+
 def test_plan_of_no_buffers_from_empty_lists_and_bad_alignments():
     # numpy makes float64 arrays of empty lists: no buffers is still a plan.
     p = tensormem.plan([], [], [])
