@@ -4,6 +4,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace tensormem::core {
 namespace {
@@ -25,10 +26,18 @@ std::uint64_t tensor_bytes(const char* tensor, const char* shape, std::initializ
 }  // namespace
 
 graph make_transformer_step(const transformer_config& c) {
-  if (c.layers == 0 || c.hidden == 0 || c.heads == 0 || c.sequence == 0 || c.batch == 0 ||
-      c.vocabulary == 0 || c.dtype_bytes == 0 || c.hidden % c.heads != 0) {
-    throw std::invalid_argument("transformer_config: dimensions must be positive and heads "
-                                "must divide hidden");
+  const std::pair<const char*, std::uint64_t> dimensions[] = {
+      {"layers", c.layers},     {"hidden", c.hidden}, {"heads", c.heads},
+      {"sequence", c.sequence}, {"batch", c.batch},   {"vocabulary", c.vocabulary},
+      {"dtype_bytes", c.dtype_bytes}};
+  for (const auto& [name, value] : dimensions) {
+    if (value == 0) {
+      throw std::invalid_argument(std::string("transformer_config: ") + name + " is 0; it must be at least 1");
+    }
+  }
+  if (c.hidden % c.heads != 0) {
+    throw std::invalid_argument("transformer_config: heads (" + std::to_string(c.heads) + ") must divide hidden (" +
+                                std::to_string(c.hidden) + ")");
   }
   // Counted ahead, so that a size no graph holds is refused at once, and one whose arrays do
   // not fit in memory fails here rather than after minutes of building.

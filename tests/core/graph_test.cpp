@@ -116,6 +116,30 @@ TEST(transformer_step, activations_live_until_backward) {
   EXPECT_THROW(make_transformer_step({2, 768, 5, 128, 1, 100, 2}), std::invalid_argument);
 }
 
+TEST(graph, a_transformer_config_error_names_the_dimension) {
+  auto message = [](const transformer_config& c) -> std::string {
+    try {
+      make_transformer_step(c);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(message({2, 768, 5, 128, 1, 100, 2}), "transformer_config: heads (5) must divide hidden (768)");
+  const char* names[] = {"layers", "hidden", "heads", "sequence", "batch", "vocabulary", "dtype_bytes"};
+  for (std::size_t i = 0; i < std::size(names); ++i) {
+    transformer_config c{2, 64, 4, 16, 2, 100, 2};
+    std::uint64_t* fields[] = {nullptr, &c.hidden, &c.heads, &c.sequence,
+                               &c.batch, &c.vocabulary, &c.dtype_bytes};
+    if (i == 0) {
+      c.layers = 0;
+    } else {
+      *fields[i] = 0;
+    }
+    EXPECT_EQ(message(c), std::string("transformer_config: ") + names[i] + " is 0; it must be at least 1");
+  }
+}
+
 TEST(graph, weight_alignment_and_weight_region_are_checked) {
   graph g;
   const auto in = g.add_tensor("in", 8, tensor_role::graph_input);
