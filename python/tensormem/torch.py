@@ -288,6 +288,8 @@ class AsyncTensorSwapper:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected torch tensors, not {type(tensor).__name__} "
                             "(swap_out_tensors takes tensors then paths, swap_in_tensors paths then tensors)")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"tensors must be dense (strided), not {tensor.layout}")
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("tensors must be contiguous CPU tensors")
         return tensor.detach().view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)

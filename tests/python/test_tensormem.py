@@ -319,6 +319,8 @@ def test_async_tensor_swapper_names_misuse_at_the_call(tmp_path):
         swapper.swap_in_tensors([torch.empty(4)], [str(tmp_path / "a")])
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         swapper.swap_out_tensors([torch.zeros(4, 4).t()], [str(tmp_path / "b")])
+    with pytest.raises(ValueError, match="tensors must be dense \\(strided\\), not torch.sparse_coo"):
+        swapper.swap_out_tensors([torch.arange(4.0).to_sparse()], [str(tmp_path / "b")])
     # a queue io_uring cannot have is refused when made, not at the first transfer
     for depth in (0, 32769):
         with pytest.raises(ValueError, match=f"queue_depth must be 1 to 32768, not {depth}"):
