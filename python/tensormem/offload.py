@@ -95,20 +95,27 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         self.last_stats: Dict[str, float] = {}
         self.totals = {"steps": 0, "seconds": 0.0, "io_wait_seconds": 0.0, "bytes_read": 0, "bytes_written": 0}
 
-    def _check_params(self) -> None:
+    def _check_params(self) -> List[torch.Tensor]:
         """The core reads and writes numel x 4 bytes at each parameter's address: the
         parameters must still be the tensors, sizes and layout it was made for (``p.data = ...``
-        can give a parameter other memory of any size, dtype or layout)."""
+        can give a parameter other memory of any size, dtype or layout). Returns a view of each
+        parameter's memory (``p.data``, half the cost of ``p.detach()``), the memory checked:
+        a step hands the core these views' addresses and holds them until the core returns, so
+        that another thread giving a parameter other memory (``p.data = ...``), before the
+        check's end or while the core runs without the GIL, changes neither what was checked
+        nor what the core writes."""
         current = [p for g in self.param_groups for p in g["params"]]
         if len(current) != len(self._params) or any(a is not b for a, b in zip(current, self._params)):
             raise ValueError("param_groups no longer hold the parameters this optimizer was made for (one was "
                              "added, removed or replaced); make a new optimizer")
+        views = [p.data for p in self._params]
         f32 = torch.float32  # dtypes are singletons; is_cpu and `is` keep this loop at about 0.2 us a parameter
-        for i, (p, n) in enumerate(zip(self._params, self._numels)):
+        for i, (p, n) in enumerate(zip(views, self._numels)):
             if not p.is_cpu or p.dtype is not f32 or not p.is_contiguous() or p.numel() != n:
                 raise ValueError(f"parameter {i} is now {p.numel()} elements of {p.dtype} on {p.device}"
                                  f"{'' if p.is_contiguous() else ' (non-contiguous)'}; this optimizer was made for "
                                  f"{n} contiguous float32 elements on the CPU: make a new optimizer")
+        return views
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------
     def _hyper(self, group) -> dict:
@@ -121,7 +128,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_params()
+        held = self._check_params()
         grads, keep, hyper = [], [], []
         for group in self.param_groups:
             h = self._hyper(group)
@@ -132,17 +139,14 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("sparse gradients are not supported")
-                if p.grad.numel() != p.numel():
+                n = self._numels[len(grads)]  # as checked, whatever p.data is now
+                if p.grad.numel() != n:
                     raise ValueError(f"parameter {len(grads)}: its gradient holds {p.grad.numel()} elements, "
-                                     f"the parameter {p.numel()}")
+                                     f"the parameter {n}")
                 g = p.grad if p.grad.is_contiguous() and p.grad.dtype == torch.float32 else \
                     p.grad.to(torch.float32).contiguous()
                 keep.append(g)
                 grads.append(g.data_ptr())
-        # The core runs without the GIL: views (``p.data``, half the cost of ``p.detach()``) keep
-        # each parameter's memory alive even if another thread gives the parameter other memory
-        # (``p.data = ...``) meanwhile.
-        held = [p.data for p in self._params]
         stats = self._core.step([p.data_ptr() for p in held], grads, hyper)
         self.last_stats = stats
         self.totals["steps"] += 1

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -802,6 +803,47 @@ def test_a_parameter_given_other_memory_during_a_step_stays_alive_until_the_core
     assert torch.equal(p.detach(), torch.zeros(1 << 20))  # the new memory, untouched by the step
     assert all(torch.equal(t, torch.full((1 << 20,), 7.0)) for t in opt._core.sentinels)
     assert opt.totals["steps"] == 1
+
+
+def test_the_memory_a_step_checks_is_the_memory_the_core_writes(tmp_path):
+    # Another thread keeps swapping a parameter's memory between the right size and twice it
+    # while steps run, thread switches made as frequent as the interpreter allows. Each step
+    # must either refuse the wrong memory or update the right one: had it checked one tensor
+    # and handed the core another, the core would write into the wrong one's first half.
+    n = 1 << 12
+    p = torch.nn.Parameter(torch.ones(n))
+    right, wrong = p.data, torch.full((2 * n,), 7.0)
+    opt = OffloadedAdamW([p], swap_dirs=[str(tmp_path)], pinned_budget=BUDGET, group_bytes=16 << 10)
+    p.grad = torch.ones(n)
+    stop = threading.Event()
+
+    def swap():
+        while not stop.is_set():  # each assignment followed by a switch point
+            p.data = wrong
+            time.sleep(0)
+            p.data = right
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=swap)
+    thread.start()
+    refused = done = 0
+    try:
+        for _ in range(3000):
+            try:
+                opt.step()
+                done += 1
+            except ValueError as e:
+                assert "parameter 0 is now 8192 elements" in str(e)
+                refused += 1
+            assert torch.equal(wrong, torch.full((2 * n,), 7.0))
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert done > 0 and refused > 0, (done, refused)  # both paths were taken
+    assert opt._core.steps == [done]
 
 
 def test_steps_from_two_threads_equal_as_many_steps_in_one(tmp_path):
