@@ -985,6 +985,8 @@ def savings(source, alignment: int = 64, time_limit: float = 5.0) -> str:
     for name, value in rows:
         if value is None:
             continue
-        text += f"  {name:<22} {value / mib:10.2f} MiB  {value / lb if lb else float('nan'):7.3f} x LB\n"
+        # No bytes needed and none used is the bound met, as plan reports it.
+        ratio = value / lb if lb else (1.0 if value == 0 else math.inf)
+        text += f"  {name:<22} {value / mib:10.2f} MiB  {ratio:7.3f} x LB\n"
     print(text, end="")
     return text

@@ -786,6 +786,16 @@ def test_capture_matches_the_traced_plan_of_a_model():
     assert "eager PyTorch peak" in text
 
 
+def test_savings_of_a_capture_without_tensors_is_the_bound_met():
+    hook_or_skip()
+    from tensormem.torch import capture, savings
+    _, cap = capture(lambda: None)
+    assert cap.size == [] and cap.peak == 0
+    text = savings(cap, alignment=64, time_limit=0.1)
+    assert text.startswith("0 buffers") and "nan" not in text
+    assert text.count("1.000 x LB") == 5, text
+
+
 def test_capture_inside_a_capture_is_refused():
     hook_or_skip()
     from tensormem.torch import capture
