@@ -15,7 +15,8 @@ side of not losing data:
   (ENOSPC, EIO, a file that shrank). DeepSpeed prints and returns -1, or loses the error.
 - Any CPU tensor works directly (O_DIRECT when its address, offset and size are multiples
   of 4096, the page cache otherwise); other tensors (CUDA, non-contiguous) go through a
-  bounce copy, written back by ``wait()`` for reads.
+  bounce copy, written back by ``wait()`` for reads that succeeded (a failed read leaves
+  its tensor as it was).
 - ``intra_op_parallelism`` is the number of io_uring rings, each driven by its own thread;
   an operation's ``block_size`` requests are dealt out to them in turn (DeepSpeed splits it
   in equal parts, which must divide evenly; here any size works). ``single_submit`` and
@@ -236,19 +237,23 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         nbytes = staged.numel() * staged.element_size()
         path = os.fspath(filename)
         if read:
-            io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
+            ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
         else:
-            io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
-        return staged, destination
+            ticket = io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
+        return ticket, staged, destination
 
     @staticmethod
-    def _finish(io, staged_list) -> int:
+    def _finish(io, queued) -> int:
+        """Waits for every queued operation; copies each staged read that succeeded back
+        into its tensor. A failed read's tensor is left as it was: its staging copy holds no
+        file data."""
         completed, errors = io.wait()
-        for staged, destination in staged_list:
-            if destination is not None:
+        failed = {ticket for _, _, _, ticket in errors}
+        for ticket, staged, destination in queued:
+            if destination is not None and ticket not in failed:
                 destination.copy_(staged)
         if errors:
-            raise AIOError(errors, completed)
+            raise AIOError([(path, err, message) for path, err, message, _ in errors], completed)
         return completed
 
     def _sync(self, read: bool, buffer, filename, validate, file_offset) -> int:
@@ -269,8 +274,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
 
     def _parallel(self, read: bool, buffer, filename, validate, is_async: bool, file_offset: int) -> int:
         with self._lock:
-            staged, destination = self._queue(self._io, read, buffer, filename, validate, file_offset)
-            self._keep.append((staged, destination))
+            self._keep.append(self._queue(self._io, read, buffer, filename, validate, file_offset))
         return 0 if is_async else self.wait()
 
     def pread(self, buffer: torch.Tensor, filename: str, validate: bool, *args, **kwargs) -> int:

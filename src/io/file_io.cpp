@@ -229,7 +229,7 @@ async_file_io::wait_result async_file_io::wait() {
   for (auto& [id, o] : finished) {
     ++result.completed;
     check_validation(o);
-    if (o.error != 0) result.errors.push_back({o.path, o.error, o.message});
+    if (o.error != 0) result.errors.push_back({o.path, o.error, o.message, id});
   }
   return result;
 }
@@ -252,7 +252,7 @@ file_io_error async_file_io::wait_for(std::uint64_t ticket) {
   ops_.erase(it);
   lock.unlock();
   check_validation(o);
-  return o.error != 0 ? file_io_error{o.path, o.error, o.message} : file_io_error{};
+  return o.error != 0 ? file_io_error{o.path, o.error, o.message, ticket} : file_io_error{};
 }
 
 // Reads a finished, validated operation's range back through the page cache and compares.

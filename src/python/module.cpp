@@ -837,13 +837,13 @@ PYBIND11_MODULE(_tensormem, m) {
       .def("read", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const std::string& path,
                       u64 offset, bool validate) {
              py::gil_scoped_release release;
-             io.read(reinterpret_cast<void*>(address), bytes, path, offset, validate);
-           }, py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
+             return io.read(reinterpret_cast<void*>(address), bytes, path, offset, validate);
+           }, "Queues a read; returns its ticket (named by a failure that wait() reports).", py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
       .def("write", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const std::string& path,
                        u64 offset, bool validate) {
              py::gil_scoped_release release;
-             io.write(reinterpret_cast<const void*>(address), bytes, path, offset, validate);
-           }, py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
+             return io.write(reinterpret_cast<const void*>(address), bytes, path, offset, validate);
+           }, "Queues a write; returns its ticket.", py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
       .def("wait", [](io::async_file_io& io) {
              io::async_file_io::wait_result r;
              {
@@ -851,9 +851,9 @@ PYBIND11_MODULE(_tensormem, m) {
                r = io.wait();
              }
              py::list errors;
-             for (const io::file_io_error& e : r.errors) errors.append(py::make_tuple(e.path, e.error, e.message));
+             for (const io::file_io_error& e : r.errors) errors.append(py::make_tuple(e.path, e.error, e.message, e.ticket));
              return py::make_tuple(r.completed, errors);
-           }, "Waits for every queued operation: (completed, [(path, errno, message) per failure]).")
+           }, "Waits for every queued operation: (completed, [(path, errno, message, ticket) per failure]).")
       .def("pending", &io::async_file_io::pending)
       .def("stats", [](const io::async_file_io& io) {
         const io::file_io_stats st = io.stats();

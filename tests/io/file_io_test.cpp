@@ -252,10 +252,11 @@ TEST(file_io, a_short_read_fails_its_operation_alone) {
   o.make_engine = [&](unsigned qd) { return std::make_unique<truncating_engine>(make_thread_engine(qd, 2), path); };
   async_file_io io(o);
   aligned_buffer b(16384);
-  io.read(b.data, 16384, path, 0);
+  const std::uint64_t ticket = io.read(b.data, 16384, path, 0);
   const auto r = io.wait();
   ASSERT_EQ(r.completed, 1U);
   ASSERT_EQ(r.errors.size(), 1U);
+  EXPECT_EQ(r.errors[0].ticket, ticket);  // names the operation that failed
   EXPECT_EQ(r.errors[0].error, EIO);
   EXPECT_EQ(r.errors[0].path, path);
   EXPECT_NE(r.errors[0].message.find("short read from " + path), std::string::npos) << r.errors[0].message;
@@ -292,6 +293,7 @@ TEST(file_io, wait_for_collects_one_operation) {
   const file_io_error fb = io.wait_for(bad);
   EXPECT_EQ(fb.error, EIO);
   EXPECT_EQ(fb.path, shrinks);
+  EXPECT_EQ(fb.ticket, bad);
   EXPECT_THROW(io.wait_for(bad), std::invalid_argument);
   EXPECT_THROW(io.wait_for(12345), std::invalid_argument);
   EXPECT_EQ(io.pending(), 1U);

@@ -4,6 +4,7 @@ Raw files (no header) byte for byte what a plain write gives, at any offset and 
 dtype; DeepSpeed's return conventions; failures reported per operation with path and errno;
 pinned tensors; the op builder and patch()."""
 
+import ctypes
 import errno
 import os
 import shutil
@@ -152,6 +153,50 @@ def test_non_contiguous_tensors_go_through_a_bounce(tmp_path):
     assert h.async_pread(target, path) == 0
     assert h.wait() == 1
     assert torch.equal(target, view)
+
+
+class _EngineFailingOnePath:
+    """Stands in for the handle's I/O engine: a read fills its memory with 7s, except for
+    `bad_path`, whose read writes nothing and fails at wait() (as a file that shrank
+    meanwhile does)."""
+
+    def __init__(self, bad_path):
+        self.bad_path, self.queued, self.next_ticket = bad_path, [], 1
+
+    def read(self, address, nbytes, path, offset, validate):
+        ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
+        if path != self.bad_path:
+            ctypes.memset(address, 7, nbytes)
+        self.queued.append((ticket, path))
+        return ticket
+
+    def wait(self):
+        done, self.queued = self.queued, []
+        errors = [(path, errno.EIO, f"short read from {path}", t) for t, path in done if path == self.bad_path]
+        return len(done), errors
+
+
+def test_a_failed_staged_read_leaves_its_tensor_as_it_was(tmp_path):
+    """A non-contiguous tensor is read through a staging copy; when that read fails, the
+    staging copy holds no file data and must not be copied into the tensor. The read that
+    succeeded beside it is copied back."""
+    h = ds.aio_handle()
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    h._io = _EngineFailingOnePath(bad)
+    kept = torch.arange(64 * 48, dtype=torch.float32).view(64, 48).t()  # not contiguous
+    before = kept.clone()
+    filled = torch.zeros(64, 48, dtype=torch.uint8).t()
+    assert h.async_pread(kept, bad) == 0 and h.async_pread(filled, good) == 0
+    with pytest.raises(ds.AIOError) as e:
+        h.wait()
+    assert e.value.completed == 2 and e.value.errors == [(bad, errno.EIO, f"short read from {bad}")]
+    assert torch.equal(kept, before)
+    assert torch.equal(filled, torch.full((48, 64), 7, dtype=torch.uint8))
+    # The synchronous read has the same rule.
+    h._sync_io = _EngineFailingOnePath(bad)
+    with pytest.raises(ds.AIOError):
+        h.read(kept, bad, False)
+    assert torch.equal(kept, before)
 
 
 def test_validate_passes_on_matching_bytes(tmp_path):

@@ -47,11 +47,13 @@ struct file_io_options {
   std::function<std::unique_ptr<io_engine>(unsigned queue_depth)> make_engine;
 };
 
-/// One failed operation: the file, an errno value and what happened.
+/// One failed operation: the file, an errno value, what happened, and the ticket that
+/// `read` or `write` returned for it.
 struct file_io_error {
   std::string path;
   int error = 0;
   std::string message;
+  std::uint64_t ticket = 0;
 };
 
 struct file_io_stats {
