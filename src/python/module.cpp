@@ -155,6 +155,7 @@ struct pinned_buffer {
   pinned_buffer(const pinned_buffer&) = delete;
   pinned_buffer& operator=(const pinned_buffer&) = delete;
   void free() {
+    if (!live) throw py::buffer_error("PinnedBuffer.free(): already freed");
     if (exports != 0) {
       throw py::buffer_error("PinnedBuffer.free(): " + std::to_string(exports) +
                              " view(s) of it are alive (memoryview, numpy array, DLPack tensor); "
@@ -736,10 +737,16 @@ PYBIND11_MODULE(_tensormem, m) {
            }, py::arg("stream") = py::none())
       .def("__dlpack_device__", [](const pinned_buffer&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
       .def("free", &pinned_buffer::free,
-           "Returns the memory to the pool now; BufferError while views of it are alive.")
+           "Returns the memory to the pool now; BufferError while views of it are alive, or when "
+           "already freed.")
       .def_property_readonly("exports", [](const pinned_buffer& b) { return b.exports; })
-      .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.bytes; })
-      .def_property_readonly("address", [](const pinned_buffer& b) { return reinterpret_cast<std::uintptr_t>(b.data); });
+      .def_property_readonly("freed", [](const pinned_buffer& b) { return !b.live; })
+      .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.live ? b.bytes : std::size_t{0}; },
+                             "Bytes of the buffer; 0 once freed.")
+      .def_property_readonly("address", [](const pinned_buffer& b) {
+             if (!b.live) throw py::buffer_error("PinnedBuffer was freed: it has no address");
+             return reinterpret_cast<std::uintptr_t>(b.data);
+           }, "Address of the first byte; BufferError once freed (the pool may have handed it out again).");
 
   m.attr("PYBIND11_VERSION") = python::pybind11_version();  // the pybind11 this module was built with
   m.def("numpy_abi_problem", &python::numpy_abi_problem,

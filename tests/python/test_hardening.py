@@ -200,7 +200,13 @@ def test_memory_a_swap_in_writes_is_in_no_other_unwaited_transfer(tmp_path):
 def test_freed_pinned_buffer_raises_instead_of_aborting():
     pool = tensormem.PinnedPool(slab_bytes=1 << 20)
     buf = pool.allocate(4096)
+    assert buf.nbytes == 4096 and not buf.freed
     buf.free()
+    assert buf.freed and buf.nbytes == 0
+    with pytest.raises(BufferError, match="already freed"):
+        buf.free()  # a double free is refused, and gives back nothing the pool handed out again
+    with pytest.raises(BufferError, match="no address"):
+        buf.address
     with pytest.raises(BufferError):
         np.frombuffer(buf, dtype=np.uint8)
     with pytest.raises(BufferError):
