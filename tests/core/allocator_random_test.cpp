@@ -219,24 +219,35 @@ TEST(allocator_random, tlsf_is_consistent_fixed_capacity) {
 }
 
 /// tlsf_allocator's documented policy written plainly (alignment 1: a unit is a byte): one
-/// list per size class, a block joining a list first if its offset is below the front's,
-/// else second. A request takes the front of its own class (rounded down) if that holds it,
-/// else the front of the first non-empty class at or above its class rounded up; then a free
-/// tail; then growth. Classes come from the allocator's own size_class_floor/ceil (tested
-/// against a model in contract_test).
+/// list per size below exact_units and one LIFO list per size class above (front = most
+/// recently freed). A block joining an exact list goes first if its offset is below the
+/// front's, else second. A request below exact_units takes the front of the smallest listed
+/// size that holds it, else a block of the first non-empty class; a larger one scans the
+/// first `scan_limit` blocks of its own class, then of the first non-empty class at or above
+/// its rounded-up class; then a free tail, then growth. Classes come from the allocator's own
+/// size_class_floor/ceil (tested against a model in contract_test).
 class naive_tlsf {
  public:
   explicit naive_tlsf(const tlsf_allocator& classes) : classes_(classes) {}
 
   std::uint64_t allocate(std::uint64_t need) {
     std::optional<std::uint64_t> pick;
-    const unsigned down = classes_.size_class_floor(need);
-    const unsigned up = classes_.size_class_ceil(need);
-    if (down != up && lists_.contains(down) && blocks_.at(lists_.at(down).front()).bytes >= need) {
-      pick = lists_.at(down).front();
-      ++own_class_fronts;
-    } else if (const auto it = lists_.lower_bound(up); it != lists_.end()) {
-      pick = it->second.front();
+    if (need < tlsf_allocator::exact_units) {
+      if (const auto it = exact_.lower_bound(need); it != exact_.end()) {
+        pick = it->second.front();
+      } else if (const auto c = lists_.lower_bound(classes_.size_class_floor(tlsf_allocator::exact_units));
+                 c != lists_.end()) {
+        pick = best_in(c->first, need);
+        ++small_from_classes;
+      }
+    } else {
+      const unsigned down = classes_.size_class_floor(need);
+      const unsigned up = classes_.size_class_ceil(need);
+      if (down != up && lists_.contains(down)) pick = best_in(down, need);
+      if (!pick) {
+        const auto it = lists_.lower_bound(up);
+        if (it != lists_.end()) pick = best_in(it->first, need);
+      }
     }
     if (!pick && !blocks_.empty()) {
       const auto& [offset, b] = *blocks_.rbegin();
@@ -298,30 +309,50 @@ class naive_tlsf {
     std::uint64_t bytes;
     bool free;
   };
+  std::optional<std::uint64_t> best_in(unsigned cls, std::uint64_t need) const {
+    std::optional<std::uint64_t> best;
+    unsigned steps = 0;
+    for (const std::uint64_t offset : lists_.at(cls)) {
+      if (steps++ == tlsf_allocator::scan_limit) break;
+      const std::uint64_t bytes = blocks_.at(offset).bytes;
+      if (bytes < need) continue;
+      if (!best || bytes < blocks_.at(*best).bytes || (bytes == blocks_.at(*best).bytes && offset < *best)) best = offset;
+    }
+    return best;
+  }
   void list(std::uint64_t offset) {
-    auto& l = lists_[classes_.size_class_floor(blocks_.at(offset).bytes)];
-    l.insert(l.empty() || offset < l.front() ? l.begin() : l.begin() + 1, offset);
+    const std::uint64_t bytes = blocks_.at(offset).bytes;
+    if (bytes < tlsf_allocator::exact_units) {
+      auto& l = exact_[bytes];
+      l.insert(l.empty() || offset < l.front() ? l.begin() : l.begin() + 1, offset);
+    } else lists_[classes_.size_class_floor(bytes)].push_front(offset);
+  }
+  template <class Lists, class Key>
+  static void unlist_from(Lists& lists, Key key, std::uint64_t offset) {
+    auto& l = lists.at(key);
+    l.erase(std::find(l.begin(), l.end(), offset));
+    if (l.empty()) lists.erase(key);
   }
   void unlist(std::uint64_t offset) {
-    const unsigned cls = classes_.size_class_floor(blocks_.at(offset).bytes);
-    auto& l = lists_.at(cls);
-    l.erase(std::find(l.begin(), l.end(), offset));
-    if (l.empty()) lists_.erase(cls);
+    const std::uint64_t bytes = blocks_.at(offset).bytes;
+    if (bytes < tlsf_allocator::exact_units) unlist_from(exact_, bytes, offset);
+    else unlist_from(lists_, classes_.size_class_floor(bytes), offset);
   }
 
   const tlsf_allocator& classes_;
   std::uint64_t peak_ = 0;
-  std::map<std::uint64_t, block> blocks_;                // offset -> block, below the peak
-  std::map<unsigned, std::deque<std::uint64_t>> lists_;  // non-empty classes only
+  std::map<std::uint64_t, block> blocks_;                     // offset -> block, below the peak
+  std::map<std::uint64_t, std::deque<std::uint64_t>> exact_;  // non-empty exact sizes only
+  std::map<unsigned, std::deque<std::uint64_t>> lists_;       // non-empty classes only
 
  public:
-  std::uint64_t own_class_fronts = 0;  // requests served by the front of their own class
+  std::uint64_t small_from_classes = 0;  // small requests served by a class block
 };
 
 // Step by step, tlsf_allocator places every block where the plain model of its policy does.
-// Sizes come in a few narrow bands, exact ones (below exact_units) and classes of 4 and 256
-// bytes, so that lists hold many blocks, requests meet fronts of their own class that are too
-// small, and merges move blocks between classes.
+// Sizes come in a few narrow bands, below and above exact_units, so that lists grow past the
+// scan limits and blocks move in and out of each list's scanned window; small requests are
+// sometimes served by blocks of the classes.
 TEST(allocator_random, tlsf_matches_a_plain_model_of_its_policy) {
   const std::uint64_t seed = env_or("TENSORMEM_SEED", default_seed) + 6;
   SCOPED_TRACE("seed " + std::to_string(seed) + " (set TENSORMEM_SEED to replay)");
@@ -332,8 +363,7 @@ TEST(allocator_random, tlsf_matches_a_plain_model_of_its_policy) {
   const std::uint64_t ops = env_or("TENSORMEM_RANDOM_OPS", default_ops) / 10;
   for (std::uint64_t step = 0; step < ops; ++step) {
     if (live.empty() || (live.size() < 2000 && rng() % 100 < 52)) {
-      constexpr std::uint64_t bands[] = {64, 1024, 65536};
-      const std::uint64_t band = bands[rng() % 3] << (rng() % 2);
+      const std::uint64_t band = (rng() % 2 == 0 ? std::uint64_t{64} : tlsf_allocator::exact_units) << (rng() % 2);
       const std::uint64_t bytes = band + rng() % (band / 8);
       const allocation got = *a.allocate(bytes);
       ASSERT_EQ(got.offset, model.allocate(bytes)) << "step " << step << " bytes " << bytes;
@@ -351,7 +381,7 @@ TEST(allocator_random, tlsf_matches_a_plain_model_of_its_policy) {
     }
   }
   EXPECT_EQ(a.check_invariants(), "");
-  EXPECT_GT(model.own_class_fronts, 0U) << "no request was served by the front of its own class";
+  EXPECT_GT(model.small_from_classes, 0U) << "no small request was served by a class block";
 }
 
 // allocate_at against an interval map: it succeeds exactly when the aligned range fits the

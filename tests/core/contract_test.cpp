@@ -86,32 +86,20 @@ TEST(foreign_handles, message_names_the_cause) {
 
 // ---------------------------------------------------------------- size classes
 
-// Independent model of the classes: below 512 units one class per unit count, above that
-// 256 classes per power of two. class_min(c) is the least unit count of class c.
+// Independent model of the classes: below 16 units one class per unit count, above that
+// 16 classes per power of two. class_min(c) is the least unit count of class c.
 std::uint64_t class_min(unsigned c) {
-  if (c < 512) return c;
-  const unsigned exponent = c / 256 - 1;
-  return (std::uint64_t{256} + c % 256) << exponent;
-}
-// The largest class whose least unit count is at most u (class_min increases with c).
-unsigned floor_model(std::uint64_t u) {
-  unsigned low = 0;
-  unsigned high = tlsf_allocator::class_count - 1;
-  while (low < high) {
-    const unsigned mid = (low + high + 1) / 2;
-    if (class_min(mid) <= u) low = mid;
-    else high = mid - 1;
-  }
-  return low;
+  if (c < 16) return c;
+  const unsigned exponent = c / 16 - 1;
+  return (std::uint64_t{16} + c % 16) << exponent;
 }
 
 TEST(tlsf_size_classes, floor_and_ceil_match_the_model_at_every_class_edge) {
-  EXPECT_EQ(class_min(tlsf_allocator::class_count - 1), std::uint64_t{511} << 55);  // the last class holds 2^64 - 1
   for (const std::uint64_t alignment : {std::uint64_t{1}, std::uint64_t{256}}) {
     const tlsf_allocator a(growing, alignment);
     const unsigned shift = static_cast<unsigned>(std::countr_zero(alignment));
     std::vector<std::uint64_t> units;
-    for (unsigned c = 0; c < tlsf_allocator::class_count && class_min(c) < (max64 >> shift); ++c) {
+    for (unsigned c = 0; class_min(c) < (max64 >> shift) && c < 64 * 16; ++c) {
       const std::uint64_t edge = class_min(c);
       for (std::uint64_t d = 0; d < 3; ++d) {
         if (edge >= d) units.push_back(edge - d);
@@ -123,7 +111,8 @@ TEST(tlsf_size_classes, floor_and_ceil_match_the_model_at_every_class_edge) {
       const std::uint64_t bytes = u << shift;
       // Reference: floor = largest class whose minimum is <= u; ceil = smallest class whose
       // minimum is >= u.
-      const unsigned floor_ref = floor_model(u);
+      unsigned floor_ref = 0;
+      while (class_min(floor_ref + 1) <= u && floor_ref + 1 < 61 * 16) ++floor_ref;
       const unsigned ceil_ref = class_min(floor_ref) == u ? floor_ref : floor_ref + 1;
       ASSERT_EQ(a.size_class_floor(bytes), floor_ref) << "units " << u << " alignment " << alignment;
       ASSERT_EQ(a.size_class_ceil(bytes), ceil_ref) << "units " << u << " alignment " << alignment;
@@ -144,13 +133,13 @@ TEST(tlsf_size_classes, every_unit_count_up_to_65536_matches_the_model) {
 // ---------------------------------------------------------------- waste bound
 
 // The header's bound: when the O(1) allocator grows the arena (or fails) for a request of
-// `need` bytes, no free hole below the high-water mark holds need + need/256 bytes or more
-// (need/256 bounds the width of need's class; below 512 units classes are exact and no hole
-// of need bytes may be skipped), and a free block at the end of the arena is smaller than need.
+// `need` bytes, no free hole below the high-water mark holds need + need/16 bytes or more
+// (need/16 is the width of need's class; below 16 units classes are exact and no hole of
+// need bytes may be skipped), and a free block at the end of the arena is smaller than need.
 void check_waste_bound(const tlsf_allocator& a, std::uint64_t need, std::uint64_t old_peak,
                        std::uint64_t step) {
   const std::uint64_t units = need / a.alignment();
-  const std::uint64_t slack = units >= tlsf_allocator::exact_units ? (units >> 8) * a.alignment() : 0;
+  const std::uint64_t slack = units >= 16 ? (units >> 4) * a.alignment() : 0;
   a.for_each_block([&](std::uint64_t offset, std::uint64_t bytes, bool is_free) {
     if (!is_free) return;
     if (offset + bytes == old_peak) {
@@ -202,9 +191,8 @@ void run_waste_bound(std::uint64_t capacity, std::uint64_t alignment, std::uint6
 }
 
 TEST(tlsf_waste_bound, holds_at_every_growth_with_long_lists) {
-  // Sizes within a few classes of 4 units each make lists of many blocks, most of them
-  // behind a front too small for the request.
-  run_waste_bound(growing, 256, 1024 * 256, 1040 * 256, 7, scaled_ops(200'000));
+  // Sizes within a few classes make lists longer than the scan limit.
+  run_waste_bound(growing, 256, 64 * 256, 80 * 256, 7, scaled_ops(200'000));
 }
 
 TEST(tlsf_waste_bound, holds_at_every_growth_and_failure_fixed_capacity) {
@@ -215,22 +203,23 @@ TEST(tlsf_waste_bound, holds_for_small_exact_classes) {
   run_waste_bound(1 << 14, 16, 1, 15 * 16, 9, scaled_ops(100'000));
 }
 
-// A free tail in the request's own class, listed behind smaller blocks of that class, is the
-// only fit: it must be taken (not skipped, and not "extended" by a negative amount).
-TEST(tlsf_waste_bound, a_free_tail_behind_the_front_of_its_list_is_taken) {
+// A free tail in the request's own class, listed behind more than scan_limit smaller blocks
+// of that class, is the only fit: it must be taken (not skipped, and not "extended" by a
+// negative amount).
+TEST(tlsf_waste_bound, a_free_tail_behind_the_scan_limit_is_taken) {
   for (const std::uint64_t capacity : {growing, std::uint64_t{1} << 20}) {
     tlsf_allocator a(capacity, 1);
     std::vector<allocation> holes;
     for (int i = 0; i < 12; ++i) {
-      holes.push_back(*a.allocate(1024));
+      holes.push_back(*a.allocate(100));
       (void)a.allocate(1);  // keeps the holes apart
     }
-    const allocation tail = *a.allocate(1027);
-    ASSERT_EQ(a.size_class_floor(1024), a.size_class_floor(1027));
-    a.deallocate(tail);
-    for (const allocation& h : holes) a.deallocate(h);  // lower offsets: listed before the tail
+    const allocation tail = *a.allocate(103);
+    ASSERT_EQ(a.size_class_floor(100), a.size_class_floor(103));
+    a.deallocate(tail);  // listed first ...
+    for (const allocation& h : holes) a.deallocate(h);  // ... then pushed behind 12 others
     const std::uint64_t peak = a.peak();
-    const auto got = a.allocate(1026);
+    const auto got = a.allocate(102);
     ASSERT_TRUE(got.has_value());
     EXPECT_EQ(got->offset, tail.offset);
     EXPECT_EQ(a.peak(), peak);

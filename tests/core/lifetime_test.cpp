@@ -114,10 +114,10 @@ INSTANTIATE_TEST_SUITE_P(public_traces, trace_conformance,
                            return n.substr(0, n.find('.'));
                          });
 
-// tlsf_allocator places every public trace with best fit's high-water mark, though it takes
-// the first block of a list (lower offset first among the two most recent) where best fit
-// takes the smallest block, lowest offset first; the order of the lists matters: purely
-// newest-first lists give other high-water marks on minimalloc A and D.
+// tlsf_allocator places every public trace with best fit's high-water mark. Its exact lists
+// take the size best fit takes; among blocks of equal size its choice differs from best
+// fit's (lowest offset of all), and that choice matters: newest-first lists, for one, give
+// other high-water marks on minimalloc A and D.
 TEST(public_traces, tlsf_high_water_equals_best_fit_on_every_trace) {
   for (const char* file : {"minimalloc_A.csv", "minimalloc_B.csv", "minimalloc_C.csv", "minimalloc_D.csv",
                            "minimalloc_E.csv", "minimalloc_F.csv", "somas_resnet50.csv", "iopddl_G_1.csv",

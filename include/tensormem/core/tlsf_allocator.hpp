@@ -2,7 +2,6 @@
 // O(1) online offset allocator of the TLSF / "small float bins" family, on 64-bit offsets.
 
 #include <array>
-#include <bit>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -18,39 +17,46 @@ namespace tensormem::core {
 /// S. Aaltonen's OffsetAllocator). Same interface and growing/fixed modes as
 /// best_fit_allocator.
 ///
-/// Algorithm. Sizes are counted in units of `alignment`. Free blocks sit in segregated lists,
-/// one per size class: every unit count below 2^(mantissa_bits + 1) = 512 is a class of its
-/// own (exact sizes), and above that each power of two is cut into 2^mantissa_bits = 256
-/// classes (a class spans 1/256 of its power of two, 0.39 %). 14,592 classes cover every
-/// 64-bit size; a three-level bitmap (64-bit words, 228 + 4 + 1) says which lists are
-/// non-empty. Lists are doubly linked, and a block joining a list goes first if its offset is
-/// below the first block's, else second. To allocate u units:
-///  1. If u is not the smallest size of its class (rounded down), and that class's first
-///     block holds u units, take it.
-///  2. Otherwise find the first non-empty list at or above u's class rounded up (at most three
-///     find-first-set operations), and take its first block: every block there fits.
-///  3. Otherwise take a free block that ends at the high-water mark if it is large enough,
+/// Algorithm. Sizes are counted in units of `alignment`. Unit counts below `exact_units`
+/// (2^16: 16 MiB at the default alignment of 256, 64 KiB at 1) have a free list each, and a
+/// three-level bitmap (64-bit words, 1,024 + 16 + 1) says which are non-empty. Larger unit
+/// counts have size classes with `mantissa_bits` bits of mantissa (a class per 1/16 of a
+/// power of two), one list each, and a 64-bit top bitmap and one bitmap per power of two.
+/// Lists are doubly linked. A class list is newest first; a block joining an exact list goes
+/// first if its offset is below the first block's, else second. To allocate u units:
+///  1. Below exact_units: find the smallest non-empty exact list of at least u units (at
+///     most three find-first-set operations) and take its first block: the size exact best
+///     fit would take. If none, take from the first non-empty class (every block there fits)
+///     as in step 3.
+///  2. Otherwise look in u's own class (rounded down): among its first `scan_limit` blocks,
+///     take the smallest that fits (lowest offset among equals). Any fit there beats every
+///     block of a higher class.
+///  3. Otherwise round the class up, find the first non-empty list at or above it with two
+///     find-first-set operations (every block there fits), and take the smallest of its
+///     first `scan_limit` blocks.
+///  4. Otherwise take a free block that ends at the high-water mark if it is large enough,
 ///     or grow the arena at its end, extending such a block, exactly as best_fit_allocator
 ///     does.
-/// No list is searched. The remainder of a split block goes back to its list. Block metadata
-/// lives in a node pool outside the managed range; nodes link to their address neighbours, so
-/// freeing merges with both sides in O(1). An allocation handle carries its node index, so
-/// `deallocate` never searches; `free(offset, bytes)` finds the node through a hash map of
-/// live offsets, built by its first call (one walk of the blocks) and kept from then on, so
-/// that callers who only use handles never pay for it.
+/// The remainder of a split block goes back to its list. Block metadata lives in a node pool
+/// outside the managed range; nodes link to their address neighbours, so freeing merges with
+/// both sides in O(1). An allocation handle carries its node index, so `deallocate` never
+/// searches; `free(offset, bytes)` finds the node through a hash map of live offsets, built
+/// by its first call (one walk of the blocks) and kept from then on, so that callers who
+/// only use handles never pay for it.
 ///
-/// Complexity: O(1) per operation (amortized O(1) for metadata growth). Memory: 57 KiB of list
-/// heads and 1.8 KiB of bitmap (fewer heads where the capacity holds fewer units), plus the node
-/// pool: 32 bytes a block, one cache line holding two nodes. A handle's generation is unique to
-/// its allocation (a counter of allocations, 32 bits).
+/// Complexity: O(1) per operation (at most 2 * scan_limit list steps, amortized O(1) for
+/// metadata growth). Memory: the exact lists' heads and bitmap, 4 bytes and 1 bit per unit
+/// count below exact_units, capped by the capacity in units (264 KiB in growing mode), plus
+/// the node pool: 32 bytes a block, one cache line holding two nodes. A handle's generation
+/// is unique to its allocation (a counter of allocations, 32 bits).
 /// Waste bound: no internal waste beyond rounding to `alignment` (blocks are split exactly).
-/// When the smallest free block that fits holds fewer than 512 units, a block of that size is
-/// taken, as in exact best fit. Above, the policy differs from exact best fit in two ways, which bound the
-/// fragmentation it can add: a free block of the request's own class that is not the first of
-/// its list is skipped, so a request of r bytes may grow the arena while a hole of fewer than
-/// r * (1 + 2^-mantissa_bits) bytes is free; and the block taken may be up to 2^-mantissa_bits
-/// (0.39 %) larger than the best fit of its class. On the nine public traces this policy
-/// reaches exact best fit's high-water marks (docs/BENCHMARKS.md).
+/// Below exact_units the size taken is exact best fit's (among equal sizes, the first listed,
+/// where best fit takes the lowest offset of all). Above it, the
+/// policy differs from exact best fit in two ways, which bound the fragmentation it can
+/// add: a free block whose size lies within the request's own class but beyond the first
+/// `scan_limit` entries of that list is skipped, so a request of r bytes may grow the arena
+/// while a hole of fewer than r * (1 + 2^-mantissa_bits) bytes is free; and inside a class
+/// the chosen block may be up to 2^-mantissa_bits (6.25 %) larger than the best fit.
 /// Exception safety: `allocate` either succeeds or changes nothing (node and map capacity is
 /// reserved before any list changes); deallocation never allocates. A handle made by another
 /// allocator is refused (`free_status::foreign_handle`), changing nothing.
@@ -83,11 +89,10 @@ static_assert(sizeof(tlsf_node) == 32);
 
 class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, detail::tlsf_node> {
  public:
-  static constexpr unsigned mantissa_bits = 8;
-  /// Unit counts below this are size classes of their own (exact sizes).
-  static constexpr std::uint32_t exact_units = 2U << mantissa_bits;
-  /// Size classes: all of 64-bit sizes.
-  static constexpr std::uint32_t class_count = (65U - mantissa_bits) << mantissa_bits;
+  static constexpr unsigned mantissa_bits = 4;
+  static constexpr unsigned scan_limit = 8;
+  /// Unit counts below this have a list each (exact sizes).
+  static constexpr std::uint32_t exact_units = 1U << 16;
 
   explicit tlsf_allocator(std::uint64_t capacity = growing, std::uint64_t alignment = 256);
 
@@ -109,41 +114,49 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   allocator_stats stats() const;
   std::string check_invariants() const;
 
-  /// The size class of an aligned byte count, rounded down (the list where a free block of
-  /// that size waits) and up (the first class whose every block holds that many bytes).
-  unsigned size_class_floor(std::uint64_t bytes) const noexcept { return class_of_units(bytes >> unit_shift_); }
-  unsigned size_class_ceil(std::uint64_t bytes) const noexcept;
+  /// The size class of an aligned byte count, rounded down (where a free block of that size
+  /// is listed, if it holds exact_units units or more) and up (the first class whose every
+  /// block holds that many bytes).
+  unsigned size_class_floor(std::uint64_t bytes) const noexcept { return floor_class(bytes); }
+  unsigned size_class_ceil(std::uint64_t bytes) const noexcept { return ceil_class(bytes); }
 
  private:
   friend class detail::block_chain_allocator<tlsf_allocator, detail::tlsf_node>;
+  static constexpr unsigned leaf_bins = 1U << mantissa_bits;
+  static constexpr unsigned bin_count = (65U - mantissa_bits) * leaf_bins;
   using node = detail::tlsf_node;
 
-  static constexpr std::uint32_t class_words = class_count / 64;
-  static constexpr std::uint32_t mid_words = (class_words + 63U) / 64U;
-  // Class of a unit count, rounded down: the count itself below exact_units; above, 2^M
-  // classes for each power of two past 2^M, plus the count's top M + 1 bits.
-  static unsigned class_of_units(std::uint64_t units) noexcept {
-    const auto width = static_cast<unsigned>(std::bit_width(units));
-    const unsigned shift = width > mantissa_bits + 1U ? width - mantissa_bits - 1U : 0U;
-    return (shift << mantissa_bits) + static_cast<unsigned>(units >> shift);
-  }
-  std::uint32_t list_at_or_above(std::uint32_t cls) const noexcept;
-  void drop_empty_word(std::uint32_t cls) noexcept;
-  std::uint32_t pop_head(std::uint32_t cls) noexcept;
+  static constexpr std::uint32_t exact_words = exact_units / 64;
+  std::uint32_t exact_at_or_above(std::uint64_t units) const noexcept;
+  void drop_empty_word(std::uint32_t units) noexcept;
+  std::uint32_t pop_exact(std::uint32_t units) noexcept;
+  void push_front(std::uint32_t& head, std::uint32_t n) noexcept;
   bool unlink(std::uint32_t& head, std::uint32_t n) noexcept;
-  void list_insert(std::uint32_t n, std::uint64_t bytes) noexcept;  // n holds `bytes`
-  void list_remove(std::uint32_t n) noexcept;
+  void bin_insert(std::uint32_t n, std::uint64_t bytes) noexcept;  // n holds `bytes`
+  void bin_remove(std::uint32_t n) noexcept;
+  std::uint32_t first_bin_at_or_above(unsigned cls) const noexcept;
+  std::uint32_t best_in_bin(unsigned cls, std::uint64_t need) noexcept;
   void split(std::uint32_t n, std::uint64_t need, std::uint64_t rest) noexcept;
   void release(std::uint32_t n) noexcept;
+  static unsigned class_of_units(std::uint64_t units) noexcept;
+  unsigned floor_class(std::uint64_t bytes) const noexcept;
+  unsigned ceil_class(std::uint64_t bytes) const noexcept;
 
   unsigned unit_shift_ = 0;
-  // Lists by size class: heads (classes below class_limit_ only), and a bitmap of the
+  std::uint64_t top_bitmap_ = 0;
+  std::array<std::uint64_t, 64> leaf_bitmaps_{};
+  std::array<std::uint32_t, bin_count> bin_heads_{};
+  // Per class: list length, and an upper bound on the largest of its first scan_limit
+  // blocks (exact after each scan), so that a class that holds no fit is not scanned.
+  std::array<std::uint32_t, bin_count> bin_length_{};
+  std::array<std::uint64_t, bin_count> window_max_{};
+  // Exact lists (unit counts below exact_limit_): heads by unit count, and a bitmap of the
   // non-empty ones in three levels (a bit per list, per non-zero word, per non-zero mid word).
-  std::uint32_t class_limit_ = 0;  // class_count, or fewer where the capacity holds fewer units
-  std::vector<std::uint32_t> heads_;
-  std::array<std::uint64_t, class_words> bits_{};
-  std::array<std::uint64_t, mid_words> mid_{};
-  std::uint64_t top_ = 0;
+  std::uint32_t exact_limit_ = 0;  // exact_units, or fewer where the capacity holds fewer units
+  std::vector<std::uint32_t> exact_heads_;
+  std::vector<std::uint64_t> exact_bits_;
+  std::array<std::uint64_t, exact_words / 64> exact_mid_{};
+  std::uint64_t exact_top_ = 0;
 };
 
 }  // namespace tensormem::core
