@@ -382,16 +382,17 @@ std::vector<std::uint64_t> unsigned_elements(const py::sequence& items, const ch
   std::vector<std::uint64_t> out;
   out.reserve(items.size());
   for (const py::handle item : items) {
-    const std::string where = std::string(name) + "[" + std::to_string(out.size()) + "]";
-    const std::string shown = py::repr(item).cast<std::string>().substr(0, 40);
-    if (!PyLong_Check(item.ptr()) || PyBool_Check(item.ptr())) {
-      throw std::invalid_argument(where + " is " + shown + ", not an integer");
-    }
-    if (py::int_(0) > item) throw std::invalid_argument(where + " is " + shown + "; values must be >= 0");
+    // The message is built on the error branches only: a valid element costs no string.
+    const auto refuse = [&](const char* why) {
+      return std::invalid_argument(std::string(name) + "[" + std::to_string(out.size()) + "] is " +
+                                   py::repr(item).cast<std::string>().substr(0, 40) + why);
+    };
+    if (!PyLong_Check(item.ptr()) || PyBool_Check(item.ptr())) throw refuse(", not an integer");
+    if (py::int_(0) > item) throw refuse("; values must be >= 0");
     const unsigned long long value = PyLong_AsUnsignedLongLong(item.ptr());
     if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
       PyErr_Clear();
-      throw std::invalid_argument(where + " is " + shown + ", which does not fit in 64 bits");
+      throw refuse(", which does not fit in 64 bits");
     }
     out.push_back(static_cast<std::uint64_t>(value));
   }
