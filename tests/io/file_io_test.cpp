@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -373,6 +375,59 @@ TEST(file_io, a_full_disk_fails_the_write_with_enospc) {
            r.errors[0].path == (dir.path / "too-big").string() &&
            r.errors[0].message.find("No space left") != std::string::npos;
   }));
+}
+
+// A write past the largest file the process may make (RLIMIT_FSIZE here; a file system's own
+// limit, 16 TiB on ext4 with 4 KiB blocks, fails the same way) fails its operation alone with
+// EFBIG and the path; an existing file keeps its bytes and size, and a new file is left
+// created and empty, as documented. In a child, which lowers its limit.
+TEST(file_io, a_write_past_the_largest_file_fails_alone_and_the_file_keeps_its_bytes) {
+  scratch_dir dir;
+  const std::string kept = (dir.path / "kept").string();
+  const std::string fresh = (dir.path / "fresh").string();
+  const std::string fits = (dir.path / "fits").string();
+  const std::vector<std::byte> before = pattern(8192, 5);
+  write_plain(kept, before);
+  for (const engine_kind kind : {engine_kind::uring, engine_kind::threads}) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      std::signal(SIGXFSZ, SIG_IGN);
+      const rlimit limit{1 << 20, 1 << 20};
+      if (setrlimit(RLIMIT_FSIZE, &limit) != 0) _exit(77);
+      file_io_options o;
+      o.engine = kind;
+      o.block_bytes = 4096;
+      async_file_io io(o);
+      aligned_buffer b(8192);
+      std::memcpy(b.data, pattern(8192, 6).data(), 8192);
+      const std::uint64_t past = io.write(b.data, 8192, kept, 2 << 20);
+      const std::uint64_t past_new = io.write(b.data, 4096, fresh, 1 << 20);
+      io.write(b.data, 8192, fits, 4096);
+      const auto r = io.wait();
+      int code = 0;
+      if (r.completed != 3 || r.errors.size() != 2) code = 1;
+      for (const file_io_error& e : r.errors) {
+        const std::string& want = e.ticket == past ? kept : fresh;
+        if ((e.ticket != past && e.ticket != past_new) || e.error != EFBIG || e.path != want ||
+            e.message.find("File too large") == std::string::npos || e.message.find(want) == std::string::npos)
+          code = 2;
+      }
+      _exit(code);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFEXITED(status));
+    ASSERT_NE(WEXITSTATUS(status), 77) << "setrlimit refused";
+    EXPECT_EQ(WEXITSTATUS(status), 0) << to_string(kind);
+    EXPECT_EQ(file_bytes(kept), before) << to_string(kind);
+    EXPECT_TRUE(file_bytes(fresh).empty()) << to_string(kind);
+    std::vector<std::byte> want(4096, std::byte{0});
+    const auto written = pattern(8192, 6);
+    want.insert(want.end(), written.begin(), written.end());
+    EXPECT_EQ(file_bytes(fits), want) << to_string(kind);
+    std::filesystem::remove(fresh);
+    std::filesystem::remove(fits);
+  }
 }
 
 TEST(file_io, options_are_checked) {

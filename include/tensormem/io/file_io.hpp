@@ -73,7 +73,11 @@ struct file_io_stats {
 /// file when it is queued (a write creates it, mode 0600, and never truncates: bytes outside
 /// the written range stay), is split into `block_bytes` requests, and finishes when every
 /// request has; a request that fails or transfers fewer bytes than asked (the file ended)
-/// fails its operation with the path and errno, reported by `wait`. Thread-safe.
+/// fails its operation with the path and errno, reported by `wait`. A failed write leaves
+/// the file as the failure found it: bytes outside the write unchanged, bytes of its
+/// requests that succeeded written, and a file the write created (possibly empty) in place.
+/// The largest file a file system takes (16 TiB on ext4 with 4 KiB blocks) is not known
+/// before writing: a write past it, or past RLIMIT_FSIZE, fails with EFBIG. Thread-safe.
 class async_file_io {
  public:
   explicit async_file_io(file_io_options options = {});
