@@ -389,7 +389,7 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
     const int e = errno;
     j.error = e;
     j.message = (j.out ? "cannot create " : "cannot open ") + file + ": " + std::strerror(e) +
-                (!j.out && e == ENOENT ? " (it was never swapped out)" : "");
+                (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
     finish(id, j);
     return;
   }
