@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -107,10 +108,21 @@ class Graph:
 
     def to_trace(self, path: str) -> None:
         """Writes the buffers as a trace CSV (``id,lower,upper,size``) for ``tensormem plan``."""
+        _write_trace(path, ((b.name, b.lower, b.upper, b.nbytes) for b in self.buffers))
+
+
+def _write_trace(path: str, rows) -> None:
+    """Writes (id, lower, upper, size) rows as a trace CSV; an OSError names the path (a full
+    disk fails at a write or at the close, where Python's own error names no file)."""
+    try:
         with open(path, "w", encoding="utf-8") as f:
             f.write("id,lower,upper,size\n")
-            for b in self.buffers:
-                f.write(f"{b.name},{b.lower},{b.upper},{b.nbytes}\n")
+            for name, lower, upper, size in rows:
+                f.write(f"{name},{lower},{upper},{size}\n")
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from e
 
 
 def _flat_tensors(value) -> List:
@@ -806,6 +818,23 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _output_path(text: str) -> str:
+    """An output file named on the command line: refused before any work when its folder is
+    missing or not writable, or when it names a folder; a failure when it is written later
+    (a full disk) still leaves the printed report."""
+    import argparse
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError("an empty path" if not text else f"the path {text!r} holds a NUL byte")
+    folder = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is a folder")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write '{text}': the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write '{text}': permission denied")
+    return text
+
+
 def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.dtype != y.dtype or x.shape != y.shape or x.layout != y.layout:
         return False
@@ -848,8 +877,9 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=_seconds, default=2.0, help="planner search budget, seconds (default 2)")
     p.add_argument("--sequence", type=_positive_int, default=128, help="gpt: tokens per sequence (default 128)")
     p.add_argument("--layers", type=_positive_int, default=12, help="gpt: transformer blocks (default 12)")
-    p.add_argument("--svg", help="draw the plan: SVG, or an interactive page if the name ends in .html")
-    p.add_argument("--trace", help="write the buffers as a trace CSV (for tensormem plan / replay)")
+    p.add_argument("--svg", type=_output_path,
+                   help="draw the plan: SVG, or an interactive page if the name ends in .html")
+    p.add_argument("--trace", type=_output_path, help="write the buffers as a trace CSV (for tensormem plan / replay)")
     p.add_argument("--run", action="store_true", help="also run the plan and compare with eager PyTorch")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -918,10 +948,8 @@ class Capture:
 
     def to_trace(self, path: str) -> None:
         """Writes the trace CSV that ``tensormem replay`` and ``tensormem plan`` read."""
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("id,lower,upper,size\n")
-            for i, (lo, up, sz) in enumerate(zip(self.lower, self.upper, self.size)):
-                f.write(f"t{i},{lo},{max(up, lo + 1)},{sz}\n")
+        _write_trace(path, ((f"t{i}", lo, max(up, lo + 1), sz)
+                            for i, (lo, up, sz) in enumerate(zip(self.lower, self.upper, self.size))))
 
 
 def _hook():

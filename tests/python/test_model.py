@@ -5,7 +5,10 @@ dropped after their last use as eager code drops them) decide aliasing and lifet
 PyTorch decides outputs and gradients."""
 
 import contextlib
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -619,15 +622,43 @@ def test_bitwise_equal_compares_structure_dtype_and_bits():
     assert not _bitwise_equal(sparse, sparse.to_dense())
 
 
-def test_command_line_names_an_unwritable_output_and_keeps_the_report(capsys):
+def test_command_line_refuses_an_output_it_cannot_write_before_tracing(capsys, monkeypatch, tmp_path):
+    import tensormem.model as model
+    monkeypatch.setattr(model, "_example_model", lambda *a: pytest.fail("the model was built"))
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    for option in ("--trace", "--svg"):
+        for path, why in (("/nonexistent-dir/out.csv", "the folder /nonexistent-dir does not exist"),
+                          (str(folder), "is a folder"), ("", "an empty path"), ("x\0y", "holds a NUL byte")):
+            with pytest.raises(SystemExit) as e:
+                model.main(["plan", "gpt", option, path])
+            assert e.value.code == 2
+            err = capsys.readouterr().err
+            assert why in err and f"argument {option}" in err and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to user nobody needs root")
+def test_command_line_refuses_a_folder_it_may_not_write_to():
+    """As user nobody, who may not write to / (root may write anywhere)."""
+    code = (f"import sys; sys.path[:0] = {sys.path!r}\n"
+            "from tensormem.model import main\n"
+            "main(['plan', 'gpt', '--svg', '/tensormem-plan.svg'])\n")
+    r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=120, cwd="/")
+    assert r.returncode == 2, r.stderr
+    assert "cannot write '/tensormem-plan.svg': permission denied" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not os.path.exists("/tensormem-plan.svg")
+
+
+def test_command_line_names_an_output_that_fails_when_written_and_keeps_the_report(capsys):
     from tensormem.model import main
     for option in ("--trace", "--svg"):
         code = main(["plan", "gpt", "--layers", "1", "--sequence", "8", "--time-limit", "0",
-                     option, "/nonexistent-dir/out.csv"])
+                     option, "/dev/full"])  # writable, and every write fails with ENOSPC
         out, err = capsys.readouterr()
         assert code == 1
         assert "planned arena" in out
-        assert "/nonexistent-dir/out.csv" in err and "Traceback" not in err
+        assert "/dev/full" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("training", [False, True])
