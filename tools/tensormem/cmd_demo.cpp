@@ -24,6 +24,8 @@
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/core/transformer_step.hpp"
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
+#include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 #include "timed_replay.hpp"
 
@@ -75,48 +77,109 @@ std::vector<arena_row> run_arena_section(const arena_scenario& sc) {
 }
 
 struct swap_section {
-  std::string dir;  // where the files went (removed afterwards)
-  std::size_t tensors = 0;
+  std::string dir;              // where the files went (removed afterwards)
+  std::size_t candidates = 0;   // layer 0's saved activations
+  std::uint64_t candidate_bytes = 0;
+  std::size_t tensors = 0;      // those swapped: as many as the budget holds, in order
   std::uint64_t bytes = 0;
+  std::uint64_t budget = 0;     // bytes the section may lock and write
+  std::string budget_basis;     // what set the budget
+  std::string skipped;          // non-empty: why nothing was swapped
+  std::string error;            // non-empty: the first failed transfer
+  std::uint64_t unlocked_slabs = 0;
   swap::swap_stats stats;
   bool verified = false;
 };
 
-// The swap section: layer 0's saved activations out to a temporary directory and back.
+// Layer 0's saved activations: the buffers of layer 0 (not gradients) that live at least
+// three steps, that is until the backward pass.
+std::vector<std::size_t> layer0_saved_activations(const core::graph& g,
+                                                  const core::graph_lifetimes& life) {
+  std::vector<std::size_t> chosen;
+  for (std::size_t k = 0; k < life.buffers.size(); ++k) {
+    const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
+    if (t.name.rfind("l0.", 0) == 0 && t.name.find(".grad") == std::string::npos &&
+        life.buffers[k].upper - life.buffers[k].lower >= 3) {
+      chosen.push_back(k);
+    }
+  }
+  return chosen;
+}
+
+// The swap section: layer 0's saved activations out to a temporary directory and back. The
+// tensors are held in host memory and written to disk, so the section takes only as many as
+// fit in a quarter of the machine's memory and half the free space of the temporary
+// directory; without the right to lock that much memory it runs from unlocked memory and says
+// so. When it cannot run at all, `skipped` says why and the rest of the demo stands.
 swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes& life) {
   namespace fs = std::filesystem;
-  std::string templ = (fs::temp_directory_path() / "tensormem-demo-XXXXXX").string();
-  if (mkdtemp(templ.data()) == nullptr) throw std::runtime_error("cannot create a directory in " + fs::temp_directory_path().string());
-  const fs::path dir = templ;
   swap_section out;
+  const std::vector<std::size_t> candidates = layer0_saved_activations(g, life);
+  out.candidates = candidates.size();
+  for (const std::size_t k : candidates) out.candidate_bytes += life.buffers[k].bytes;
+  std::error_code ec;
+  const fs::path tmp = fs::temp_directory_path(ec);
+  if (ec) {
+    out.skipped = "no temporary directory (" + ec.message() + "); set TMPDIR to a writable folder";
+    return out;
+  }
+  std::string templ = (tmp / "tensormem-demo-XXXXXX").string();
+  if (mkdtemp(templ.data()) == nullptr) {
+    out.skipped = "cannot create a folder in " + tmp.string() + " (" + std::strerror(errno) +
+                  "); set TMPDIR to a writable folder";
+    return out;
+  }
+  const fs::path dir = templ;
   out.dir = dir.string();
   try {
-    memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 20});
+    const std::uint64_t memory = memory::physical_memory_bytes();
+    const std::uint64_t memory_share = memory == std::numeric_limits<std::size_t>::max() ? memory : memory / 4;
+    const fs::space_info space = fs::space(dir);
+    const std::uint64_t disk_share = space.available / 2;
+    out.budget = std::min(memory_share, disk_share);
+    out.budget_basis = memory_share <= disk_share
+                           ? "a quarter of this machine's memory, " + human_bytes(memory)
+                           : "half the free space of " + tmp.string() + ", " + human_bytes(space.available);
+    std::vector<std::size_t> chosen;
+    for (const std::size_t k : candidates) {
+      const std::uint64_t b = life.buffers[k].bytes;
+      if (b <= out.budget - out.bytes) {
+        chosen.push_back(k);
+        out.bytes += b;
+      }
+    }
+    out.tensors = chosen.size();
+    if (chosen.empty()) {
+      out.skipped = "layer 0's saved activations (" + human_bytes(out.candidate_bytes) +
+                    ") are each larger than the budget of " + human_bytes(out.budget) + " (" +
+                    out.budget_basis + ")";
+      fs::remove_all(dir);
+      return out;
+    }
+    memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 20, .allow_unlocked_fallback = true});
     swap::tensor_swapper swapper(pool);
     std::vector<swap::tensor_ref> tensors;
     std::vector<std::string> paths;
-    // Activations layer 0 keeps for its backward pass.
-    std::vector<std::size_t> chosen;
-    for (std::size_t k = 0; k < life.buffers.size(); ++k) {
-      const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
-      if (t.name.rfind("l0.", 0) == 0 && t.name.find(".grad") == std::string::npos &&
-          life.buffers[k].upper - life.buffers[k].lower >= 3) {
-        chosen.push_back(k);
-      }
-    }
     for (const std::size_t k : chosen) {
       const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
       auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(t.bytes), 4096));
       for (std::size_t i = 0; i < t.bytes; i += 64) p[i] = static_cast<std::byte>(k * 31 + i / 64);
       tensors.push_back({p, static_cast<std::size_t>(t.bytes)});
       paths.push_back((dir / t.name).string());
-      out.bytes += t.bytes;
     }
-    out.tensors = tensors.size();
-    bool ok = true;
-    for (const auto& r : swapper.wait(swapper.swap_out(tensors, paths))) ok = ok && r.error == 0;
-    for (const auto& t : tensors) std::memset(t.data, 0, t.bytes);
-    for (const auto& r : swapper.wait(swapper.swap_in(paths, tensors))) ok = ok && r.error == 0;
+    auto note_errors = [&](const std::vector<swap::swap_result>& results) {
+      for (const auto& r : results) {
+        if (r.error != 0 && out.error.empty()) {
+          out.error = r.message.find(r.path) != std::string::npos ? r.message : r.path + ": " + r.message;
+        }
+      }
+    };
+    note_errors(swapper.wait(swapper.swap_out(tensors, paths)));
+    if (out.error.empty()) {
+      for (const auto& t : tensors) std::memset(t.data, 0, t.bytes);
+      note_errors(swapper.wait(swapper.swap_in(paths, tensors)));
+    }
+    bool ok = out.error.empty();
     for (std::size_t n = 0; n < chosen.size() && ok; ++n) {
       const auto* p = static_cast<const std::byte*>(tensors[n].data);
       for (std::size_t i = 0; i < tensors[n].bytes && ok; i += 64) {
@@ -125,6 +188,7 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
     }
     out.verified = ok;
     out.stats = swapper.stats();
+    out.unlocked_slabs = pool.stats().unlocked_fallbacks;
     for (const auto& t : tensors) pool.free(t.data);
   } catch (...) {
     fs::remove_all(dir);
@@ -132,6 +196,40 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
   }
   fs::remove_all(dir);
   return out;
+}
+
+void print_swap_section(const swap_section& s) {
+  if (!s.skipped.empty()) {
+    std::cout << "\nswap: skipped: " << s.skipped << '\n';
+    return;
+  }
+  const std::string which =
+      s.tensors == s.candidates
+          ? fmt::format("layer 0's {} saved activations ({})", s.tensors, human_bytes(s.bytes))
+          : fmt::format("{} of layer 0's {} saved activations ({} of {}; the budget is {}: {})",
+                        s.tensors, s.candidates, human_bytes(s.bytes), human_bytes(s.candidate_bytes),
+                        human_bytes(s.budget), s.budget_basis);
+  std::cout << fmt::format("\nswap: {} out to {} and back (the folder is removed afterwards)\n", which, s.dir)
+            << fmt::format("  engine {}, {}, checksums {}; write {:.2f} GB/s, read {:.2f} GB/s; contents {}\n",
+                           s.stats.engine, s.stats.direct ? "O_DIRECT" : "buffered",
+                           !s.stats.checksums ? "off" : s.error.empty() ? "verified" : "on",
+                           s.stats.write_gbps(), s.stats.read_gbps(),
+                           !s.error.empty() ? "not checked: a transfer failed" : s.verified ? "intact" : "CHANGED");
+  if (!s.stats.fallback.empty()) std::cout << "  fallback: " << s.stats.fallback << '\n';
+  if (s.unlocked_slabs != 0) {
+    const std::size_t limit = memory::memlock_limit_bytes();
+    std::cout << fmt::format("  memory: {} slab(s) could not be page-locked (RLIMIT_MEMLOCK is {}; raise it with "
+                             "`ulimit -l` or run with CAP_IPC_LOCK): the transfers used unlocked memory\n",
+                             s.unlocked_slabs,
+                             limit == std::numeric_limits<std::size_t>::max() ? std::string("unlimited") : human_bytes(limit));
+  }
+  if (!s.error.empty()) std::cout << "  failed: " << s.error << '\n';
+}
+
+// After the whole report is printed: a failed transfer or changed contents fail the command.
+void throw_if_failed(const swap_section& s) {
+  if (!s.error.empty()) throw std::runtime_error("demo: a swap transfer failed: " + s.error);
+  if (s.skipped.empty() && !s.verified) throw std::runtime_error("demo: swapped tensors came back changed");
 }
 
 void run_demo(const demo_options& o) {
@@ -173,13 +271,20 @@ void run_demo(const demo_options& o) {
                             {"moves", r.stats.moves},
                             {"verified", r.verified}});
     }
-    j["swap"] = {{"tensors", swapped.tensors},
+    j["swap"] = {{"candidates", swapped.candidates},
+                 {"candidate_bytes", swapped.candidate_bytes},
+                 {"tensors", swapped.tensors},
                  {"bytes", swapped.bytes},
+                 {"budget_bytes", swapped.budget},
+                 {"skipped", swapped.skipped},
+                 {"error", swapped.error},
+                 {"unlocked_slabs", swapped.unlocked_slabs},
                  {"write_gbps", swapped.stats.write_gbps()},
                  {"read_gbps", swapped.stats.read_gbps()},
                  {"engine", swapped.stats.engine},
                  {"direct", swapped.stats.direct},
                  {"checksums", swapped.stats.checksums},
+                 {"fallback", swapped.stats.fallback},
                  {"verified", swapped.verified}};
     j["model"] = {{"layers", o.model.layers},         {"hidden", o.model.hidden},
                   {"heads", o.model.heads},           {"sequence", o.model.sequence},
@@ -202,6 +307,7 @@ void run_demo(const demo_options& o) {
                              {"replays", r.replays}});
     }
     std::cout << j.dump(2) << '\n';
+    throw_if_failed(swapped);
     return;
   }
 
@@ -241,17 +347,10 @@ void run_demo(const demo_options& o) {
                              r.stats.defragmentations, human_bytes(r.stats.bytes_moved),
                              r.stats.moves, r.verified ? "intact" : "CHANGED");
   }
-  std::cout << fmt::format("\nswap: layer 0's {} saved activations ({}) out to {} and back "
-                           "(the folder is removed afterwards)\n",
-                           swapped.tensors, human_bytes(swapped.bytes), swapped.dir)
-            << fmt::format("  engine {}, {}, checksums {}; write {:.2f} GB/s, read {:.2f} GB/s; "
-                           "contents {}\n",
-                           swapped.stats.engine, swapped.stats.direct ? "O_DIRECT" : "buffered",
-                           swapped.stats.checksums ? "verified" : "off", swapped.stats.write_gbps(),
-                           swapped.stats.read_gbps(), swapped.verified ? "intact" : "CHANGED");
-  if (!swapped.stats.fallback.empty()) std::cout << "  fallback: " << swapped.stats.fallback << '\n';
+  print_swap_section(swapped);
   std::cout << "\nYour own PyTorch model: python3 -m tensormem.torch plan resnet50 --batch 32 "
                "(torchvision names or gpt; --training, --svg, --run)\n";
+  throw_if_failed(swapped);
 }
 
 }  // namespace

@@ -1,0 +1,68 @@
+#!/bin/sh
+# `tensormem demo` where the machine limits it: without the right to lock its memory it swaps
+# from unlocked memory and says so; without a usable temporary folder it skips the swap
+# section, says why and prints the rest; with little free space it swaps only what fits in
+# half of it; a failed transfer is reported after the rest and fails the command, and no
+# swap folder is left behind. Prints PASS or what went wrong.
+# Usage: cli_demo_limits_test.sh TENSORMEM
+set -u
+cli=$1
+fail=0
+small="demo --layers 2 --batch 2 --sequence 256 --plan-seconds 0"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+chmod 1777 "$work"
+cp "$cli" "$work/tensormem" && chmod 755 "$work/tensormem"
+expect() {  # expect NAME OUTPUT PATTERN
+  if ! printf '%s\n' "$2" | grep -q -- "$3"; then
+    echo "FAIL $1: no line matches '$3' in:"; printf '%s\n' "$2" | sed 's/^/  /'; fail=1
+  fi
+}
+
+# 1. Locked memory limited to 1 MiB and, when root, as user nobody (no CAP_IPC_LOCK).
+if [ "$(id -u)" = 0 ]; then
+  as_user="setpriv --reuid=65534 --regid=65534 --clear-groups"
+else
+  as_user=""
+fi
+out=$(TMPDIR=$work prlimit --memlock=1048576:1048576 $as_user "$work/tensormem" $small 2>&1)
+rc=$?
+[ $rc = 0 ] || { echo "FAIL unlocked: exit status $rc"; fail=1; }
+expect unlocked "$out" "could not be page-locked (RLIMIT_MEMLOCK is 1.00 MiB"
+expect unlocked_intact "$out" "contents intact"
+expect unlocked_plan "$out" "offline plan"
+
+# 2. No temporary folder, and one where no folder can be made: the swap section is skipped
+#    with the reason, the report is whole and the status is 0.
+out=$(TMPDIR=$work/missing "$work/tensormem" $small 2>&1)
+rc=$?
+[ $rc = 0 ] || { echo "FAIL missing_tmp: exit status $rc"; fail=1; }
+expect missing_tmp "$out" "swap: skipped: no temporary directory (No such file or directory); set TMPDIR"
+expect missing_tmp_plan "$out" "online O(1)"
+out=$(TMPDIR=/proc "$work/tensormem" $small --json 2>&1)
+expect proc_tmp "$out" '"skipped": "cannot create a folder in /proc ('
+
+# 3. Half the free space of a 6 MiB file system holds some of the tensors, not all.
+if [ "$(id -u)" = 0 ] && unshare -m true 2>/dev/null; then
+  mkdir "$work/small"
+  out=$(unshare -m sh -c "mount -t tmpfs -o size=6m none '$work/small' && TMPDIR='$work/small' '$work/tensormem' $small" 2>&1)
+  rc=$?
+  [ $rc = 0 ] || { echo "FAIL small_disk: exit status $rc"; fail=1; }
+  expect small_disk "$out" "swap: [1-8] of layer 0's 9 saved activations (.* of .*; the budget is 3.00 MiB: half the free space of $work/small, 6.00 MiB)"
+  expect small_disk_intact "$out" "contents intact"
+else
+  echo "no mount namespace here: the small file system is not checked"
+fi
+# 4. Files limited to 1 MiB (SIGXFSZ ignored, so writes past it fail with EFBIG): the report is
+#    whole, names the file that failed, and the status is not 0.
+out=$(sh -c "trap '' XFSZ; TMPDIR='$work' prlimit --fsize=1048576 '$work/tensormem' $small" 2>&1)
+rc=$?
+[ $rc != 0 ] || { echo "FAIL file_too_large: exit status 0"; fail=1; }
+expect file_too_large "$out" "contents not checked: a transfer failed"
+expect file_too_large_named "$out" "^  failed: write to $work/tensormem-demo-.*/l0\..* failed: File too large"
+expect file_too_large_plan "$out" "online best-fit"
+expect file_too_large_status "$out" "^tensormem: demo: a swap transfer failed"
+left=$(ls "$work" | grep tensormem-demo-)
+[ -z "$left" ] || { echo "FAIL leftover: the demo left $left in $work"; fail=1; }
+[ $fail = 0 ] && echo PASS
+exit $fail
