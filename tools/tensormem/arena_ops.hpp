@@ -2,7 +2,9 @@
 // Arena operation scripts: `alloc ID BYTES` / `free ID` per line, run against an arena.
 
 #include <cstdint>
+#include <cstddef>
 #include <iosfwd>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,6 +19,32 @@ struct arena_op {
   std::string name;
   std::uint64_t bytes = 0;
   std::size_t line = 0;
+};
+
+/// Patterns written into tensors by name, and the check of the tensors a step could have
+/// changed. Each tensor lives at `base + offset`; only its pattern and moves write there.
+class pattern_check {
+ public:
+  explicit pattern_check(std::byte* base) : base_(base) {}
+  /// Writes `name`'s pattern into [offset, offset + bytes) and returns the names of the live
+  /// tensors that overlap it whose contents no longer match their patterns (none unless the
+  /// placement was wrong). Tensors of 0 bytes are kept but never checked.
+  std::vector<std::string> add(const std::string& name, std::uint64_t offset, std::uint64_t bytes);
+  void remove(const std::string& name);
+  /// A tensor's new offset after a move (its bytes are expected to have moved with it).
+  void relocate(const std::string& name, std::uint64_t offset);
+  /// The names of all live tensors whose contents do not match their patterns.
+  std::vector<std::string> check_all() const;
+
+ private:
+  struct tensor {
+    std::uint64_t offset = 0;
+    std::vector<std::byte> pattern;
+  };
+  bool intact(const tensor& t) const;
+  std::byte* base_;
+  std::map<std::string, tensor> tensors_;
+  std::multimap<std::uint64_t, std::string> by_offset_;  // tensors of at least one byte
 };
 
 /// Parses a script; '#' starts a comment, blank lines are skipped. A malformed line throws
@@ -35,7 +63,11 @@ struct arena_run_result {
 
 /// Runs the steps. A step that cannot be satisfied (out of memory, unknown or live name) is
 /// recorded and the run goes on. With `verify`, each tensor is filled with a pattern derived
-/// from its name and every live tensor is checked after every step.
+/// from its name, and after every step each tensor the step could have changed is checked:
+/// every live tensor after a step that moved tensors, the tensors a new one overlaps after an
+/// allocation (only moves and new tensors' patterns write to the arena). A run costs the bytes
+/// written and moved plus one check of the live tensors per defragmentation, not the live
+/// bytes at every step.
 arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector<arena_op>& ops,
                                bool verify, std::size_t resolution);
 

@@ -116,7 +116,7 @@ void add_arena_command(CLI::App& app) {
       ->check(CLI::Range(std::size_t{1}, arena::contiguous_arena::max_resolution));
   cmd->add_option("--svg", o->svg, "draw the map after each defragmentation and at the end as SVG")
       ->check(path_given());
-  cmd->add_flag("--verify", o->verify, "fill tensors with patterns and check them after every step");
+  cmd->add_flag("--verify", o->verify, "fill tensors with patterns; after every step check each one the step could have changed");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o, alignment, capacity, ops, scenario] {
     if (ops->count() == 0 && scenario->count() == 0) {
