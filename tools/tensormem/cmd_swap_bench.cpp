@@ -20,6 +20,7 @@
 #include "commands.hpp"
 #include "progress.hpp"
 #include "report.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 
 namespace tensormem::cli {
@@ -128,6 +129,25 @@ void run_swap_bench(const swap_bench_options& o) {
                                 std::to_string(o.tensor_bytes) + "; lower --tensor-bytes");
   }
   const std::uint64_t count = o.bytes / o.tensor_bytes;
+  // The run holds every tensor in page-locked memory at once and keeps up to twice their
+  // bytes on disk (the files and, while they are rewritten, their next versions). Refused
+  // before anything is made when this machine cannot give that: locking more than the
+  // memory there is gets the process killed, not an error.
+  const std::uint64_t held = count * o.tensor_bytes;
+  const std::size_t memory = memory::physical_memory_bytes();
+  if (memory != std::numeric_limits<std::size_t>::max() && held > memory / 2) {
+    throw std::invalid_argument(fmt::format(
+        "--bytes {}: the run holds {} of tensors in page-locked memory, more than half of this machine's {}; "
+        "lower --bytes",
+        o.bytes, human_bytes(held), human_bytes(memory)));
+  }
+  if (const std::uint64_t available = std::filesystem::space(o.dir).available; held > available / 2) {
+    throw std::invalid_argument(fmt::format(
+        "--bytes {}: the run needs up to {} of free space in {} (its files and their next versions), {} "
+        "available; lower --bytes",
+        o.bytes, human_bytes(held > std::numeric_limits<std::uint64_t>::max() / 2 ? held : 2 * held), o.dir,
+        human_bytes(available)));
+  }
   // Before the pool and the swapper: removed after them, signals blocked in their threads.
   const private_folder folder(o.dir);
   memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(std::max<std::uint64_t>(o.tensor_bytes, 1 << 20))});

@@ -1,10 +1,11 @@
 #!/bin/sh
-# `tensormem demo` where the machine limits it: without the right to lock its memory it swaps
+# The CLI where the machine limits it. `tensormem demo`: without the right to lock its memory it swaps
 # from unlocked memory and says so; without a usable temporary folder it skips the swap
 # section, says why and prints the rest; with little free space it swaps only what fits in
 # half of it; a failed transfer is reported after the rest and fails the command, and no
-# swap folder is left behind. Prints PASS or what went wrong.
-# Usage: cli_demo_limits_test.sh TENSORMEM
+# swap folder is left behind. `tensormem swap-bench` refuses a run that needs more free space
+# than its folder has, before it writes anything. Prints PASS or what went wrong.
+# Usage: cli_limits_test.sh TENSORMEM
 set -u
 cli=$1
 fail=0
@@ -50,8 +51,13 @@ if [ "$(id -u)" = 0 ] && unshare -m true 2>/dev/null; then
   [ $rc = 0 ] || { echo "FAIL small_disk: exit status $rc"; fail=1; }
   expect small_disk "$out" "swap: [1-8] of layer 0's 9 saved activations (.* of .*; the budget is 3.00 MiB: half the free space of $work/small, 6.00 MiB)"
   expect small_disk_intact "$out" "contents intact"
+  out=$(unshare -m sh -c "mount -t tmpfs -o size=8m none '$work/small' && { '$work/tensormem' swap-bench --dir '$work/small' --bytes 8388608 --tensor-bytes 1048576; rc=\$?; ls -A '$work/small'; exit \$rc; }" 2>&1)
+  rc=$?
+  [ $rc = 1 ] || { echo "FAIL swap_bench_small_disk: exit status $rc"; fail=1; }
+  expect swap_bench_small_disk "$out" "^tensormem: --bytes 8388608: the run needs up to 16.00 MiB of free space in $work/small (its files and their next versions), 8.00 MiB available; lower --bytes"
+  if printf '%s\n' "$out" | grep -q tensormem-swap-bench; then echo "FAIL swap_bench_small_disk: a folder was made"; fail=1; fi
 else
-  echo "no mount namespace here: the small file system is not checked"
+  echo "no mount namespace here: the small file systems are not checked"
 fi
 # 4. Files limited to 1 MiB (SIGXFSZ ignored, so writes past it fail with EFBIG): the report is
 #    whole, names the file that failed, and the status is not 0.
