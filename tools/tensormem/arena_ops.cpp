@@ -152,6 +152,9 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
       const arena::arena_stats now = arena.stats();
       return now.defragmentations != s.defragmentations || now.moves != s.moves;
     };
+    auto relocate_all = [&] {
+      for (const auto& [name, id] : ids) patterns->relocate(name, arena.block(id).offset);
+    };
     std::vector<std::string> changed;
     if (op.allocate) {
       if (ids.contains(op.name)) {
@@ -162,6 +165,9 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
         const arena::tensor_block b = arena.allocate(op.bytes);
         if (verify) {
           if (!patterns) patterns.emplace(b.base);
+          // The allocation may have made room by moving tensors: their places are read again
+          // before the new tensor's overlaps are looked up (an old place may be free memory).
+          if (moved_since(before)) relocate_all();
           changed = patterns->add(op.name, b.offset, b.bytes);
         }
         ids[op.name] = b.id;
@@ -186,9 +192,9 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
     }
     // Only moves and new tensors' patterns write to the arena: after an allocation the
     // tensors the new one overlaps are checked (above); after moves, every live tensor at its
-    // new place (which also replaces that first answer, found at offsets from before the moves).
+    // new place.
     if (patterns && moved_since(before)) {
-      for (const auto& [name, id] : ids) patterns->relocate(name, arena.block(id).offset);
+      relocate_all();
       changed = patterns->check_all();
     }
     if (!checking) continue;
