@@ -98,25 +98,24 @@ std::vector<std::string> pattern_check::add(const std::string& name, std::uint64
 void pattern_check::remove(const std::string& name) {
   const auto it = tensors_.find(name);
   if (it == tensors_.end()) return;
-  for (auto [at, end] = by_offset_.equal_range(it->second.offset); at != end; ++at) {
+  unplace(name, it->second.offset);
+  tensors_.erase(it);
+}
+
+void pattern_check::unplace(const std::string& name, std::uint64_t offset) {
+  for (auto [at, end] = by_offset_.equal_range(offset); at != end; ++at) {
     if (at->second == name) {
       by_offset_.erase(at);
-      break;
+      return;
     }
   }
-  tensors_.erase(it);
 }
 
 void pattern_check::relocate(const std::string& name, std::uint64_t offset) {
   tensor& t = tensors_.at(name);
   if (t.offset == offset) return;
   if (!t.pattern.empty()) {
-    for (auto [at, end] = by_offset_.equal_range(t.offset); at != end; ++at) {
-      if (at->second == name) {
-        by_offset_.erase(at);
-        break;
-      }
-    }
+    unplace(name, t.offset);
     by_offset_.emplace(offset, name);
   }
   t.offset = offset;

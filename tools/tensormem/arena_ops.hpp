@@ -42,6 +42,7 @@ class pattern_check {
     std::vector<std::byte> pattern;
   };
   bool intact(const tensor& t) const;
+  void unplace(const std::string& name, std::uint64_t offset);  // drops it from by_offset_
   std::byte* base_;
   std::map<std::string, tensor> tensors_;
   std::multimap<std::uint64_t, std::string> by_offset_;  // tensors of at least one byte
