@@ -131,70 +131,71 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
   }
   const fs::path dir = templ;
   out.dir = dir.string();
-  try {
-    const std::uint64_t memory = memory::physical_memory_bytes();
-    const std::uint64_t memory_share = memory == std::numeric_limits<std::size_t>::max() ? memory : memory / 4;
-    const fs::space_info space = fs::space(dir);
-    const std::uint64_t disk_share = space.available / 2;
-    out.budget = std::min(memory_share, disk_share);
-    out.budget_basis = memory_share <= disk_share
-                           ? "a quarter of this machine's memory, " + human_bytes(memory)
-                           : "half the free space of " + tmp.string() + ", " + human_bytes(space.available);
-    std::vector<std::size_t> chosen;
-    for (const std::size_t k : candidates) {
-      const std::uint64_t b = life.buffers[k].bytes;
-      if (b <= out.budget - out.bytes) {
-        chosen.push_back(k);
-        out.bytes += b;
-      }
+  // Removed however the section ends, after the swapper and the pool below are gone.
+  struct remove_on_exit {
+    const fs::path& path;
+    ~remove_on_exit() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
     }
-    out.tensors = chosen.size();
-    if (chosen.empty()) {
-      out.skipped = "layer 0's saved activations (" + human_bytes(out.candidate_bytes) +
-                    ") are each larger than the budget of " + human_bytes(out.budget) + " (" +
-                    out.budget_basis + ")";
-      fs::remove_all(dir);
-      return out;
+  } cleanup{dir};
+  const std::uint64_t memory = memory::physical_memory_bytes();
+  const std::uint64_t memory_share = memory / 4;
+  const fs::space_info space = fs::space(dir);
+  const std::uint64_t disk_share = space.available / 2;
+  out.budget = std::min(memory_share, disk_share);
+  out.budget_basis = memory_share <= disk_share
+                         ? "a quarter of this machine's memory, " + human_bytes(memory)
+                         : "half the free space of " + tmp.string() + ", " + human_bytes(space.available);
+  std::vector<std::size_t> chosen;
+  for (const std::size_t k : candidates) {
+    const std::uint64_t b = life.buffers[k].bytes;
+    if (b <= out.budget - out.bytes) {
+      chosen.push_back(k);
+      out.bytes += b;
     }
-    memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 20, .allow_unlocked_fallback = true});
-    swap::tensor_swapper swapper(pool);
-    std::vector<swap::tensor_ref> tensors;
-    std::vector<std::string> paths;
-    for (const std::size_t k : chosen) {
-      const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
-      auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(t.bytes), 4096));
-      for (std::size_t i = 0; i < t.bytes; i += 64) p[i] = static_cast<std::byte>(k * 31 + i / 64);
-      tensors.push_back({p, static_cast<std::size_t>(t.bytes)});
-      paths.push_back((dir / t.name).string());
-    }
-    auto note_errors = [&](const std::vector<swap::swap_result>& results) {
-      for (const auto& r : results) {
-        if (r.error != 0 && out.error.empty()) {
-          out.error = r.message.find(r.path) != std::string::npos ? r.message : r.path + ": " + r.message;
-        }
-      }
-    };
-    note_errors(swapper.wait(swapper.swap_out(tensors, paths)));
-    if (out.error.empty()) {
-      for (const auto& t : tensors) std::memset(t.data, 0, t.bytes);
-      note_errors(swapper.wait(swapper.swap_in(paths, tensors)));
-    }
-    bool ok = out.error.empty();
-    for (std::size_t n = 0; n < chosen.size() && ok; ++n) {
-      const auto* p = static_cast<const std::byte*>(tensors[n].data);
-      for (std::size_t i = 0; i < tensors[n].bytes && ok; i += 64) {
-        ok = p[i] == static_cast<std::byte>(chosen[n] * 31 + i / 64);
-      }
-    }
-    out.verified = ok;
-    out.stats = swapper.stats();
-    out.unlocked_slabs = pool.stats().unlocked_fallbacks;
-    for (const auto& t : tensors) pool.free(t.data);
-  } catch (...) {
-    fs::remove_all(dir);
-    throw;
   }
-  fs::remove_all(dir);
+  out.tensors = chosen.size();
+  if (chosen.empty()) {
+    out.skipped = "layer 0's saved activations (" + human_bytes(out.candidate_bytes) +
+                  ") are each larger than the budget of " + human_bytes(out.budget) + " (" +
+                  out.budget_basis + ")";
+    return out;
+  }
+  memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 20, .allow_unlocked_fallback = true});
+  swap::tensor_swapper swapper(pool);
+  std::vector<swap::tensor_ref> tensors;
+  std::vector<std::string> paths;
+  for (const std::size_t k : chosen) {
+    const core::graph_tensor& t = g.tensors()[life.tensor_of[k]];
+    auto* p = static_cast<std::byte*>(pool.allocate(static_cast<std::size_t>(t.bytes), 4096));
+    for (std::size_t i = 0; i < t.bytes; i += 64) p[i] = static_cast<std::byte>(k * 31 + i / 64);
+    tensors.push_back({p, static_cast<std::size_t>(t.bytes)});
+    paths.push_back((dir / t.name).string());
+  }
+  auto note_errors = [&](const std::vector<swap::swap_result>& results) {
+    for (const auto& r : results) {
+      if (r.error != 0 && out.error.empty()) {
+        out.error = r.message.find(r.path) != std::string::npos ? r.message : r.path + ": " + r.message;
+      }
+    }
+  };
+  note_errors(swapper.wait(swapper.swap_out(tensors, paths)));
+  if (out.error.empty()) {
+    for (const auto& t : tensors) std::memset(t.data, 0, t.bytes);
+    note_errors(swapper.wait(swapper.swap_in(paths, tensors)));
+  }
+  bool ok = out.error.empty();
+  for (std::size_t n = 0; n < chosen.size() && ok; ++n) {
+    const auto* p = static_cast<const std::byte*>(tensors[n].data);
+    for (std::size_t i = 0; i < tensors[n].bytes && ok; i += 64) {
+      ok = p[i] == static_cast<std::byte>(chosen[n] * 31 + i / 64);
+    }
+  }
+  out.verified = ok;
+  out.stats = swapper.stats();
+  out.unlocked_slabs = pool.stats().unlocked_fallbacks;
+  for (const auto& t : tensors) pool.free(t.data);
   return out;
 }
 
