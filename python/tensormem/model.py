@@ -226,6 +226,31 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     ``training=True`` traces forward, loss (``loss_fn(output)``, by default the sum of every
     output) and backward (gradients of every parameter that requires one), as one graph.
     Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
+    return _trace(module, example_inputs, training, loss_fn, "real")
+
+
+def activation_lower_bound(module: torch.nn.Module, *example_inputs, training: bool = False,
+                           loss_fn: Optional[Callable] = None, alignment: int = 64) -> int:
+    """The lower bound ``plan_module`` would report for the same call (the most activation
+    bytes alive at one graph step, sizes rounded up to ``alignment``), found without running
+    the model: the trace runs on fake tensors (shapes and dtypes only; the inputs' values are
+    never read and no activation is allocated), so it takes about a second whatever the batch.
+    It can come out slightly above the real trace's: a few fake kernels give a size to outputs
+    the CPU kernels leave empty (batch norm's saved statistics in inference). An op without a
+    fake kernel runs on real zero tensors of its shapes (PyTorch's fallback; the fused
+    transformer layer of inference), with that op's time and memory. Raises
+    UnsupportedGraph as ``trace`` does, also for an op that has no fake-tensor implementation
+    in this PyTorch."""
+    alignment = operator.index(alignment)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, not {alignment}")
+    g = _trace(module, example_inputs, training, loss_fn, "fake")
+    lower, upper, size = g.arrays()
+    return int(_tensormem.lower_bound(lower, upper, size, alignment))
+
+
+def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_fn: Optional[Callable],
+           tracing_mode: str) -> Graph:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__} "
                         "(wrap a function with tensormem.model.capture)")
@@ -251,10 +276,10 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     from functorch import make_fx
     try:
         if training:
-            gm = make_fx(forward)(state, *example_inputs)
+            gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)
         else:
             with torch.no_grad():
-                gm = make_fx(forward)(state, *example_inputs)
+                gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)
     except Exception as e:  # data-dependent control flow, unsupported Python constructs
         raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
     g = _analyse(gm, len(state), param_bytes, training)
@@ -449,6 +474,37 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
     return peak, "torch.profiler records, a lower estimate"
 
 
+def _available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what new allocations can get without swapping), or the
+    physical memory where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return _tensormem.physical_memory_bytes()
+
+
+def _check_activations_fit(module, inputs, training: bool, loss_fn, alignment: int) -> Optional[UnsupportedGraph]:
+    """Raises MemoryError where the activations' lower bound exceeds the memory available;
+    returns the fake-tensor trace's error where there is no such trace, else None."""
+    try:
+        need = activation_lower_bound(module, *inputs, training=training, loss_fn=loss_fn, alignment=alignment)
+    except UnsupportedGraph as e:
+        return e
+    available = _available_memory_bytes()
+    if need > available:
+        raise MemoryError(f"a plan of its activations needs at least {_gib(need)} (their lower bound, traced on fake "
+                          f"tensors), more than the {_gib(available)} of memory available")
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def _online_best_fit(buffers: Sequence[Buffer], alignment: int) -> int:
     """High-water mark of tensormem's online best fit replaying the buffers in time order
     (frees before allocations at equal times)."""
@@ -509,15 +565,29 @@ class ModulePlan:
 
 
 def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_limit: float = 10.0,
-                alignment: int = 64, loss_fn: Optional[Callable] = None) -> ModulePlan:
+                alignment: int = 64, loss_fn: Optional[Callable] = None, check_memory: bool = True) -> ModulePlan:
     """Traces ``module(*inputs)`` and plans its activations in one arena. The alignment and
-    the time limit are checked before the trace (``ValueError``)."""
+    the time limit are checked before the trace (``ValueError``).
+
+    The trace and the eager measurement run the model. With ``check_memory`` (the default), a
+    call whose plan could not fit in the memory available now (the lower bound of
+    ``activation_lower_bound``, about a second on fake tensors, above /proc/meminfo's
+    MemAvailable) raises MemoryError before the model runs, where running it would be ended
+    by the kernel's out-of-memory killer. Eager PyTorch may need a little less than that
+    bound (resnet18 at batch 3,000: 0.914 of it); ``check_memory=False`` runs the call
+    anyway. Where the fake-tensor trace fails and the real one works, the check is skipped
+    with a RuntimeWarning."""
     alignment = operator.index(alignment)
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, not {alignment}")
     if not (isinstance(time_limit, (int, float)) and time_limit >= 0):
         raise ValueError(f"time_limit must be a number of seconds >= 0, not {time_limit!r}")
+    unchecked = _check_activations_fit(module, inputs, training, loss_fn, alignment) if check_memory else None
     g = trace(module, *inputs, training=training, loss_fn=loss_fn)
+    if unchecked is not None:  # said once the real trace worked (where it fails too, its error says why)
+        import warnings
+        reason = (str(unchecked).splitlines() or [""])[0][:200]  # (some name a whole tensor)
+        warnings.warn(f"memory check skipped: no trace on fake tensors ({reason})", RuntimeWarning, stacklevel=2)
     lower, upper, size = g.arrays()
     t0 = time.perf_counter()
     r = _tensormem.plan(lower, upper, size, time_limit=time_limit, alignment=alignment)
@@ -889,6 +959,9 @@ def main(argv=None) -> int:
         plan = plan_module(model, *inputs, training=args.training, time_limit=args.time_limit)
     except UnsupportedGraph as e:  # e.g. a detection model's data-dependent control flow
         print(f"{parser.prog}: {args.model}: {e}", file=sys.stderr)
+        return 1
+    except MemoryError as e:  # refused before the model ran
+        print(f"{parser.prog}: {args.model} at batch {args.batch}: {e}; try a smaller --batch", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - t0
     print(f"{args.model}, batch {args.batch}: traced, measured and planned in {seconds:.1f} s")

@@ -24,8 +24,8 @@ import torch.utils.dlpack
 from . import _tensormem
 from .offload import (OffloadError, OffloadedAdam, OffloadedAdamW, OffloadedSGD,  # noqa: F401
                       ZeroOffloadedOptimizer)
-from .model import (Buffer, Capture, Graph, ModulePlan, UnsupportedGraph, capture, plan_module,  # noqa: F401
-                    savings, trace)
+from .model import (Buffer, Capture, Graph, ModulePlan, UnsupportedGraph, activation_lower_bound,  # noqa: F401
+                    capture, plan_module, savings, trace)
 
 
 class AllocatorAssertion(AssertionError, ValueError):

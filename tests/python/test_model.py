@@ -863,3 +863,102 @@ def test_capture_inside_a_capture_is_refused():
     assert out.numel() == 5 and 20 in cap.size
     _, after = capture(lambda: torch.ones(2))  # the hook was handed back and works again
     assert after.size == [8]
+
+
+# ----------------------------------------------------------------------------- memory check
+
+class CountedCalls(torch.nn.Module):
+    """A wrapped module whose real (not fake) forward calls are counted."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.real_calls = 0
+
+    def forward(self, x):
+        if not isinstance(x, torch._subclasses.FakeTensor):
+            self.real_calls += 1
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_activation_bound_on_fake_tensors_is_the_plans_bound(training):
+    """Within 0.2 % of (and not below) the lower bound of the real trace: the fake kernels
+    size batch norm's saved statistics, which the CPU kernels leave empty in inference."""
+    from tensormem.torch import activation_lower_bound
+    torch.manual_seed(0)
+    for module, x in ((torchvision.models.resnet18(weights=None).eval(), torch.randn(2, 3, 64, 64)),
+                      (torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).eval(),
+                       torch.randn(2, 16, 64))):
+        counted = CountedCalls(module)
+        bound = activation_lower_bound(counted, x, training=training)
+        assert counted.real_calls == 0  # nothing ran on real tensors
+        plan = plan_module(module, x, training=training, time_limit=0)
+        assert plan.lower_bound <= bound <= plan.lower_bound * 1.002, (type(module).__name__, bound, plan.lower_bound)
+    with pytest.raises(ValueError, match="power of two"):
+        activation_lower_bound(module, x, alignment=48)
+
+
+def test_the_activation_bound_of_a_batch_past_the_memory_takes_seconds():
+    """10^5 images as a view of one (no memory): about 10^5 times the bound of one image (the
+    activations scale with the batch, the input, a view of one image, does not), found
+    without running anything."""
+    from tensormem.torch import activation_lower_bound
+    module = torchvision.models.resnet18(weights=None).eval()
+    one = torch.randn(1, 3, 224, 224)
+    start = time.perf_counter()
+    bound = activation_lower_bound(module, one.expand(100_000, 3, 224, 224))
+    assert time.perf_counter() - start < 30
+    single = activation_lower_bound(module, one)
+    assert 90_000 * single <= bound <= 100_000 * single and bound > 500 * 2**30, (bound, single)
+
+
+def test_plan_module_refuses_a_plan_past_the_available_memory_before_running_the_model(monkeypatch):
+    import tensormem.model as model
+    from tensormem.torch import activation_lower_bound
+    torch.manual_seed(0)
+    module = CountedCalls(torchvision.models.resnet18(weights=None).eval())
+    x = torch.randn(2, 3, 64, 64)
+    bound = activation_lower_bound(module, x)
+    monkeypatch.setattr(model, "_available_memory_bytes", lambda: bound - 1)
+    with pytest.raises(MemoryError, match=r"a plan of its activations needs at least [0-9.]+ MiB \(their lower "
+                                          r"bound, traced on fake tensors\), more than the [0-9.]+ MiB of memory"):
+        plan_module(module, x, time_limit=0)
+    assert module.real_calls == 0
+    plan = plan_module(module, x, time_limit=0, check_memory=False)  # the caller's choice: run anyway
+    assert plan.lower_bound <= bound and module.real_calls > 0
+    monkeypatch.setattr(model, "_available_memory_bytes", lambda: bound)  # exactly enough
+    assert plan_module(module, x, time_limit=0).lower_bound == plan.lower_bound
+
+
+def test_plan_module_says_when_it_cannot_check_the_memory():
+    """An op without a fake-tensor kernel (repeat_interleave by a tensor of counts): the real
+    trace plans it, with a warning that the memory was not checked; none when not asked."""
+    import warnings
+
+    class Repeated(torch.nn.Module):
+        def forward(self, x):
+            return torch.repeat_interleave(x, torch.tensor([1, 2]), dim=0) * 2
+
+    x = torch.randn(2, 3)
+    with pytest.warns(RuntimeWarning, match=r"memory check skipped: no trace on fake tensors \(cannot trace Repeated"):
+        plan = plan_module(Repeated(), x, time_limit=0)
+    assert plan.lower_bound > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan_module(Repeated(), x, time_limit=0, check_memory=False)
+
+
+def test_command_line_refuses_a_batch_whose_plan_passes_the_memory_in_one_line(capsys):
+    """Parameters and inputs fit (one 1-layer gpt, 8 MB of token ids), the attention of 10^6
+    tokens does not: refused in one line before the model runs (a batch of 4,000 resnet50
+    images was ended by the out-of-memory killer)."""
+    from tensormem.model import main
+    start = time.perf_counter()
+    assert main(["plan", "gpt", "--layers", "1", "--sequence", "1000000", "--training"]) == 1
+    assert time.perf_counter() - start < 60
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert re.fullmatch(r"python3 -m tensormem.torch: gpt at batch 1: a plan of its activations needs at least "
+                        r"[0-9.]+ GiB \(their lower bound, traced on fake tensors\), more than the [0-9.]+ GiB of "
+                        r"memory available; try a smaller --batch\n", err), err
