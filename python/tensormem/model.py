@@ -475,16 +475,17 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
 
 
 def _available_memory_bytes() -> int:
-    """MemAvailable of /proc/meminfo (what new allocations can get without swapping), or the
-    physical memory where that is not known."""
+    """MemAvailable of /proc/meminfo (what new allocations can get without swapping), at most
+    the memory this process can have (the machine's, or its memory cgroup's limit)."""
+    memory = _tensormem.physical_memory_bytes()
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    return min(memory, int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    return _tensormem.physical_memory_bytes()
+    return memory
 
 
 def _check_activations_fit(module, inputs, training: bool, loss_fn, alignment: int) -> Optional[UnsupportedGraph]:

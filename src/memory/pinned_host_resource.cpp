@@ -11,9 +11,12 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
+#include <sstream>
 #include <string>
 
 #include "tensormem/memory/cuda_resources.hpp"
+#include "tensormem/memory/detail/cgroup_limit.hpp"
 #include "tensormem/memory/errors.hpp"
 
 namespace tensormem::memory {
@@ -47,11 +50,34 @@ std::size_t memlock_limit_bytes() noexcept {
   return static_cast<std::size_t>(r.rlim_cur);
 }
 
+std::uint64_t cgroup_memory_limit_bytes() noexcept {
+  static const std::uint64_t limit = []() -> std::uint64_t {
+    try {
+      const detail::read_file_fn read = [](const std::string& path) -> std::optional<std::string> {
+        std::ifstream in(path);
+        if (!in) return std::nullopt;
+        std::stringstream text;
+        text << in.rdbuf();
+        if (in.bad()) return std::nullopt;
+        return std::move(text).str();
+      };
+      const auto cgroup = read("/proc/self/cgroup");
+      const auto mountinfo = read("/proc/self/mountinfo");
+      if (!cgroup || !mountinfo) return std::numeric_limits<std::uint64_t>::max();
+      return detail::cgroup_memory_limit(*cgroup, *mountinfo, read);
+    } catch (...) {  // (no memory for the text: no limit known)
+      return std::numeric_limits<std::uint64_t>::max();
+    }
+  }();
+  return limit;
+}
+
 std::size_t physical_memory_bytes() noexcept {
   static const std::size_t physical = [] {
     const long pages = sysconf(_SC_PHYS_PAGES);
-    return pages > 0 ? static_cast<std::size_t>(pages) * pinned_host_resource::page_bytes()
-                     : std::numeric_limits<std::size_t>::max();
+    const std::size_t machine = pages > 0 ? static_cast<std::size_t>(pages) * pinned_host_resource::page_bytes()
+                                          : std::numeric_limits<std::size_t>::max();
+    return static_cast<std::size_t>(std::min<std::uint64_t>(machine, cgroup_memory_limit_bytes()));
   }();
   return physical;
 }

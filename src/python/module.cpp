@@ -755,7 +755,10 @@ PYBIND11_MODULE(_tensormem, m) {
         "with numpy 2).");
   m.def("cuda_built", &memory::cuda_built, "True when the CUDA resources were compiled in.");
   m.def("physical_memory_bytes", &memory::physical_memory_bytes,
-        "The machine's physical memory in bytes (2^64 - 1 when it cannot be read).");
+        "The memory this process can have in bytes: the machine's, or its memory cgroup's limit where lower "
+        "(2^64 - 1 when neither can be read).");
+  m.def("cgroup_memory_limit_bytes", &memory::cgroup_memory_limit_bytes,
+        "The lowest memory limit of this process's cgroup and its ancestors (2^64 - 1 when none).");
   m.def("cuda_unavailable_reason", [] {
     py::gil_scoped_release release;
     return memory::cuda_unavailable_reason();

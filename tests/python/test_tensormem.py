@@ -441,5 +441,7 @@ def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path):
     assert not (tmp_path / "x.svg").exists()
 
 
-def test_physical_memory_is_the_machines():
-    assert tensormem.physical_memory_bytes() == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def test_physical_memory_is_the_machines_or_the_cgroups_where_lower():
+    # (tests/cli_cgroup_test.sh checks it inside a cgroup of 64 MiB)
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert tensormem.physical_memory_bytes() == min(machine, tensormem.cgroup_memory_limit_bytes())

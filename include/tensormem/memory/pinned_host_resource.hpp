@@ -69,9 +69,15 @@ class pinned_host_resource final : public memory_resource {
 
 /// RLIMIT_MEMLOCK's soft limit in bytes (SIZE_MAX when unlimited).
 std::size_t memlock_limit_bytes() noexcept;
-/// The machine's physical memory in bytes (SIZE_MAX when it cannot be read): no request for
-/// more locked memory than this can succeed.
+/// The memory this process can have, in bytes: the machine's physical memory, or the limit
+/// of the process's memory cgroup (a container's, v1 or v2, the lowest over its ancestors)
+/// where that is lower; SIZE_MAX when neither can be read. Read once, on the first call. No
+/// request for more locked memory than this can succeed, and a process that touches more is
+/// ended by the kernel's out-of-memory killer, not refused.
 std::size_t physical_memory_bytes() noexcept;
+/// The lowest memory limit of this process's cgroup and its ancestors (UINT64_MAX when there
+/// is none or it cannot be read). Read once, on the first call.
+std::uint64_t cgroup_memory_limit_bytes() noexcept;
 /// VmLck of this process from /proc/self/status, in bytes (0 if it cannot be read).
 std::size_t process_locked_bytes();
 

@@ -1,0 +1,120 @@
+#include "tensormem/memory/detail/cgroup_limit.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <limits>
+#include <vector>
+
+namespace tensormem::memory::detail {
+
+namespace {
+
+std::vector<std::string_view> split(std::string_view text, char by) {
+  std::vector<std::string_view> parts;
+  for (std::size_t start = 0;;) {
+    const std::size_t end = text.find(by, start);
+    parts.push_back(text.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start));
+    if (end == std::string_view::npos) return parts;
+    start = end + 1;
+  }
+}
+
+// mountinfo writes a space, tab, newline or backslash in a path as \040, \011, \012, \134.
+std::string unescape(std::string_view field) {
+  std::string out;
+  for (std::size_t i = 0; i < field.size(); ++i) {
+    const auto octal = [&](std::size_t k) { return field[k] >= '0' && field[k] <= '7'; };
+    if (field[i] == '\\' && i + 3 < field.size() && octal(i + 1) && octal(i + 2) && octal(i + 3)) {
+      out.push_back(static_cast<char>((field[i + 1] - '0') * 64 + (field[i + 2] - '0') * 8 + (field[i + 3] - '0')));
+      i += 3;
+    } else {
+      out.push_back(field[i]);
+    }
+  }
+  return out;
+}
+
+struct cgroup_mount {
+  std::string root;         // the cgroup path the mount shows at its mount point
+  std::string mount_point;
+};
+
+// The mount of a cgroup2 hierarchy (v1 = false) or of a v1 hierarchy with the memory
+// controller (v1 = true), if any.
+std::optional<cgroup_mount> find_mount(std::string_view mountinfo, bool v1) {
+  for (std::string_view line : split(mountinfo, '\n')) {
+    const std::size_t dash = line.find(" - ");
+    if (dash == std::string_view::npos) continue;
+    const auto before = split(line.substr(0, dash), ' ');
+    const auto after = split(line.substr(dash + 3), ' ');
+    if (before.size() < 5 || after.size() < 3) continue;
+    if (v1) {
+      if (after[0] != "cgroup") continue;
+      const auto options = split(after[2], ',');
+      if (std::find(options.begin(), options.end(), "memory") == options.end()) continue;
+    } else if (after[0] != "cgroup2") {
+      continue;
+    }
+    return cgroup_mount{unescape(before[3]), unescape(before[4])};
+  }
+  return std::nullopt;
+}
+
+// A limit file's number; none for "max", an unreadable file or other text.
+std::optional<std::uint64_t> limit_in(const read_file_fn& read_file, const std::string& path) {
+  const std::optional<std::string> text = read_file(path);
+  if (!text) return std::nullopt;
+  std::string_view t = *text;
+  while (!t.empty() && (t.back() == '\n' || t.back() == ' ')) t.remove_suffix(1);
+  std::uint64_t value = 0;
+  const auto [end, error] = std::from_chars(t.data(), t.data() + t.size(), value);
+  if (error != std::errc() || end != t.data() + t.size() || t.empty()) return std::nullopt;
+  return value;
+}
+
+// The lowest limit in `file` over the cgroup at `path` and its ancestors inside the mount.
+std::uint64_t lowest_limit(const cgroup_mount& mount, std::string path, const char* file,
+                           const read_file_fn& read_file) {
+  std::string root = mount.root;
+  if (root.size() > 1 && root.back() == '/') root.pop_back();
+  if (root != "/") {
+    if (path != root && path.rfind(root + "/", 0) != 0) return std::numeric_limits<std::uint64_t>::max();
+    path = path.substr(root.size());
+  }
+  std::uint64_t lowest = std::numeric_limits<std::uint64_t>::max();
+  while (true) {
+    if (path.empty() || path.front() != '/') path.insert(path.begin(), '/');
+    const std::string dir = mount.mount_point + (path == "/" ? std::string() : path);
+    if (const auto limit = limit_in(read_file, dir + "/" + file)) lowest = std::min(lowest, *limit);
+    if (path == "/") return lowest;
+    path.erase(path.rfind('/'));
+  }
+}
+
+}  // namespace
+
+std::uint64_t cgroup_memory_limit(std::string_view proc_self_cgroup, std::string_view mountinfo,
+                                  const read_file_fn& read_file) {
+  std::uint64_t lowest = std::numeric_limits<std::uint64_t>::max();
+  for (std::string_view line : split(proc_self_cgroup, '\n')) {
+    const std::size_t first = line.find(':');
+    const std::size_t second = first == std::string_view::npos ? first : line.find(':', first + 1);
+    if (second == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(first + 1, second - first - 1);
+    const std::string path(line.substr(second + 1));
+    if (line.substr(0, first) == "0" && controllers.empty()) {
+      if (const auto mount = find_mount(mountinfo, false)) {
+        lowest = std::min(lowest, lowest_limit(*mount, path, "memory.max", read_file));
+      }
+    } else {
+      const auto names = split(controllers, ',');
+      if (std::find(names.begin(), names.end(), "memory") == names.end()) continue;
+      if (const auto mount = find_mount(mountinfo, true)) {
+        lowest = std::min(lowest, lowest_limit(*mount, path, "memory.limit_in_bytes", read_file));
+      }
+    }
+  }
+  return lowest;
+}
+
+}  // namespace tensormem::memory::detail

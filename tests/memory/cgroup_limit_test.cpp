@@ -1,0 +1,131 @@
+// The memory limit of a process's cgroup, read from /proc's text for cgroup v1, v2 and both.
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "tensormem/memory/detail/cgroup_limit.hpp"
+#include "tensormem/memory/pinned_host_resource.hpp"
+
+namespace {
+
+using tensormem::memory::detail::cgroup_memory_limit;
+constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
+
+// A file system of a few files; every path read is recorded.
+struct fake_files {
+  std::map<std::string, std::string> files;
+  std::map<std::string, int> reads;
+  tensormem::memory::detail::read_file_fn reader() {
+    return [this](const std::string& path) -> std::optional<std::string> {
+      ++reads[path];
+      const auto it = files.find(path);
+      if (it == files.end()) return std::nullopt;
+      return it->second;
+    };
+  }
+};
+
+const char* const v2_mount = "30 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n";
+const char* const v1_mounts =
+    "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+    "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+    "35 31 0:30 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+    "40 31 0:31 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+
+TEST(cgroup_limit, v2_takes_the_lowest_limit_of_the_cgroup_and_its_ancestors) {
+  fake_files fs;
+  fs.files["/sys/fs/cgroup/user.slice/app.scope/memory.max"] = "max\n";
+  fs.files["/sys/fs/cgroup/user.slice/memory.max"] = "1073741824\n";
+  fs.files["/sys/fs/cgroup/memory.max"] = "2147483648\n";  // (the root has none; a lower one above wins)
+  EXPECT_EQ(cgroup_memory_limit("0::/user.slice/app.scope\n", v2_mount, fs.reader()), 1073741824U);
+  EXPECT_EQ(fs.reads.size(), 3U);  // the cgroup, its parent and the root, each once
+  fs.files["/sys/fs/cgroup/user.slice/app.scope/memory.max"] = "67108864";  // no newline
+  EXPECT_EQ(cgroup_memory_limit("0::/user.slice/app.scope\n", v2_mount, fs.reader()), 67108864U);
+}
+
+TEST(cgroup_limit, v1_reads_the_memory_hierarchy_also_among_other_controllers) {
+  fake_files fs;
+  fs.files["/sys/fs/cgroup/memory/process_api/abc/memory.limit_in_bytes"] = "67108864\n";
+  fs.files["/sys/fs/cgroup/memory/process_api/memory.limit_in_bytes"] = "9223372036854771712\n";  // v1's "none"
+  const char* cgroup = "9:name=systemd:/\n8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n";
+  EXPECT_EQ(cgroup_memory_limit(cgroup, v1_mounts, fs.reader()), 67108864U);
+  EXPECT_EQ(cgroup_memory_limit("4:cpu,memory:/process_api/abc\n", v1_mounts, fs.reader()), 67108864U);
+  // "memory" must be a controller of the line, not part of a name.
+  EXPECT_EQ(cgroup_memory_limit("4:name=memoryish:/process_api/abc\n", v1_mounts, fs.reader()), none);
+  // A v1 mount must name the memory controller among its options.
+  EXPECT_EQ(cgroup_memory_limit("4:memory:/process_api/abc\n",
+                                "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n", fs.reader()),
+            none);
+}
+
+TEST(cgroup_limit, a_hybrid_layout_takes_the_lowest_of_both) {
+  fake_files fs;
+  fs.files["/sys/fs/cgroup/memory/job/memory.limit_in_bytes"] = "500000000\n";
+  fs.files["/sys/fs/cgroup/unified/job/memory.max"] = "400000000\n";
+  EXPECT_EQ(cgroup_memory_limit("4:memory:/job\n0::/job\n", v1_mounts, fs.reader()), 400000000U);
+  fs.files.erase("/sys/fs/cgroup/unified/job/memory.max");  // the memory controller on v1 only
+  EXPECT_EQ(cgroup_memory_limit("4:memory:/job\n0::/job\n", v1_mounts, fs.reader()), 500000000U);
+}
+
+TEST(cgroup_limit, a_container_sees_its_own_cgroup_at_the_mount_point) {
+  // In a cgroup namespace or a bind mount, the mount's root is the container's cgroup.
+  fake_files fs;
+  fs.files["/sys/fs/cgroup/memory.max"] = "268435456\n";
+  fs.files["/sys/fs/cgroup/docker/c0ffee/memory.max"] = "1";  // never read: not where the mount shows it
+  const char* mount = "30 23 0:26 /docker/c0ffee /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/docker/c0ffee\n", mount, fs.reader()), 268435456U);
+  const char* slashed = "30 23 0:26 /docker/c0ffee/ /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/docker/c0ffee\n", slashed, fs.reader()), 268435456U);
+  fs.files["/sys/fs/cgroup/job/memory.max"] = "1000";
+  EXPECT_EQ(cgroup_memory_limit("0::/docker/c0ffee/job\n", mount, fs.reader()), 1000U);
+  // A path outside the mount's root (or only sharing its prefix) has no file here.
+  EXPECT_EQ(cgroup_memory_limit("0::/docker/other\n", mount, fs.reader()), none);
+  EXPECT_EQ(cgroup_memory_limit("0::/docker/c0ffeeX\n", mount, fs.reader()), none);
+}
+
+TEST(cgroup_limit, an_escaped_mount_point_is_read_where_it_is) {
+  fake_files fs;
+  fs.files["/mnt/cgroup two\\x/a/memory.max"] = "4096\n";
+  const char* mount = "30 23 0:26 / /mnt/cgroup\\040two\\134x rw - cgroup2 cgroup2 rw\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", mount, fs.reader()), 4096U);
+  // A backslash not followed by three octal digits stays as it is.
+  fs.files["/mnt/c\\9x/a/memory.max"] = "8192\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /mnt/c\\9x rw - cgroup2 cgroup2 rw\n", fs.reader()), 8192U);
+  fs.files["/mnt/c\\04/a/memory.max"] = "16384\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /mnt/c\\04 rw - cgroup2 cgroup2 rw\n", fs.reader()), 16384U);
+}
+
+TEST(cgroup_limit, no_limit_from_max_text_missing_files_or_malformed_lines) {
+  fake_files fs;
+  fs.files["/sys/fs/cgroup/a/memory.max"] = "max\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", v2_mount, fs.reader()), none);
+  for (const char* text : {"", "\n", "12abc\n", "-5\n", "99999999999999999999999\n", " 12\n"}) {
+    fs.files["/sys/fs/cgroup/a/memory.max"] = text;
+    EXPECT_EQ(cgroup_memory_limit("0::/a\n", v2_mount, fs.reader()), none) << text;
+  }
+  fs.files["/sys/fs/cgroup/a/memory.max"] = "0\n";  // a limit of nothing is a limit
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", v2_mount, fs.reader()), 0U);
+  EXPECT_EQ(cgroup_memory_limit("", v2_mount, fs.reader()), none);
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "", fs.reader()), none);
+  EXPECT_EQ(cgroup_memory_limit("garbage\n0:/a\n", v2_mount, fs.reader()), none);
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /sys/fs/cgroup rw cgroup2 cgroup2 rw\n", fs.reader()),
+            none);  // no " - " separator
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 - cgroup2 cgroup2 rw\n", fs.reader()), none);  // too few fields
+}
+
+TEST(cgroup_limit, the_process_memory_is_at_most_the_machine_and_the_cgroup) {
+  const std::size_t memory = tensormem::memory::physical_memory_bytes();
+  EXPECT_GT(memory, 0U);
+  EXPECT_LE(memory, tensormem::memory::cgroup_memory_limit_bytes());
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  ASSERT_GT(pages, 0);
+  EXPECT_LE(memory, static_cast<std::size_t>(pages) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE)));
+}
+
+}  // namespace
