@@ -59,13 +59,18 @@ rc=$?
 [ $rc = 1 ] || { echo "FAIL plan: exit $rc (137 is the out-of-memory killer)"; fail=1; }
 expect "plan" "$out" "1000000 buffers need about 152.59 MiB of memory to plan (about 160 bytes a buffer), more than this machine's 64.00 MiB"
 
-# 2b. A trace file of 10^6 lines: refused before it is read (reading it alone passed 64 MiB).
+# 2b. A trace file of 10^6 lines: refused by plan and replay before it is read (reading it
+# alone passed 64 MiB).
 work=$(mktemp -d)
 awk 'BEGIN { print "id,lower,upper,size"; for (i = 0; i < 999999; ++i) printf "b%d,%d,%d,4096\n", i, i, i + 2 }' > "$work/big.csv"
 out=$(inside "$cli" plan "$work/big.csv" 2>&1)
 rc=$?
 [ $rc = 1 ] || { echo "FAIL plan of a file: exit $rc (137 is the out-of-memory killer)"; fail=1; }
 expect "plan of a file" "$out" "big.csv: 1000000 lines need about 152.59 MiB of memory to plan"
+out=$(inside "$cli" replay "$work/big.csv" 2>&1)
+rc=$?
+[ $rc = 1 ] || { echo "FAIL replay of a file: exit $rc (137 is the out-of-memory killer)"; fail=1; }
+expect "replay of a file" "$out" "replay: .*big.csv: 1000000 lines need about 133.51 MiB of memory to replay (about 140 bytes a buffer), more than this machine's 64.00 MiB"
 rm -rf "$work"
 
 # 3. A smaller plan still runs in it.

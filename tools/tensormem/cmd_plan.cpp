@@ -4,12 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <limits>
 #include <string>
-#include <vector>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -19,7 +15,6 @@
 #include "progress.hpp"
 #include "report.hpp"
 #include "tensormem/core/planner.hpp"
-#include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
 
@@ -47,34 +42,9 @@ std::uint64_t peak_rss_bytes() {
   return static_cast<std::uint64_t>(u.ru_maxrss) * 1024;
 }
 
-// Planning N buffers takes about 160 bytes of memory each at 10^7 and 3 x 10^7 buffers (peak
-// RSS; about 490 at 10^6, where the search runs longer; docs/BENCHMARKS.md). Refused before
-// the buffers are made or planned where that is more than the machine's memory: such a run
-// was ended by the kernel's out-of-memory killer.
-void refuse_past_memory(const std::string& what, std::size_t buffers, const char* counted = "buffers") {
-  constexpr std::uint64_t bytes_per_buffer = 160;
-  const std::size_t memory = memory::physical_memory_bytes();
-  if (memory == std::numeric_limits<std::size_t>::max() || buffers <= memory / bytes_per_buffer) return;
-  throw std::invalid_argument(fmt::format(
-      "plan: {}: {} {} need about {} of memory to plan (about {} bytes a buffer), more than this machine's {}",
-      what, buffers, counted, human_bytes(static_cast<std::uint64_t>(buffers) * bytes_per_buffer), bytes_per_buffer,
-      human_bytes(memory)));
-}
-
-// The lines of a regular file, counted without keeping them; 0 for anything else (a pipe is
-// read once, as it comes).
-std::size_t count_lines(const std::string& path) {
-  std::error_code error;
-  if (!std::filesystem::is_regular_file(path, error)) return 0;
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> chunk(std::size_t{1} << 20);
-  std::size_t lines = 0;
-  while (in) {
-    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
-    lines += static_cast<std::size_t>(std::count(chunk.data(), chunk.data() + in.gcount(), '\n'));
-  }
-  return lines;
-}
+// Planning takes about 160 bytes of memory a buffer at 10^7 and 3 x 10^7 buffers (peak RSS;
+// about 490 at 10^6, where the search runs longer; docs/BENCHMARKS.md).
+constexpr std::uint64_t plan_bytes_per_buffer = 160;
 
 void run_plan(plan_cli_options o) {
   // --time-limit is the budget of reading, planning and validating together: the planner
@@ -94,15 +64,14 @@ void run_plan(plan_cli_options o) {
                                 std::to_string(core::max_plan_buffers) + " buffers are planned");
   }
   if (o.synthetic != 0) {
-    refuse_past_memory("--synthetic " + std::to_string(o.synthetic), o.synthetic);
+    refuse_past_memory("plan", "--synthetic " + std::to_string(o.synthetic), o.synthetic, "buffers",
+                       plan_bytes_per_buffer);
     buffers = core::synthetic_lifetimes(o.synthetic, o.synthetic_seed);
     o.trace = "synthetic:" + std::to_string(o.synthetic) + ":" + std::to_string(o.synthetic_seed);
   } else {
-    // A line is at most a buffer: a file too large to plan is refused before it is read
-    // (reading 10^6 lines takes more than 64 MiB), a pipe once it has been.
-    refuse_past_memory(o.trace, count_lines(o.trace), "lines");
+    refuse_trace_past_memory("plan", o.trace, plan_bytes_per_buffer);
     buffers = trace::read_trace(o.trace);
-    refuse_past_memory(o.trace, buffers.size());
+    refuse_past_memory("plan", o.trace, buffers.size(), "buffers", plan_bytes_per_buffer);
   }
   const double read_seconds = seconds_since(started);
   core::plan_options options;

@@ -25,8 +25,14 @@ struct replay_options {
   bool json = false;
 };
 
+// Replaying takes about 140 bytes of memory a buffer (peak RSS at 10^6 buffers: 141 MiB;
+// docs/BENCHMARKS.md).
+constexpr std::uint64_t replay_bytes_per_buffer = 140;
+
 void run_replay(const replay_options& o) {
+  refuse_trace_past_memory("replay", o.trace, replay_bytes_per_buffer);
   const auto buffers = trace::read_trace(o.trace);
+  refuse_past_memory("replay", o.trace, buffers.size(), "buffers", replay_bytes_per_buffer);
   const timed_replay t = o.allocator == "best-fit"
                             ? replay_timed<core::best_fit_allocator>(buffers, o.alignment)
                             : replay_timed<core::tlsf_allocator>(buffers, o.alignment);

@@ -1,8 +1,16 @@
 #include "report.hpp"
 
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <stdexcept>
+#include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
+
+#include "tensormem/memory/pinned_host_resource.hpp"
 
 namespace tensormem::cli {
 
@@ -28,6 +36,31 @@ double ratio_of(std::uint64_t high, std::uint64_t low) {
 std::string ratio_text(std::uint64_t high, std::uint64_t low) {
   if (low == 0 && high != 0) return "n/a";
   return fmt::format("{:.4f}", ratio_of(high, low));
+}
+
+void refuse_past_memory(const std::string& command, const std::string& what, std::size_t count,
+                        const char* counted, std::uint64_t bytes_per_buffer) {
+  const std::size_t memory = memory::physical_memory_bytes();
+  if (memory == std::numeric_limits<std::size_t>::max() || count <= memory / bytes_per_buffer) return;
+  const std::uint64_t need = count > std::numeric_limits<std::uint64_t>::max() / bytes_per_buffer
+                                 ? std::numeric_limits<std::uint64_t>::max()
+                                 : static_cast<std::uint64_t>(count) * bytes_per_buffer;
+  throw std::invalid_argument(fmt::format(
+      "{}: {}: {} {} need about {} of memory to {} (about {} bytes a buffer), more than this machine's {}", command,
+      what, count, counted, human_bytes(need), command, bytes_per_buffer, human_bytes(memory)));
+}
+
+void refuse_trace_past_memory(const std::string& command, const std::string& path, std::uint64_t bytes_per_buffer) {
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) return;
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> chunk(std::size_t{1} << 20);
+  std::size_t lines = 0;
+  while (in) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    lines += static_cast<std::size_t>(std::count(chunk.data(), chunk.data() + in.gcount(), '\n'));
+  }
+  refuse_past_memory(command, path, lines, "lines", bytes_per_buffer);
 }
 
 }  // namespace tensormem::cli
