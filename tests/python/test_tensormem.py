@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -445,3 +446,17 @@ def test_physical_memory_is_the_machines_or_the_cgroups_where_lower():
     # (tests/cli_cgroup_test.sh checks it inside a cgroup of 64 MiB)
     machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert tensormem.physical_memory_bytes() == min(machine, tensormem.cgroup_memory_limit_bytes())
+
+
+def test_plan_refuses_more_buffers_than_the_memory_holds_before_making_them():
+    """About 160 bytes a buffer: one buffer more than the process's memory holds at that rate
+    is a MemoryError at once (arrays that are views of one element, so nothing is held)."""
+    n = tensormem.physical_memory_bytes() // 160 + 1
+    one = np.ones(1, dtype=np.uint64)
+    lower, upper = np.broadcast_to(one * 0, (n,)), np.broadcast_to(one, (n,))
+    start = time.perf_counter()
+    with pytest.raises(MemoryError, match=rf"plan: {n} buffers need about {n * 160} bytes of memory to plan "
+                                          rf"\(about 160 a buffer\), more than the "
+                                          rf"{tensormem.physical_memory_bytes()} bytes this process can have"):
+        tensormem.plan(lower, upper, np.broadcast_to(one, (n,)))
+    assert time.perf_counter() - start < 5

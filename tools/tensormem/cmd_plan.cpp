@@ -42,10 +42,6 @@ std::uint64_t peak_rss_bytes() {
   return static_cast<std::uint64_t>(u.ru_maxrss) * 1024;
 }
 
-// Planning takes about 160 bytes of memory a buffer at 10^7 and 3 x 10^7 buffers (peak RSS;
-// about 490 at 10^6, where the search runs longer; docs/BENCHMARKS.md).
-constexpr std::uint64_t plan_bytes_per_buffer = 160;
-
 void run_plan(plan_cli_options o) {
   // --time-limit is the budget of reading, planning and validating together: the planner
   // gets what reading the trace left of it and keeps room for the validation (its first plan
@@ -65,13 +61,13 @@ void run_plan(plan_cli_options o) {
   }
   if (o.synthetic != 0) {
     refuse_past_memory("plan", "--synthetic " + std::to_string(o.synthetic), o.synthetic, "buffers",
-                       plan_bytes_per_buffer);
+                       core::plan_bytes_per_buffer);
     buffers = core::synthetic_lifetimes(o.synthetic, o.synthetic_seed);
     o.trace = "synthetic:" + std::to_string(o.synthetic) + ":" + std::to_string(o.synthetic_seed);
   } else {
-    refuse_trace_past_memory("plan", o.trace, plan_bytes_per_buffer);
+    refuse_trace_past_memory("plan", o.trace, core::plan_bytes_per_buffer);
     buffers = trace::read_trace(o.trace);
-    refuse_past_memory("plan", o.trace, buffers.size(), "buffers", plan_bytes_per_buffer);
+    refuse_past_memory("plan", o.trace, buffers.size(), "buffers", core::plan_bytes_per_buffer);
   }
   const double read_seconds = seconds_since(started);
   core::plan_options options;

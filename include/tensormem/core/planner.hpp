@@ -64,6 +64,12 @@ struct plan_result {
 
 /// The most buffers one plan takes (buffers are numbered in 31 bits).
 inline constexpr std::size_t max_plan_buffers = (std::size_t{1} << 31) - 1;
+/// About the memory `plan` takes per buffer at scale, in bytes: the peak RSS of `tensormem
+/// plan --synthetic N` over N at 10^7 and 3 x 10^7 buffers, the least measured (the search
+/// takes more where it runs long: about 490 at 10^6; docs/BENCHMARKS.md). The command line
+/// and the Python module refuse, before planning, a plan of more buffers than the process's
+/// memory holds at this rate.
+inline constexpr std::uint64_t plan_bytes_per_buffer = 160;
 
 /// Places every buffer so that no two buffers whose lifetimes overlap share a byte, in an
 /// arena as small as the budget allows. Steps:
