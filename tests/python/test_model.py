@@ -949,6 +949,19 @@ def test_plan_module_says_when_it_cannot_check_the_memory():
         plan_module(Repeated(), x, time_limit=0, check_memory=False)
 
 
+def test_any_failure_of_the_fake_trace_skips_the_check_and_never_the_plan(monkeypatch):
+    import tensormem.model as model
+
+    def broken(*args, **kwargs):
+        raise KeyError("a fake-tensor failure of some other kind")
+
+    monkeypatch.setattr(model, "activation_lower_bound", broken)
+    module, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    with pytest.warns(RuntimeWarning, match="memory check skipped: no trace on fake tensors .*some other kind"):
+        plan = plan_module(module, x, time_limit=0)
+    assert plan.lower_bound > 0
+
+
 def test_command_line_refuses_a_batch_whose_plan_passes_the_memory_in_one_line(capsys):
     """Parameters and inputs fit (one 1-layer gpt, 8 MB of token ids), the attention of 10^6
     tokens does not: refused in one line before the model runs (a batch of 4,000 resnet50
