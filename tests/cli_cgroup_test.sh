@@ -4,11 +4,14 @@
 # `tensormem plan --synthetic 1000000` and `swap-bench` refuse what the cgroup cannot hold
 # instead of being ended by the out-of-memory killer. Needs root and a writable cgroup v1
 # memory hierarchy or cgroup v2 with the memory controller; otherwise prints SKIP and why.
-# Prints PASS or what went wrong.
-# Usage: cli_cgroup_test.sh TENSORMEM PYTHON_PACKAGE_DIR
+# `tensormem demo` in a cgroup of 256 MiB swaps what a quarter of it holds (it was killed: it
+# budgeted a quarter of the machine and mapped slabs of 256 MiB). Prints PASS or what went wrong.
+# Usage: cli_cgroup_test.sh TENSORMEM PYTHON_PACKAGE_DIR [sanitized]
+#   sanitized: the build is instrumented (several times the memory): the demo is left out
 set -u
-cli=$1
+cli=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 python_dir=$2
+sanitized=${3:-}
 limit=67108864
 fail=0
 expect() {  # expect NAME OUTPUT PATTERN
@@ -86,6 +89,20 @@ rc=$?
 rm -rf "$work"
 [ $rc = 1 ] || { echo "FAIL swap-bench: exit $rc"; fail=1; }
 expect "swap-bench" "$out" "more than half of this machine's 64.00 MiB"
+
+# 5. The demo in 256 MiB: the swap section budgets a quarter of the cgroup, not of the machine.
+if [ -z "$sanitized" ]; then
+  echo $((4 * limit)) > "$group/$file"
+  work=$(mktemp -d)
+  out=$(cd "$work" && TMPDIR="$work" inside "$cli" demo 2>&1)
+  rc=$?
+  rm -rf "$work"
+  [ $rc = 0 ] || { echo "FAIL demo: exit $rc (137 is the out-of-memory killer)"; fail=1; }
+  expect "demo" "$out" "the budget is 64.00 MiB: a quarter of this machine's memory, 256.00 MiB"
+  expect "demo" "$out" "contents intact"
+else
+  echo "note: an instrumented build: the demo's check is left out"
+fi
 
 [ $fail = 0 ] && echo PASS
 exit $fail

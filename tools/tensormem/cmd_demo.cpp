@@ -162,7 +162,10 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
                   out.budget_basis + ")";
     return out;
   }
-  memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 20, .allow_unlocked_fallback = true});
+  // Slabs no larger than what is swapped (a 256 MiB slab alone passed a container's 256 MiB):
+  // the pool then maps about the chosen bytes, within the budget.
+  const std::uint64_t slab = std::min<std::uint64_t>(std::uint64_t{256} << 20, (out.bytes + (2U << 20) - 1) / (2U << 20) * (2U << 20));
+  memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(slab), .allow_unlocked_fallback = true});
   swap::tensor_swapper swapper(pool);
   std::vector<swap::tensor_ref> tensors;
   std::vector<std::string> paths;
