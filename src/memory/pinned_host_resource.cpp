@@ -82,6 +82,20 @@ std::size_t physical_memory_bytes() noexcept {
   return physical;
 }
 
+std::optional<memory_shortfall> shortfall_against(std::size_t count, std::uint64_t bytes_each,
+                                                  std::size_t memory) noexcept {
+  if (bytes_each == 0 || memory == std::numeric_limits<std::size_t>::max() || count <= memory / bytes_each) {
+    return std::nullopt;
+  }
+  const std::uint64_t most = std::numeric_limits<std::uint64_t>::max();
+  const std::uint64_t need = count > most / bytes_each ? most : static_cast<std::uint64_t>(count) * bytes_each;
+  return memory_shortfall{need, memory};
+}
+
+std::optional<memory_shortfall> memory_shortfall_for(std::size_t count, std::uint64_t bytes_each) noexcept {
+  return shortfall_against(count, bytes_each, physical_memory_bytes());
+}
+
 std::size_t process_locked_bytes() {
   std::ifstream status("/proc/self/status");
   std::string line;

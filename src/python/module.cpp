@@ -544,13 +544,12 @@ PYBIND11_MODULE(_tensormem, m) {
                    double time_limit, u64 alignment, u64 seed) {
     // Refused before the buffers are made where planning them would pass the process's
     // memory (the kernel's out-of-memory killer would end the interpreter).
-    if (const auto n = static_cast<std::size_t>(py::len(lower));
-        n > memory::physical_memory_bytes() / core::plan_bytes_per_buffer) {
+    const auto n = static_cast<std::size_t>(py::len(lower));
+    if (const auto shortfall = memory::memory_shortfall_for(n, core::plan_bytes_per_buffer)) {
       throw memory::out_of_memory("plan: " + std::to_string(n) + " buffers need about " +
-                                  std::to_string(static_cast<u64>(n) * core::plan_bytes_per_buffer) +
-                                  " bytes of memory to plan (about " + std::to_string(core::plan_bytes_per_buffer) +
-                                  " a buffer), more than the " + std::to_string(memory::physical_memory_bytes()) +
-                                  " bytes this process can have");
+                                  std::to_string(shortfall->need_bytes) + " bytes of memory to plan (about " +
+                                  std::to_string(core::plan_bytes_per_buffer) + " a buffer), more than the " +
+                                  std::to_string(shortfall->memory_bytes) + " bytes this process can have");
     }
     const auto buffers = buffers_from(lower, upper, size);
     core::plan_options o;

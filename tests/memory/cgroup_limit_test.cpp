@@ -128,4 +128,35 @@ TEST(cgroup_limit, the_process_memory_is_at_most_the_machine_and_the_cgroup) {
   EXPECT_LE(memory, static_cast<std::size_t>(pages) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE)));
 }
 
+// The rule the command line and the Python module refuse by: count x bytes_each against the
+// memory, exact at the boundary, saturated where the product overflows.
+TEST(memory_shortfall, is_reported_exactly_past_the_memory_and_saturates) {
+  using tensormem::memory::shortfall_against;
+  constexpr std::size_t memory = 1000;
+  EXPECT_FALSE(shortfall_against(0, 160, memory));
+  EXPECT_FALSE(shortfall_against(6, 160, memory));  // 960 bytes fit
+  const auto past = shortfall_against(7, 160, memory);  // 1120 do not
+  ASSERT_TRUE(past);
+  EXPECT_EQ(past->need_bytes, 1120U);
+  EXPECT_EQ(past->memory_bytes, memory);
+  EXPECT_FALSE(shortfall_against(1000, 1, memory));
+  EXPECT_TRUE(shortfall_against(1001, 1, memory));
+  // A product past 2^64 is reported as UINT64_MAX, not wrapped round to a small number.
+  const std::size_t huge = std::numeric_limits<std::size_t>::max() / 2;
+  const auto saturated = shortfall_against(huge, 160, memory);
+  ASSERT_TRUE(saturated);
+  EXPECT_EQ(saturated->need_bytes, none);
+  // Memory that cannot be read refuses nothing; neither does an item of no bytes.
+  EXPECT_FALSE(shortfall_against(huge, 160, std::numeric_limits<std::size_t>::max()));
+  EXPECT_FALSE(shortfall_against(huge, 0, memory));
+  // The process's own memory: the largest count that fits and the next one.
+  const std::size_t mine = tensormem::memory::physical_memory_bytes();
+  ASSERT_NE(mine, std::numeric_limits<std::size_t>::max());
+  EXPECT_FALSE(tensormem::memory::memory_shortfall_for(mine / 160, 160));
+  const auto over = tensormem::memory::memory_shortfall_for(mine / 160 + 1, 160);
+  ASSERT_TRUE(over);
+  EXPECT_EQ(over->memory_bytes, mine);
+  EXPECT_EQ(over->need_bytes, (mine / 160 + 1) * 160);
+}
+
 }  // namespace

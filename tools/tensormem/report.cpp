@@ -40,14 +40,12 @@ std::string ratio_text(std::uint64_t high, std::uint64_t low) {
 
 void refuse_past_memory(const std::string& command, const std::string& what, std::size_t count,
                         const char* counted, std::uint64_t bytes_per_buffer) {
-  const std::size_t memory = memory::physical_memory_bytes();
-  if (memory == std::numeric_limits<std::size_t>::max() || count <= memory / bytes_per_buffer) return;
-  const std::uint64_t need = count > std::numeric_limits<std::uint64_t>::max() / bytes_per_buffer
-                                 ? std::numeric_limits<std::uint64_t>::max()
-                                 : static_cast<std::uint64_t>(count) * bytes_per_buffer;
+  const auto shortfall = memory::memory_shortfall_for(count, bytes_per_buffer);
+  if (!shortfall) return;
   throw std::invalid_argument(fmt::format(
       "{}: {}: {} {} need about {} of memory to {} (about {} bytes a buffer), more than this machine's {}", command,
-      what, count, counted, human_bytes(need), command, bytes_per_buffer, human_bytes(memory)));
+      what, count, counted, human_bytes(shortfall->need_bytes), command, bytes_per_buffer,
+      human_bytes(shortfall->memory_bytes)));
 }
 
 void refuse_trace_past_memory(const std::string& command, const std::string& path, std::uint64_t bytes_per_buffer) {

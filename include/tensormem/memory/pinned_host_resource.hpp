@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <unordered_set>
 
 #include "tensormem/memory/memory_resource.hpp"
@@ -75,6 +76,20 @@ std::size_t memlock_limit_bytes() noexcept;
 /// request for more locked memory than this can succeed, and a process that touches more is
 /// ended by the kernel's out-of-memory killer, not refused.
 std::size_t physical_memory_bytes() noexcept;
+/// What `count` items of about `bytes_each` bytes would need, where that is more than
+/// `memory` bytes.
+struct memory_shortfall {
+  std::uint64_t need_bytes;    ///< count x bytes_each, UINT64_MAX where that overflows
+  std::uint64_t memory_bytes;  ///< the memory they were judged against
+};
+/// The shortfall of `count` items of `bytes_each` bytes against `memory` bytes; nullopt when
+/// they fit, when `memory` is SIZE_MAX (unknown) or when `bytes_each` is 0.
+std::optional<memory_shortfall> shortfall_against(std::size_t count, std::uint64_t bytes_each,
+                                                  std::size_t memory) noexcept;
+/// The same against physical_memory_bytes(). The command line and the Python module refuse
+/// a plan or a replay with it before making its buffers, so that a job too large for the
+/// process fails with an error instead of being ended by the out-of-memory killer.
+std::optional<memory_shortfall> memory_shortfall_for(std::size_t count, std::uint64_t bytes_each) noexcept;
 /// The lowest memory limit of this process's cgroup and its ancestors (UINT64_MAX when there
 /// is none or it cannot be read). Read once, on the first call.
 std::uint64_t cgroup_memory_limit_bytes() noexcept;
