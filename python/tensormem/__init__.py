@@ -21,6 +21,7 @@ from ._tensormem import (  # noqa: F401
     TensorSwapper,
     TlsfAllocator,
     __version__,
+    cgroup_memory_available_bytes,
     cgroup_memory_limit_bytes,
     cuda_built,
     cuda_unavailable_reason,
@@ -38,6 +39,6 @@ __all__ = [
     "GROWING", "MAX_QUEUE_DEPTH", "SWAP_BLOCK_ALIGNMENT", "IO_ENGINES", "Allocation", "BestFitAllocator",
     "ContiguousArena", "MemoryView", "OperatorGraph",
     "derive_lifetimes", "make_transformer_step", "PinnedBuffer", "PinnedPool", "TensorSwapper", "TlsfAllocator",
-    "__version__", "cgroup_memory_limit_bytes", "cuda_built", "cuda_unavailable_reason", "lower_bound", "physical_memory_bytes", "plan",
+    "__version__", "cgroup_memory_available_bytes", "cgroup_memory_limit_bytes", "cuda_built", "cuda_unavailable_reason", "lower_bound", "physical_memory_bytes", "plan",
     "read_trace", "validate", "write_plan_picture",
 ]

@@ -476,8 +476,9 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
 
 def _available_memory_bytes() -> int:
     """MemAvailable of /proc/meminfo (what new allocations can get without swapping), at most
-    the memory this process can have (the machine's, or its memory cgroup's limit)."""
-    memory = _tensormem.physical_memory_bytes()
+    what this process's memory cgroup leaves (its limit less its usage, inactive file cache
+    counted as free) and the memory this process can have at all."""
+    memory = min(_tensormem.physical_memory_bytes(), _tensormem.cgroup_memory_available_bytes())
     try:
         with open("/proc/meminfo") as f:
             for line in f:

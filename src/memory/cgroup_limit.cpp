@@ -72,9 +72,24 @@ std::optional<std::uint64_t> limit_in(const read_file_fn& read_file, const std::
   return value;
 }
 
-// The lowest limit in `file` over the cgroup at `path` and its ancestors inside the mount.
-std::uint64_t lowest_limit(const cgroup_mount& mount, std::string path, const char* file,
-                           const read_file_fn& read_file) {
+// The value of a stat file's line "NAME N", if any.
+std::optional<std::uint64_t> stat_in(const read_file_fn& read_file, const std::string& path, std::string_view name) {
+  const std::optional<std::string> text = read_file(path);
+  if (!text) return std::nullopt;
+  for (std::string_view line : split(*text, '\n')) {
+    if (line.size() <= name.size() || line.substr(0, name.size()) != name || line[name.size()] != ' ') continue;
+    const std::string_view number = line.substr(name.size() + 1);
+    std::uint64_t value = 0;
+    const auto [end, error] = std::from_chars(number.data(), number.data() + number.size(), value);
+    if (error == std::errc() && end == number.data() + number.size() && !number.empty()) return value;
+  }
+  return std::nullopt;
+}
+
+// The lowest of value(folder) over the cgroup at `path` and its ancestors inside the mount
+// (folders without a value count for none).
+template <class Value>
+std::uint64_t lowest_over_ancestors(const cgroup_mount& mount, std::string path, Value&& value) {
   std::string root = mount.root;
   if (root.size() > 1 && root.back() == '/') root.pop_back();
   if (root != "/") {
@@ -85,9 +100,37 @@ std::uint64_t lowest_limit(const cgroup_mount& mount, std::string path, const ch
   while (true) {
     if (path.empty() || path.front() != '/') path.insert(path.begin(), '/');
     const std::string dir = mount.mount_point + (path == "/" ? std::string() : path);
-    if (const auto limit = limit_in(read_file, dir + "/" + file)) lowest = std::min(lowest, *limit);
+    if (const std::optional<std::uint64_t> v = value(dir)) lowest = std::min(lowest, *v);
     if (path == "/") return lowest;
     path.erase(path.rfind('/'));
+  }
+}
+
+// The files of one cgroup version: its limit, its usage, and the reclaimable cache in its stat.
+struct memory_files {
+  const char* limit;
+  const char* usage;
+  const char* inactive_file;  // the line of memory.stat
+};
+constexpr memory_files v2_files{"memory.max", "memory.current", "inactive_file"};
+constexpr memory_files v1_files{"memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"};
+
+// Calls each(mount, path, files) for the memory cgroup of each version the process is in.
+template <class Each>
+void for_each_memory_cgroup(std::string_view proc_self_cgroup, std::string_view mountinfo, Each&& each) {
+  for (std::string_view line : split(proc_self_cgroup, '\n')) {
+    const std::size_t first = line.find(':');
+    const std::size_t second = first == std::string_view::npos ? first : line.find(':', first + 1);
+    if (second == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(first + 1, second - first - 1);
+    const std::string path(line.substr(second + 1));
+    if (line.substr(0, first) == "0" && controllers.empty()) {
+      if (const auto mount = find_mount(mountinfo, false)) each(*mount, path, v2_files);
+    } else {
+      const auto names = split(controllers, ',');
+      if (std::find(names.begin(), names.end(), "memory") == names.end()) continue;
+      if (const auto mount = find_mount(mountinfo, true)) each(*mount, path, v1_files);
+    }
   }
 }
 
@@ -96,24 +139,32 @@ std::uint64_t lowest_limit(const cgroup_mount& mount, std::string path, const ch
 std::uint64_t cgroup_memory_limit(std::string_view proc_self_cgroup, std::string_view mountinfo,
                                   const read_file_fn& read_file) {
   std::uint64_t lowest = std::numeric_limits<std::uint64_t>::max();
-  for (std::string_view line : split(proc_self_cgroup, '\n')) {
-    const std::size_t first = line.find(':');
-    const std::size_t second = first == std::string_view::npos ? first : line.find(':', first + 1);
-    if (second == std::string_view::npos) continue;
-    const std::string_view controllers = line.substr(first + 1, second - first - 1);
-    const std::string path(line.substr(second + 1));
-    if (line.substr(0, first) == "0" && controllers.empty()) {
-      if (const auto mount = find_mount(mountinfo, false)) {
-        lowest = std::min(lowest, lowest_limit(*mount, path, "memory.max", read_file));
-      }
-    } else {
-      const auto names = split(controllers, ',');
-      if (std::find(names.begin(), names.end(), "memory") == names.end()) continue;
-      if (const auto mount = find_mount(mountinfo, true)) {
-        lowest = std::min(lowest, lowest_limit(*mount, path, "memory.limit_in_bytes", read_file));
-      }
-    }
-  }
+  for_each_memory_cgroup(proc_self_cgroup, mountinfo, [&](const cgroup_mount& mount, const std::string& path,
+                                                          const memory_files& files) {
+    lowest = std::min(lowest, lowest_over_ancestors(mount, path, [&](const std::string& dir) {
+                        return limit_in(read_file, dir + "/" + files.limit);
+                      }));
+  });
+  return lowest;
+}
+
+std::uint64_t cgroup_memory_available(std::string_view proc_self_cgroup, std::string_view mountinfo,
+                                      const read_file_fn& read_file) {
+  std::uint64_t lowest = std::numeric_limits<std::uint64_t>::max();
+  for_each_memory_cgroup(proc_self_cgroup, mountinfo, [&](const cgroup_mount& mount, const std::string& path,
+                                                          const memory_files& files) {
+    lowest = std::min(lowest, lowest_over_ancestors(mount, path, [&](const std::string& dir) -> std::optional<std::uint64_t> {
+                        const auto limit = limit_in(read_file, dir + "/" + files.limit);
+                        if (!limit) return std::nullopt;
+                        const auto usage = limit_in(read_file, dir + "/" + files.usage);
+                        if (!usage) return limit;
+                        const std::uint64_t cache = stat_in(read_file, dir + "/memory.stat", files.inactive_file).value_or(0);
+                        // (usage - cache may be past the limit: a usage read just after a
+                        // limit was lowered)
+                        const std::uint64_t held = *usage > cache ? *usage - cache : 0;
+                        return held < *limit ? *limit - held : 0;
+                      }));
+  });
   return lowest;
 }
 

@@ -14,6 +14,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/memory/detail/cgroup_limit.hpp"
@@ -50,26 +51,44 @@ std::size_t memlock_limit_bytes() noexcept {
   return static_cast<std::size_t>(r.rlim_cur);
 }
 
+namespace {
+
+// f(text of /proc/self/cgroup, of /proc/self/mountinfo, a reader of files) of this process;
+// UINT64_MAX (no limit known) where they cannot be read or there is no memory for them.
+template <class F>
+std::uint64_t from_own_cgroup(F&& f) noexcept {
+  try {
+    const detail::read_file_fn read = [](const std::string& path) -> std::optional<std::string> {
+      std::ifstream in(path);
+      if (!in) return std::nullopt;
+      std::stringstream text;
+      text << in.rdbuf();
+      if (in.bad()) return std::nullopt;
+      return std::move(text).str();
+    };
+    const auto cgroup = read("/proc/self/cgroup");
+    const auto mountinfo = read("/proc/self/mountinfo");
+    if (!cgroup || !mountinfo) return std::numeric_limits<std::uint64_t>::max();
+    return f(*cgroup, *mountinfo, read);
+  } catch (...) {
+    return std::numeric_limits<std::uint64_t>::max();
+  }
+}
+
+}  // namespace
+
 std::uint64_t cgroup_memory_limit_bytes() noexcept {
-  static const std::uint64_t limit = []() -> std::uint64_t {
-    try {
-      const detail::read_file_fn read = [](const std::string& path) -> std::optional<std::string> {
-        std::ifstream in(path);
-        if (!in) return std::nullopt;
-        std::stringstream text;
-        text << in.rdbuf();
-        if (in.bad()) return std::nullopt;
-        return std::move(text).str();
-      };
-      const auto cgroup = read("/proc/self/cgroup");
-      const auto mountinfo = read("/proc/self/mountinfo");
-      if (!cgroup || !mountinfo) return std::numeric_limits<std::uint64_t>::max();
-      return detail::cgroup_memory_limit(*cgroup, *mountinfo, read);
-    } catch (...) {  // (no memory for the text: no limit known)
-      return std::numeric_limits<std::uint64_t>::max();
-    }
-  }();
+  static const std::uint64_t limit = from_own_cgroup(
+      [](std::string_view cgroup, std::string_view mountinfo, const detail::read_file_fn& read) {
+        return detail::cgroup_memory_limit(cgroup, mountinfo, read);
+      });
   return limit;
+}
+
+std::uint64_t cgroup_memory_available_bytes() noexcept {
+  return from_own_cgroup([](std::string_view cgroup, std::string_view mountinfo, const detail::read_file_fn& read) {
+    return detail::cgroup_memory_available(cgroup, mountinfo, read);
+  });
 }
 
 std::size_t physical_memory_bytes() noexcept {

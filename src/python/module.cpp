@@ -768,6 +768,9 @@ PYBIND11_MODULE(_tensormem, m) {
         "(2^64 - 1 when neither can be read).");
   m.def("cgroup_memory_limit_bytes", &memory::cgroup_memory_limit_bytes,
         "The lowest memory limit of this process's cgroup and its ancestors (2^64 - 1 when none).");
+  m.def("cgroup_memory_available_bytes", &memory::cgroup_memory_available_bytes,
+        "What this process's cgroup and its ancestors leave for new allocations now: the lowest limit less "
+        "usage, inactive file cache counted as free (2^64 - 1 when no cgroup has a limit).");
   m.def("cuda_unavailable_reason", [] {
     py::gil_scoped_release release;
     return memory::cuda_unavailable_reason();

@@ -119,7 +119,56 @@ TEST(cgroup_limit, no_limit_from_max_text_missing_files_or_malformed_lines) {
   EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 - cgroup2 cgroup2 rw\n", fs.reader()), none);  // too few fields
 }
 
+// What a cgroup leaves: limit - (usage - inactive file cache), the lowest over the cgroup and
+// its ancestors that have a limit, clamped to [0, limit].
+TEST(cgroup_available, v2_is_the_limit_less_usage_with_the_inactive_file_cache_counted_free) {
+  using tensormem::memory::detail::cgroup_memory_available;
+  fake_files fs;
+  const std::string app = "/sys/fs/cgroup/user.slice/app.scope/";
+  const std::string slice = "/sys/fs/cgroup/user.slice/";
+  const char* cgroup = "0::/user.slice/app.scope\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), none);  // no limit anywhere
+  fs.files[app + "memory.max"] = "1000000\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 1000000U);  // no usage: the whole limit
+  fs.files[app + "memory.current"] = "600000\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 400000U);
+  fs.files[app + "memory.stat"] = "anon 400000\nfile 200000\nactive_file 50000\ninactive_file 150000\nslab 10\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 550000U);
+  // An ancestor with less left wins, though its limit is higher.
+  fs.files[slice + "memory.max"] = "2000000\n";
+  fs.files[slice + "memory.current"] = "1800000\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 200000U);
+  fs.files[slice + "memory.max"] = "max\n";  // no limit there: its usage does not count
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 550000U);
+  // Usage past the limit (read just after the limit was lowered) leaves nothing, not 2^64 - x.
+  fs.files[app + "memory.current"] = "1300000\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 0U);
+  // More cache than usage (counters read at different moments) leaves the limit, not more.
+  fs.files[app + "memory.current"] = "100000\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 1000000U);
+  // A stat line that is not a number, or a name that only starts the same, counts no cache.
+  fs.files[app + "memory.current"] = "600000\n";
+  fs.files[app + "memory.stat"] = "inactive_file_x 150000\ninactive_file 15e4\n";
+  EXPECT_EQ(cgroup_memory_available(cgroup, v2_mount, fs.reader()), 400000U);
+}
+
+TEST(cgroup_available, v1_reads_usage_in_bytes_and_total_inactive_file) {
+  using tensormem::memory::detail::cgroup_memory_available;
+  fake_files fs;
+  const std::string abc = "/sys/fs/cgroup/memory/process_api/abc/";
+  fs.files[abc + "memory.limit_in_bytes"] = "67108864\n";
+  fs.files[abc + "memory.usage_in_bytes"] = "50000000\n";
+  fs.files[abc + "memory.stat"] = "cache 9000000\ninactive_file 1000\ntotal_inactive_file 8000000\n";
+  EXPECT_EQ(cgroup_memory_available("4:memory:/process_api/abc\n", v1_mounts, fs.reader()), 67108864U - 42000000U);
+  // Of a hybrid layout, the lower of both.
+  fs.files["/sys/fs/cgroup/unified/process_api/abc/memory.max"] = "20000000\n";
+  EXPECT_EQ(cgroup_memory_available("4:memory:/process_api/abc\n0::/process_api/abc\n", v1_mounts, fs.reader()),
+            20000000U);
+}
+
 TEST(cgroup_limit, the_process_memory_is_at_most_the_machine_and_the_cgroup) {
+  // What the cgroups leave is at most their lowest limit (UINT64_MAX for both without one).
+  EXPECT_LE(tensormem::memory::cgroup_memory_available_bytes(), tensormem::memory::cgroup_memory_limit_bytes());
   const std::size_t memory = tensormem::memory::physical_memory_bytes();
   EXPECT_GT(memory, 0U);
   EXPECT_LE(memory, tensormem::memory::cgroup_memory_limit_bytes());

@@ -931,6 +931,19 @@ def test_plan_module_refuses_a_plan_past_the_available_memory_before_running_the
     assert plan_module(module, x, time_limit=0).lower_bound == plan.lower_bound
 
 
+def test_available_memory_is_what_the_cgroup_leaves_where_that_is_least(monkeypatch):
+    """A container whose cgroup is nearly full: the memory check counts what the cgroup
+    leaves (its limit less usage), not the machine's MemAvailable nor the limit alone."""
+    import tensormem
+    import tensormem.model as model
+    real = model._available_memory_bytes()
+    assert 0 < real <= min(tensormem.physical_memory_bytes(), tensormem.cgroup_memory_available_bytes())
+    monkeypatch.setattr(model._tensormem, "cgroup_memory_available_bytes", lambda: 12345)
+    assert model._available_memory_bytes() == 12345
+    monkeypatch.setattr(model._tensormem, "cgroup_memory_available_bytes", lambda: 2**64 - 1)  # no limit
+    assert 12345 < model._available_memory_bytes() <= tensormem.physical_memory_bytes()
+
+
 def test_plan_module_says_when_it_cannot_check_the_memory():
     """An op without a fake-tensor kernel (repeat_interleave by a tensor of counts): the real
     trace plans it, with a warning that the memory was not checked; none when not asked."""

@@ -93,6 +93,11 @@ std::optional<memory_shortfall> memory_shortfall_for(std::size_t count, std::uin
 /// The lowest memory limit of this process's cgroup and its ancestors (UINT64_MAX when there
 /// is none or it cannot be read). Read once, on the first call.
 std::uint64_t cgroup_memory_limit_bytes() noexcept;
+/// What this process's cgroup and its ancestors leave for new allocations now: the lowest
+/// limit less usage, the inactive file cache counted as free (the kernel reclaims it
+/// first), as detail::cgroup_memory_available reads it. UINT64_MAX where no cgroup has a
+/// limit or it cannot be read. Read on every call (the usage changes).
+std::uint64_t cgroup_memory_available_bytes() noexcept;
 /// VmLck of this process from /proc/self/status, in bytes (0 if it cannot be read).
 std::size_t process_locked_bytes();
 

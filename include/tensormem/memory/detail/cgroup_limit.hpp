@@ -22,4 +22,13 @@ using read_file_fn = std::function<std::optional<std::string>(const std::string&
 std::uint64_t cgroup_memory_limit(std::string_view proc_self_cgroup, std::string_view mountinfo,
                                   const read_file_fn& read_file);
 
+/// What the process's memory cgroup and its ancestors leave for new allocations, in bytes:
+/// the lowest over those with a limit of the limit less the usage (`memory.current` of v2,
+/// `memory.usage_in_bytes` of v1; 0 where the usage is past the limit), plus the inactive
+/// file cache the kernel reclaims first (`inactive_file` of v2's `memory.stat`,
+/// `total_inactive_file` of v1's), at most the limit. A cgroup whose usage cannot be read
+/// counts its whole limit. UINT64_MAX where no cgroup has a limit.
+std::uint64_t cgroup_memory_available(std::string_view proc_self_cgroup, std::string_view mountinfo,
+                                      const read_file_fn& read_file);
+
 }  // namespace tensormem::memory::detail
