@@ -60,28 +60,30 @@ std::optional<cgroup_mount> find_mount(std::string_view mountinfo, bool v1) {
   return std::nullopt;
 }
 
-// A limit file's number; none for "max", an unreadable file or other text.
-std::optional<std::uint64_t> limit_in(const read_file_fn& read_file, const std::string& path) {
+// The whole of `text` as a number; none for an empty text or any other character.
+std::optional<std::uint64_t> number(std::string_view text) {
+  std::uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size() || text.empty()) return std::nullopt;
+  return value;
+}
+
+// A file's one number (a limit or a usage); none for "max", an unreadable file or other text.
+std::optional<std::uint64_t> number_in(const read_file_fn& read_file, const std::string& path) {
   const std::optional<std::string> text = read_file(path);
   if (!text) return std::nullopt;
   std::string_view t = *text;
   while (!t.empty() && (t.back() == '\n' || t.back() == ' ')) t.remove_suffix(1);
-  std::uint64_t value = 0;
-  const auto [end, error] = std::from_chars(t.data(), t.data() + t.size(), value);
-  if (error != std::errc() || end != t.data() + t.size() || t.empty()) return std::nullopt;
-  return value;
+  return number(t);
 }
 
-// The value of a stat file's line "NAME N", if any.
+// The number of a stat file's line "NAME N", if any.
 std::optional<std::uint64_t> stat_in(const read_file_fn& read_file, const std::string& path, std::string_view name) {
   const std::optional<std::string> text = read_file(path);
   if (!text) return std::nullopt;
   for (std::string_view line : split(*text, '\n')) {
     if (line.size() <= name.size() || line.substr(0, name.size()) != name || line[name.size()] != ' ') continue;
-    const std::string_view number = line.substr(name.size() + 1);
-    std::uint64_t value = 0;
-    const auto [end, error] = std::from_chars(number.data(), number.data() + number.size(), value);
-    if (error == std::errc() && end == number.data() + number.size() && !number.empty()) return value;
+    if (const auto value = number(line.substr(name.size() + 1))) return value;
   }
   return std::nullopt;
 }
@@ -142,7 +144,7 @@ std::uint64_t cgroup_memory_limit(std::string_view proc_self_cgroup, std::string
   for_each_memory_cgroup(proc_self_cgroup, mountinfo, [&](const cgroup_mount& mount, const std::string& path,
                                                           const memory_files& files) {
     lowest = std::min(lowest, lowest_over_ancestors(mount, path, [&](const std::string& dir) {
-                        return limit_in(read_file, dir + "/" + files.limit);
+                        return number_in(read_file, dir + "/" + files.limit);
                       }));
   });
   return lowest;
@@ -154,9 +156,9 @@ std::uint64_t cgroup_memory_available(std::string_view proc_self_cgroup, std::st
   for_each_memory_cgroup(proc_self_cgroup, mountinfo, [&](const cgroup_mount& mount, const std::string& path,
                                                           const memory_files& files) {
     lowest = std::min(lowest, lowest_over_ancestors(mount, path, [&](const std::string& dir) -> std::optional<std::uint64_t> {
-                        const auto limit = limit_in(read_file, dir + "/" + files.limit);
+                        const auto limit = number_in(read_file, dir + "/" + files.limit);
                         if (!limit) return std::nullopt;
-                        const auto usage = limit_in(read_file, dir + "/" + files.usage);
+                        const auto usage = number_in(read_file, dir + "/" + files.usage);
                         if (!usage) return limit;
                         const std::uint64_t cache = stat_in(read_file, dir + "/memory.stat", files.inactive_file).value_or(0);
                         // (usage - cache may be past the limit: a usage read just after a
