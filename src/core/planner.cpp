@@ -294,21 +294,30 @@ class planner_run {
     // (unless the deadline stops one). A skyline stops early once one before it in this
     // order has reached the lower bound (it could not be kept).
     if (done() || !worth_starting()) return best_;
+    // Where no canonical search follows (more than 4,096 sections) and the perturbation
+    // rounds run on two lanes, a thread with no skyline left to start goes on to the
+    // rounds at once instead of waiting for the skylines still running (IOPDDL S_1: the
+    // skyline by length runs about five times as long as the two others together).
+    const bool canonical = p_.sections <= canonical_sections;
+    const bool overlap = !canonical && threads() >= 2 && !split_pays();
+    if (overlap && guided_.empty()) start_guided_rounds({});
     const std::array<const order_key*, std::size_t{skyline_slots}> keys = {&order_keys[0], &order_keys[2], &order_keys[1]};
-    std::array<std::atomic<bool>, 3> stop = {};
-    auto work = [&](std::size_t first, std::size_t step) {
-      for (std::size_t i = first; i < keys.size(); i += step) {
-        if (stop[i].load() || !worth_starting()) return;
-        candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), deadline_, &stop[i]);
-        if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
-          for (std::size_t j = i + 1; j < keys.size(); ++j) stop[j].store(true);
-        }
-        offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
+    std::array<std::atomic<bool>, skyline_slots> stop = {};
+    rounds_state rounds;
+    auto skyline = [&](std::size_t i) {
+      if (stop[i].load() || !worth_starting()) return false;  // so are the skylines after it
+      candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), deadline_, &stop[i]);
+      if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
+        for (std::size_t j = i + 1; j < keys.size(); ++j) stop[j].store(true);
+        rounds.beat_all();  // every round comes after the skylines
       }
+      offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
+      return true;
     };
-    on_threads(std::min(threads(), keys.size()), work);
-    if (done()) return best_;
-    if (p_.sections <= 4096) canonical_phase();
+    auto lane = [&](std::size_t l) { perturbation_rounds(l, 2, rounds); };
+    detail::skylines_then_lanes(std::min(threads(), keys.size()), keys.size(), skyline, overlap ? 2 : 0, lane);
+    if (overlap || done()) return best_;
+    if (canonical) canonical_phase();
     if (!done()) perturbation_phase();
     return best_;
   }
@@ -395,7 +404,8 @@ class planner_run {
   // fit ("squeaky wheel", detail::raise_buffers_above; they go on from the contention
   // order's plan and any guided round before). Round `position` is a skyline when even, a
   // guided round when odd; with two threads, one runs the skylines, the other the
-  // guided rounds. Each kind's rounds depend only on its earlier ones and on the seed, a
+  // guided rounds (where no canonical search comes first, each starts as soon as its thread
+  // has no plain skyline left: see search()). Each kind's rounds depend only on its earlier ones and on the seed, a
   // round at the lower bound stops the rounds after it, and of equal arenas the earlier
   // position is kept: a search that reaches the bound returns the same plan every time, on
   // one thread or two.
@@ -412,50 +422,65 @@ class planner_run {
       }
       return;
     }
-    constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
+    rounds_state rounds;
+    auto work = [&](std::size_t lane, std::size_t lanes) { perturbation_rounds(lane, lanes, rounds); };
+    on_threads(std::min<std::size_t>(threads(), 2), work);
+  }
+
+  // What the lanes of perturbation rounds share: the first position that reached the
+  // bound, each lane's round in progress, and whether a round before it reached the bound
+  // (a skyline then gives up early: it could not be kept).
+  struct rounds_state {
+    static constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
     std::atomic<std::uint64_t> stop_at{none};
-    // Each thread's round in progress, and whether a round before it reached the bound (a
-    // skyline then gives up early: it could not be kept).
     std::array<std::atomic<std::uint64_t>, 2> current = {};
     std::array<std::atomic<bool>, 2> beaten = {};
+
+    // A plan before every round reached the bound.
+    void beat_all() {
+      stop_at.store(0);
+      for (auto& b : beaten) b.store(true);
+    }
+  };
+
+  // The rounds at positions lane, lane + lanes, ... (lanes 1 or 2) until one at or past the
+  // first that reached the bound, or the deadline.
+  void perturbation_rounds(std::size_t lane, std::size_t lanes, rounds_state& rounds) {
     std::lognormal_distribution<double> noise(0.0, 0.15);
-    auto work = [&](std::size_t thread, std::size_t count) {
-      std::optional<detail::occupancy_index> index;  // the guided rounds' when on a thread of their own
-      for (std::uint64_t position = thread;; position += count) {
-        current[thread].store(position);
-        if (position >= stop_at.load() || !worth_starting()) break;
-        const std::uint64_t round = position / 2;
-        candidate_plan c;
-        std::string name;
-        if (position % 2 == 0) {
-          const order_key& k = order_keys[round % std::size(order_keys)];
-          std::vector<double> key = keys_of(p_, k);
-          for (double& v : key) v *= noise(rng_);
-          c = detail::place_skyline(p_, key, deadline_, &beaten[thread]);
-          name = std::string("perturbed skyline ") + k.name;
+    std::optional<detail::occupancy_index> index;  // the guided rounds' when on a lane of their own
+    for (std::uint64_t position = lane;; position += lanes) {
+      rounds.current[lane].store(position);
+      if (position >= rounds.stop_at.load() || !worth_starting()) break;
+      const std::uint64_t round = position / 2;
+      candidate_plan c;
+      std::string name;
+      if (position % 2 == 0) {
+        const order_key& k = order_keys[round % std::size(order_keys)];
+        std::vector<double> key = keys_of(p_, k);
+        for (double& v : key) v *= noise(rng_);
+        c = detail::place_skyline(p_, key, deadline_, &rounds.beaten[lane]);
+        name = std::string("perturbed skyline ") + k.name;
+      } else {
+        if (lanes == 1) {
+          c = first_fit(guided_order());
         } else {
-          if (count == 1) {
-            c = first_fit(guided_order());
-          } else {
-            if (!index) index.emplace(p_.sections, p_.longest);
-            c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
-          }
-          name = end_guided_round(c);
+          if (!index) index.emplace(p_.sections, p_.longest);
+          c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
         }
-        if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
-          std::uint64_t seen = stop_at.load();
-          while (position < seen && !stop_at.compare_exchange_weak(seen, position)) {
-          }
-          for (std::size_t t = 0; t < count; ++t) {
-            if (current[t].load() > position) beaten[t].store(true);
-          }
-        }
-        offer(std::move(c), std::move(name), perturbation_slot(position));
-        const std::lock_guard lock(offer_mutex_);
-        report("perturbed greedy");
+        name = end_guided_round(c);
       }
-    };
-    on_threads(std::min<std::size_t>(threads(), 2), work);
+      if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
+        std::uint64_t seen = rounds.stop_at.load();
+        while (position < seen && !rounds.stop_at.compare_exchange_weak(seen, position)) {
+        }
+        for (std::size_t t = 0; t < lanes; ++t) {
+          if (rounds.current[t].load() > position) rounds.beaten[t].store(true);
+        }
+      }
+      offer(std::move(c), std::move(name), perturbation_slot(position));
+      const std::lock_guard lock(offer_mutex_);
+      report("perturbed greedy");
+    }
   }
 
   // The offer slot of a perturbation round: after the skylines' (see detail::replaces_best).
@@ -464,6 +489,8 @@ class planner_run {
     return skyline_slots + static_cast<int>(std::min(position, most));
   }
   static constexpr int skyline_slots = 3;
+  // At most this many sections: the canonical search runs after the skylines.
+  static constexpr std::uint32_t canonical_sections = 4096;
 
   const plan_problem& p_;
   const plan_options& o_;

@@ -10,6 +10,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -176,6 +177,30 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
 candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority,
                              clock::time_point deadline = clock::time_point::max(),
                              const std::atomic<bool>* stop = nullptr);
+
+/// Runs skyline(i) for every i < `skylines` on `threads` threads (the calling thread one
+/// of them), each thread taking the next skyline not yet started, until one returns false
+/// (the skylines after it need not run). A thread that finds no skyline left to start runs
+/// lane(l) for the next l < `lanes` not yet taken, at once: it does not wait for skylines
+/// still running on other threads. Returns when every thread has ended.
+template <class Skyline, class Lane>
+void skylines_then_lanes(std::size_t threads, std::size_t skylines, const Skyline& skyline,
+                         std::size_t lanes, const Lane& lane) {
+  std::atomic<std::size_t> next_skyline{0};
+  std::atomic<std::size_t> next_lane{0};
+  auto work = [&] {
+    for (std::size_t i; (i = next_skyline.fetch_add(1)) < skylines;) {
+      if (!skyline(i)) {
+        next_skyline.store(skylines);
+        break;
+      }
+    }
+    if (const std::size_t l = next_lane.fetch_add(1); l < lanes) lane(l);
+  };
+  std::vector<std::jthread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+}
 
 /// Whether a plan of `arena` bytes offered from `slot` replaces the best plan so far
 /// (`best_arena`, offered from `best_slot`; `has_best` false before the first plan). A

@@ -6,6 +6,7 @@
 #include <functional>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "event_sort.hpp"
@@ -641,6 +643,46 @@ TEST(planner_greedy, skylines_on_two_threads_keep_the_plan_of_one) {
   EXPECT_EQ(one.arena_bytes, one.lower_bound);
   EXPECT_EQ(two.offsets, one.offsets);
   EXPECT_EQ(two.strategy, one.strategy);
+}
+
+// A thread with no skyline left to start goes on to a lane at once, while the last skyline
+// still runs on the other thread: here that skyline waits (up to 30 s) for a lane to start.
+// Every skyline and every lane runs once; a skyline that returns false ends the skylines.
+TEST(planner_greedy, a_thread_without_a_skyline_starts_a_lane_at_once) {
+  for (const std::size_t threads : {1U, 2U, 3U}) {
+    std::array<std::atomic<int>, 3> skylines_run = {};
+    std::array<std::atomic<int>, 2> lanes_run = {};
+    std::atomic<bool> lane_started{false};
+    std::atomic<bool> last_skyline_saw_a_lane{false};
+    auto skyline = [&](std::size_t i) {
+      ++skylines_run[i];
+      if (i == 2 && threads >= 2) {
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        while (!lane_started.load() && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+        last_skyline_saw_a_lane = lane_started.load();
+      }
+      return true;
+    };
+    auto lane = [&](std::size_t l) {
+      lane_started = true;
+      ++lanes_run[l];
+    };
+    detail::skylines_then_lanes(threads, 3, skyline, 2, lane);
+    for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(skylines_run[i].load(), 1) << threads << " threads, skyline " << i;
+    // One thread takes one lane; two or three take both (a third thread finds none left).
+    EXPECT_EQ(lanes_run[0].load(), 1) << threads << " threads";
+    EXPECT_EQ(lanes_run[1].load(), threads >= 2 ? 1 : 0) << threads << " threads";
+    if (threads >= 2) {
+      EXPECT_TRUE(last_skyline_saw_a_lane.load()) << threads << " threads";
+    }
+  }
+  // A skyline that says stop: no skyline after it starts; the lane still runs.
+  std::vector<std::size_t> started;
+  int lanes = 0;
+  detail::skylines_then_lanes(
+      1, 5, [&](std::size_t i) { started.push_back(i); return i < 1; }, 2, [&](std::size_t) { ++lanes; });
+  EXPECT_EQ(started, (std::vector<std::size_t>{0, 1}));
+  EXPECT_EQ(lanes, 1);
 }
 
 // Past the greedy orders and the skylines (more than 4,096 sections: no canonical search),
