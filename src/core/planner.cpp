@@ -252,7 +252,9 @@ class planner_run {
   // own slot; the winner is chosen afterwards in a fixed order, so the result does not
   // depend on scheduling. They run before any skyline: each costs O(n log n + P log P), while
   // a skyline's re-checks grow with the overlap and can take the whole limit.
-  candidate_plan greedy() {
+  candidate_plan greedy() { return greedy_on(threads()); }
+
+  candidate_plan greedy_on(std::size_t thread_count) {
     struct variant {
       const order_key* key;
       detail::fit policy;
@@ -270,12 +272,12 @@ class planner_run {
       if (!worth_starting()) return;  // the index alone is O(sections) to build and free
       detail::occupancy_index index(p_.sections, p_.longest);
       for (std::size_t v = first; v < variants.size(); v += step) {
-        if (!worth_starting()) return;
+        if (!worth_starting() || done()) return;  // (guided rounds beside them may reach the bound)
         const auto order = order_by(p_, keys_of(p_, *variants[v].key), variants[v].ties);
         variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index, deadline_);
       }
     };
-    on_threads(std::min(threads(), variants.size()), work);
+    on_threads(std::min(thread_count, variants.size()), work);
     for (variant& v : variants) {
       offer(std::move(v.result), std::string("greedy ") + v.key->name +
                                      (v.ties == tie_break::start ? " (equal sizes by start)" : "") +
@@ -284,49 +286,125 @@ class planner_run {
     return best_;
   }
 
+  // What the lanes of perturbation rounds share: the first position that reached the
+  // bound, each lane's round in progress, and whether a round before it reached the bound
+  // (a skyline then gives up early: it could not be kept).
+  struct rounds_state {
+    static constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
+    std::atomic<std::uint64_t> stop_at{none};
+    std::array<std::atomic<std::uint64_t>, 2> current = {};
+    std::array<std::atomic<bool>, 2> beaten = {};
+
+    // A plan before every round reached the bound.
+    void beat_all() {
+      stop_at.store(0);
+      for (auto& b : beaten) b.store(true);
+    }
+  };
+
+  // One flag per skyline: stop it (a plan before it in their order reached the bound).
+  using skyline_flags = std::array<std::atomic<bool>, 3>;
+
   candidate_plan search() {
-    // Skyline orders first: often far better than the classic orders. By length last: ties
-    // to the longest buffers make it re-check several times more often (IOPDDL T: 141 M
-    // re-checks, 20 s, against 14-15 M, 2 s, by size or area), and area is as good or
-    // better on the traces measured.
-    // On up to `threads` threads, each plan offered as soon as it is complete; of equal
-    // arenas the earlier in this order is kept, so the plan does not depend on scheduling
-    // (unless the deadline stops one). A skyline stops early once one before it in this
-    // order has reached the lower bound (it could not be kept).
     if (done() || !worth_starting()) return best_;
     // Where no canonical search follows (more than 4,096 sections) and the perturbation
     // rounds run on two lanes, a thread with no skyline left to start goes on to the
     // rounds at once instead of waiting for the skylines still running (IOPDDL S_1: the
     // skyline by length runs about five times as long as the two others together).
-    const bool canonical = p_.sections <= canonical_sections;
-    const bool overlap = !canonical && threads() >= 2 && !split_pays();
-    if (overlap && guided_.empty()) start_guided_rounds({});
+    const bool overlap = p_.sections > canonical_sections && threads() >= 2 && !split_pays();
+    if (overlap) {
+      if (guided_.empty()) start_guided_rounds({});
+      skyline_flags stop = {};
+      rounds_state rounds;
+      skylines(threads(), stop, 2, &rounds);
+      return best_;
+    }
+    skyline_flags stop = {};
+    skylines_and_canonical(threads(), stop);
+    if (!done()) perturbation_phase();
+    return best_;
+  }
+
+  // The skylines in their fixed order, then the canonical search where it applies.
+  void skylines_and_canonical(std::size_t thread_count, skyline_flags& stop) {
+    skylines(thread_count, stop, 0, nullptr);
+    if (!done() && p_.sections <= canonical_sections) canonical_phase();
+  }
+
+  // Skyline orders first: often far better than the classic orders. By length last: ties
+  // to the longest buffers make it re-check several times more often (IOPDDL T: 141 M
+  // re-checks, 20 s, against 14-15 M, 2 s, by size or area), and area is as good or
+  // better on the traces measured.
+  // On up to `thread_count` threads, each plan offered as soon as it is complete; of equal
+  // arenas the earlier in this order is kept, so the plan does not depend on scheduling
+  // (unless the deadline stops one). A skyline stops early once one before it in this
+  // order has reached the lower bound (it could not be kept), or once its flag in `stop` is
+  // set. With `lanes` (2, and `rounds`), each thread goes on to a lane of perturbation
+  // rounds as soon as it finds no skyline left to start.
+  void skylines(std::size_t thread_count, skyline_flags& stop, std::size_t lanes, rounds_state* rounds) {
+    if (done() || !worth_starting()) return;
     const std::array<const order_key*, std::size_t{skyline_slots}> keys = {&order_keys[0], &order_keys[2], &order_keys[1]};
-    std::array<std::atomic<bool>, skyline_slots> stop = {};
-    rounds_state rounds;
     auto skyline = [&](std::size_t i) {
       if (stop[i].load() || !worth_starting()) return false;  // so are the skylines after it
       candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), deadline_, &stop[i]);
       if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
         for (std::size_t j = i + 1; j < keys.size(); ++j) stop[j].store(true);
-        rounds.beat_all();  // every round comes after the skylines
+        if (rounds != nullptr) rounds->beat_all();  // every round comes after the skylines
       }
       offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
       return true;
     };
-    auto lane = [&](std::size_t l) { perturbation_rounds(l, 2, rounds); };
-    detail::skylines_then_lanes(std::min(threads(), keys.size()), keys.size(), skyline, overlap ? 2 : 0, lane);
-    if (overlap || done()) return best_;
-    if (canonical) canonical_phase();
-    if (!done()) perturbation_phase();
-    return best_;
+    auto lane = [&](std::size_t l) { perturbation_rounds(l, 2, *rounds); };
+    detail::skylines_then_lanes(std::min(thread_count, keys.size()), keys.size(), skyline, lanes, lane);
+  }
+
+  // Whether the classic variants and the skylines run on one thread while the other goes
+  // on with the contention-guided rounds (greedy_beside_guided_rounds).
+  bool guided_rounds_beside_greedy() { return threads() >= 2 && split_pays(); }
+
+  // Where the split greedy pays (large inputs spread in time) and two threads run: the
+  // guided rounds beat every classic order and every skyline there (synthetic family), and
+  // on a slow machine those took most of a 10 s limit before the second round. So one
+  // thread runs the six classic variants, then the skylines (and the canonical search where
+  // it applies), one after the other, while the calling thread goes on with the guided
+  // rounds, each on one thread; once the other thread has ended, each round is split across
+  // both as before. The guided rounds give the same plans either way. Returns the seconds
+  // from the start to the end of the classic variants.
+  double greedy_beside_guided_rounds() {
+    std::atomic<bool> others_ended{false};
+    skyline_flags stop = {};
+    double greedy_seconds = 0;
+    {
+      std::jthread others([&] {
+        greedy_on(1);
+        greedy_seconds = seconds_since(start_);
+        skylines_and_canonical(1, stop);
+        others_ended.store(true);
+      });
+      std::optional<detail::occupancy_index> index;
+      while (!others_ended.load() && !done() && worth_starting()) {
+        if (!index) index.emplace(p_.sections, p_.longest);
+        candidate_plan c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
+        std::string name = end_guided_round(c);
+        offer(std::move(c), std::move(name));
+        const std::lock_guard lock(offer_mutex_);
+        report("perturbed greedy");
+      }
+      for (auto& flag : stop) flag.store(true);  // at the bound or the deadline: a skyline running gives up
+    }
+    while (!done() && worth_starting()) {
+      guided_round();
+      report("perturbed greedy");
+    }
+    return greedy_seconds;
   }
 
   const candidate_plan& best() const { return best_; }
   double first_plan_seconds() const { return first_plan_seconds_; }
   double best_plan_seconds() const { return best_plan_seconds_; }
 
-  bool done() const { return !best_.offsets.empty() && best_.arena <= p_.lower_bound; }
+  // Read from any thread (set under the offer lock).
+  bool done() const { return at_bound_.load(); }
 
  private:
   bool time_left() const { return clock::now() < deadline_; }
@@ -344,6 +422,7 @@ class planner_run {
       best_ = std::move(c);
       best_.strategy = std::move(strategy);
       best_slot_ = slot;
+      if (best_.arena <= p_.lower_bound) at_bound_.store(true);
       report("search");
     }
   }
@@ -370,7 +449,7 @@ class planner_run {
                                                 std::chrono::duration<double>(left * 0.5));
       bool found = false;
       bool settled = false;  // a heuristic searched its whole tree without a plan
-      for (std::uint64_t limit = 2 * p_.size(); !found && !settled && clock::now() < slice_end;
+      for (std::uint64_t limit = 2 * p_.size(); !found && !settled && !done() && clock::now() < slice_end;
            limit *= 2) {
         for (const detail::preorder heuristic :
              {detail::preorder::length_area_total, detail::preorder::total_area_length,
@@ -426,22 +505,6 @@ class planner_run {
     auto work = [&](std::size_t lane, std::size_t lanes) { perturbation_rounds(lane, lanes, rounds); };
     on_threads(std::min<std::size_t>(threads(), 2), work);
   }
-
-  // What the lanes of perturbation rounds share: the first position that reached the
-  // bound, each lane's round in progress, and whether a round before it reached the bound
-  // (a skyline then gives up early: it could not be kept).
-  struct rounds_state {
-    static constexpr std::uint64_t none = std::numeric_limits<std::uint64_t>::max();
-    std::atomic<std::uint64_t> stop_at{none};
-    std::array<std::atomic<std::uint64_t>, 2> current = {};
-    std::array<std::atomic<bool>, 2> beaten = {};
-
-    // A plan before every round reached the bound.
-    void beat_all() {
-      stop_at.store(0);
-      for (auto& b : beaten) b.store(true);
-    }
-  };
 
   // The rounds at positions lane, lane + lanes, ... (lanes 1 or 2) until one at or past the
   // first that reached the bound, or the deadline.
@@ -510,6 +573,7 @@ class planner_run {
   std::optional<bool> split_pays_;      // see split_pays()
   std::mutex offer_mutex_;
   int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
+  std::atomic<bool> at_bound_{false};  // best_ is at the lower bound
 };
 
 // Refuses a negative or NaN option: invalid_argument naming its value between two parts.
@@ -558,9 +622,13 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
   const plan_problem p = detail::make_problem(buffers, options.alignment);
   planner_run run(p, options, start);
   run.first_plan();
-  if (!run.done()) run.greedy();
-  r.greedy_seconds = seconds_since(start);
-  if (options.search && !run.done()) run.search();
+  if (!run.done() && options.search && run.guided_rounds_beside_greedy()) {
+    r.greedy_seconds = run.greedy_beside_guided_rounds();
+  } else {
+    if (!run.done()) run.greedy();
+    r.greedy_seconds = seconds_since(start);
+    if (options.search && !run.done()) run.search();
+  }
   const candidate_plan& best = run.best();
   r.offsets = best.offsets;
   r.arena_bytes = best.arena;
