@@ -390,7 +390,9 @@ class planner_run {
         const std::lock_guard lock(offer_mutex_);
         report("perturbed greedy");
       }
-      for (auto& flag : stop) flag.store(true);  // at the bound or the deadline: a skyline running gives up
+      if (done()) {
+        for (auto& flag : stop) flag.store(true);  // a skyline running could not be kept
+      }
     }
     while (!done() && worth_starting()) {
       guided_round();
@@ -469,6 +471,7 @@ class planner_run {
             settled = true;
             break;
           }
+          const std::lock_guard lock(offer_mutex_);  // guided rounds may run beside it
           report("canonical search");
         }
       }

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <map>
 #include <numbers>
 #include <numeric>
 #include <random>
@@ -724,6 +725,36 @@ TEST(planner, guided_rounds_run_beside_the_classic_variants_at_scale) {
   EXPECT_GT(one.best_plan_seconds, one.greedy_seconds);  // one thread: the rounds come after
   EXPECT_LT(two.best_plan_seconds, two.greedy_seconds);  // two: found while the variants ran
   EXPECT_LT(two.seconds, 60.0);  // both threads stop at the bound, not at the time limit
+}
+
+// Beside the guided rounds, the other thread also runs the canonical search where it applies
+// (at most 4,096 sections): both report progress, never two at once. The limit doubles until
+// the canonical search has reported (sanitized builds are several times slower).
+TEST(planner, canonical_search_beside_the_guided_rounds_reports_one_at_a_time) {
+  std::mt19937_64 rng(4);
+  const auto b = random_buffers(rng, 20'000, 3000, 20, [&] { return 64 * (1 + rng() % 8); });
+  for (double limit = 1; limit <= 64; limit *= 2) {
+    std::atomic<int> inside{0};
+    std::atomic<bool> overlapped{false};
+    std::map<std::string, int> phases;  // written by one reporting thread at a time
+    plan_options o;
+    o.threads = 2;
+    o.time_limit_seconds = limit;
+    o.progress = [&](const plan_progress& p) {
+      if (inside.fetch_add(1) != 0) overlapped = true;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));  // widens a window for two
+      ++phases[p.phase];
+      inside.fetch_sub(1);
+    };
+    const plan_result r = checked_plan(b, o);
+    EXPECT_FALSE(overlapped.load()) << limit << " s";
+    EXPECT_GT(r.arena_bytes, r.lower_bound);  // no phase reaches the bound here: both run to the limit
+    if (phases["canonical search"] > 0) {
+      EXPECT_GT(phases["perturbed greedy"], 0);
+      return;
+    }
+  }
+  ADD_FAILURE() << "the canonical search never reported";
 }
 
 // The two first greedy passes run at once, a thread each, where the split does not pay
