@@ -53,7 +53,10 @@ struct plan_result {
   std::uint64_t lower_bound = 0;       ///< most aligned bytes alive at once
   std::string strategy;                ///< which strategy produced the kept plan
   double seconds = 0;                  ///< total planning time
-  double greedy_seconds = 0;           ///< time of the greedy phase alone
+  /// From the start to the end of the greedy phase (the classic orders). Where the guided
+  /// rounds run beside those orders (two threads, large inputs spread in time), when the
+  /// orders ended: rounds may have run, and the returned plan come, before it.
+  double greedy_seconds = 0;
   double first_plan_seconds = 0;       ///< when the first complete plan was found
   double best_plan_seconds = 0;        ///< when the returned plan was found
   double ratio() const noexcept {
