@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -30,15 +31,6 @@ namespace {
 using detail::candidate_plan;
 using detail::clock;
 using detail::plan_problem;
-
-// Runs work(t, count) for t in [0, count): t = 0 on the calling thread, the others on their
-// own; returns when all have ended.
-template <class Work>
-void on_threads(std::size_t count, Work& work) {
-  std::vector<std::jthread> pool;
-  for (std::size_t t = 1; t < count; ++t) pool.emplace_back(std::ref(work), t, count);
-  work(0, count);
-}
 
 double seconds_since(clock::time_point t) {
   return std::chrono::duration<double>(clock::now() - t).count();
@@ -243,9 +235,40 @@ class planner_run {
     return o_.threads != 0 ? o_.threads : std::max(1U, std::thread::hardware_concurrency());
   }
 
-  // See detail::worth_starting.
+  // See detail::worth_starting. Nothing starts once a thread has failed.
   bool worth_starting() const {
-    return detail::worth_starting(clock::now(), deadline_, first_cost_, placement_cost_);
+    return !failed_.load() && detail::worth_starting(clock::now(), deadline_, first_cost_, placement_cost_);
+  }
+
+  // Runs work(t, count) for t in [0, count): t = 0 on the calling thread, the others on their
+  // own; returns when all have ended. An exception in any of them is kept (see guarded).
+  template <class Work>
+  void on_threads(std::size_t count, Work& work) {
+    auto safe = [&](std::size_t t, std::size_t n) { guarded([&] { work(t, n); }); };
+    std::vector<std::jthread> pool;
+    for (std::size_t t = 1; t < count; ++t) pool.emplace_back(safe, t, count);
+    safe(0, count);
+  }
+
+  // Runs f; an exception it throws (the progress callback's, std::bad_alloc) is kept, the
+  // first one only, and from then on no phase starts on any thread: plan() rethrows it once
+  // every thread has ended. True when f returned.
+  template <class F>
+  bool guarded(F&& f) noexcept {
+    try {
+      f();
+      return true;
+    } catch (...) {
+      const std::lock_guard lock(error_mutex_);
+      if (!error_) error_ = std::current_exception();
+      failed_.store(true);
+      return false;
+    }
+  }
+
+  // Rethrows the first exception a planner thread threw, if any.
+  void rethrow_failure() const {
+    if (failed_.load()) std::rethrow_exception(error_);
   }
 
   // The six other classic variants, spread over up to `threads` threads. Each variant writes its
@@ -346,15 +369,16 @@ class planner_run {
     const std::array<const order_key*, std::size_t{skyline_slots}> keys = {&order_keys[0], &order_keys[2], &order_keys[1]};
     auto skyline = [&](std::size_t i) {
       if (stop[i].load() || !worth_starting()) return false;  // so are the skylines after it
-      candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), deadline_, &stop[i]);
-      if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
-        for (std::size_t j = i + 1; j < keys.size(); ++j) stop[j].store(true);
-        if (rounds != nullptr) rounds->beat_all();  // every round comes after the skylines
-      }
-      offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
-      return true;
+      return guarded([&] {
+        candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), deadline_, &stop[i]);
+        if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
+          for (std::size_t j = i + 1; j < keys.size(); ++j) stop[j].store(true);
+          if (rounds != nullptr) rounds->beat_all();  // every round comes after the skylines
+        }
+        offer(std::move(c), std::string("skyline ") + keys[i]->name, static_cast<int>(i));
+      });
     };
-    auto lane = [&](std::size_t l) { perturbation_rounds(l, 2, *rounds); };
+    auto lane = [&](std::size_t l) { guarded([&] { perturbation_rounds(l, 2, *rounds); }); };
     detail::skylines_then_lanes(std::min(thread_count, keys.size()), keys.size(), skyline, lanes, lane);
   }
 
@@ -376,22 +400,26 @@ class planner_run {
     double greedy_seconds = 0;
     {
       std::jthread others([&] {
-        greedy_on(1);
-        greedy_seconds = seconds_since(start_);
-        skylines_and_canonical(1, stop);
+        guarded([&] {
+          greedy_on(1);
+          greedy_seconds = seconds_since(start_);
+          skylines_and_canonical(1, stop);
+        });
         others_ended.store(true);
       });
-      std::optional<detail::occupancy_index> index;
-      while (!others_ended.load() && !done() && worth_starting()) {
-        if (!index) index.emplace(p_.sections, p_.longest);
-        candidate_plan c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
-        std::string name = end_guided_round(c);
-        offer(std::move(c), std::move(name));
-        const std::lock_guard lock(offer_mutex_);
-        report("perturbed greedy");
-      }
-      if (done()) {
-        for (auto& flag : stop) flag.store(true);  // a skyline running could not be kept
+      guarded([&] {
+        std::optional<detail::occupancy_index> index;
+        while (!others_ended.load() && !done() && worth_starting()) {
+          if (!index) index.emplace(p_.sections, p_.longest);
+          candidate_plan c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
+          std::string name = end_guided_round(c);
+          offer(std::move(c), std::move(name));
+          const std::lock_guard lock(offer_mutex_);
+          report("perturbed greedy");
+        }
+      });
+      if (done() || failed_.load()) {
+        for (auto& flag : stop) flag.store(true);  // a skyline running could not be kept, or is not wanted
       }
     }
     while (!done() && worth_starting()) {
@@ -409,7 +437,7 @@ class planner_run {
   bool done() const { return at_bound_.load(); }
 
  private:
-  bool time_left() const { return clock::now() < deadline_; }
+  bool time_left() const { return !failed_.load() && clock::now() < deadline_; }
 
   // Keeps `c` if it is smaller than the best plan so far, or an equal skyline earlier in
   // their fixed order (`slot`; see detail::replaces_best). Called from several threads while
@@ -429,12 +457,14 @@ class planner_run {
     }
   }
 
+  // Calls the progress callback (under offer_mutex_ wherever other threads may offer). Once it
+  // has thrown, it is not called again: the exception ends the planning (see guarded).
   void report(const char* phase) {
-    if (!o_.progress) return;
+    if (!o_.progress || failed_.load()) return;
     const double now = seconds_since(start_);
     if (now - last_report_ < 0.1 && best_.arena != p_.lower_bound) return;
     last_report_ = now;
-    o_.progress({now, best_.arena, p_.lower_bound, phase});
+    guarded([&] { o_.progress({now, best_.arena, p_.lower_bound, phase}); });
   }
 
   // Canonical DFS at a target capacity: first the lower bound itself, then halfway between
@@ -577,6 +607,9 @@ class planner_run {
   std::mutex offer_mutex_;
   int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
   std::atomic<bool> at_bound_{false};  // best_ is at the lower bound
+  std::mutex error_mutex_;
+  std::exception_ptr error_;         // the first exception of a planner thread (see guarded)
+  std::atomic<bool> failed_{false};  // error_ is set
 };
 
 // Refuses a negative or NaN option: invalid_argument naming its value between two parts.
@@ -632,6 +665,7 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
     r.greedy_seconds = seconds_since(start);
     if (options.search && !run.done()) run.search();
   }
+  run.rethrow_failure();
   const candidate_plan& best = run.best();
   r.offsets = best.offsets;
   r.arena_bytes = best.arena;

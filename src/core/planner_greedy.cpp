@@ -5,6 +5,7 @@
 #include <barrier>
 #include <bit>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <numbers>
 #include <numeric>
@@ -425,7 +426,7 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
   std::barrier sync(2);
   // Each thread places its side's buffers between two crossing buffers; then both wait, side 0
   // places the crossing buffer in both indexes, and both wait again.
-  auto work = [&](int s) {
+  auto place_side = [&](int s) {
     std::size_t count = 0;
     for (std::size_t i = 0; i <= order.size(); ++i) {
       const std::uint32_t b = i < order.size() ? order[i] : 0;
@@ -463,9 +464,25 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
       sync.arrive_and_wait();  // the crossing buffer is in both indexes
     }
   };
+  // A side that throws (std::bad_alloc in its index) drops out of the barrier, so that the
+  // other goes on alone to the next crossing buffer and stops there; the first exception is
+  // rethrown once both have ended.
+  std::exception_ptr error[2];
+  auto work = [&](int s) {
+    try {
+      place_side(s);
+    } catch (...) {
+      error[s] = std::current_exception();
+      stopped.store(true);
+      sync.arrive_and_drop();
+    }
+  };
   {
     std::jthread right(work, 1);
     work(0);
+  }
+  for (const std::exception_ptr& e : error) {
+    if (e) std::rethrow_exception(e);
   }
   if (stopped.load()) return {};
   out.arena = arena_of(p, out.offsets);

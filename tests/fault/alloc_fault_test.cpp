@@ -5,15 +5,19 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <new>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "tensormem/arena/contiguous_arena.hpp"
 #include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/core/planner.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/memory/host_resource.hpp"
 
@@ -25,6 +29,10 @@
 
 namespace {
 thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fails
+// While set, every allocation on a thread other than `armed_thread` fails (a library's own
+// threads out of memory while the caller's are not).
+std::atomic<bool> fail_on_other_threads{false};
+std::thread::id armed_thread;
 
 // Disarms the counter when a test function returns, a failed assertion's return included, so
 // that the test framework's own allocations after it do not fail.
@@ -36,6 +44,7 @@ struct disarm_on_exit {
 };
 
 void fail_when_due() {
+  if (fail_on_other_threads.load() && std::this_thread::get_id() != armed_thread) throw std::bad_alloc();
   if (countdown == 0) {
     countdown = -1;
     throw std::bad_alloc();
@@ -308,6 +317,63 @@ TEST(strong_guarantee, arena_allocate_with_defragmentation) {
       const arena::tensor_block b = a.block(id);
       for (std::uint64_t i = 0; i < bytes; ++i) ASSERT_EQ(b.data()[i], pattern(id, i));
     }
+  }
+}
+
+// The planner's instances for the tests below: `n` buffers over `horizon` steps, lifetimes up
+// to 4,000 steps, sizes 64 x [1, kinds]. 3,000 over 10^5 steps: more than 4,096 sections, the
+// rounds on two lanes; 20,000 over 7 x 10^5: the split greedy pays (first passes split across
+// two threads, the guided rounds beside the classic variants).
+std::vector<core::buffer> planner_instance(unsigned seed, std::size_t n, std::uint64_t horizon, std::uint64_t kinds) {
+  std::mt19937_64 rng(seed);
+  std::vector<core::buffer> b;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t lower = rng() % horizon;
+    const std::uint64_t length = 1 + rng() % 4000;
+    b.push_back({"b" + std::to_string(i), lower, lower + length, 64 * (1 + rng() % kinds), {}});
+  }
+  return b;
+}
+
+// Every allocation on the planner's own threads fails: plan() throws std::bad_alloc on the
+// caller's thread once every thread has ended (no std::terminate, and no side of a split pass
+// left waiting at its barrier for the other).
+TEST(planner_faults, allocations_failing_on_the_planners_threads_come_out_of_plan) {
+  for (const auto& b : {planner_instance(5, 3000, 100'000, 8), planner_instance(8, 20'000, 700'000, 4)}) {
+    core::plan_options o;
+    o.threads = 2;
+    o.time_limit_seconds = 5;
+    armed_thread = std::this_thread::get_id();
+    fail_on_other_threads = true;
+    EXPECT_THROW(core::plan(b, o), std::bad_alloc) << b.size() << " buffers";
+    fail_on_other_threads = false;
+    const core::plan_result r = core::plan(b, o);  // and nothing is left behind
+    EXPECT_EQ(core::validate(b, r.offsets, r.arena_bytes, 1), "");
+  }
+}
+
+// The caller's n-th allocation fails while the planner's other thread works (n over a
+// range that reaches every phase): std::bad_alloc or a valid plan, every time.
+TEST(planner_faults, an_allocation_failing_on_the_callers_thread_comes_out_of_plan) {
+  for (const auto& b : {planner_instance(5, 3000, 100'000, 8), planner_instance(8, 20'000, 700'000, 4)}) {
+    int failed = 0;
+    for (long n = 1; n < 20'000'000; n = n * 3 / 2 + 1) {
+      core::plan_options o;
+      o.threads = 2;
+      o.time_limit_seconds = 5;
+      const disarm_on_exit disarm;
+      countdown = n;
+      try {
+        const core::plan_result r = core::plan(b, o);
+        countdown = -1;
+        EXPECT_EQ(core::validate(b, r.offsets, r.arena_bytes, 1), "") << n;
+        break;  // the caller's allocations are fewer than n
+      } catch (const std::bad_alloc&) {
+        countdown = -1;
+        ++failed;
+      }
+    }
+    EXPECT_GE(failed, 8) << b.size() << " buffers";  // (the caller allocates 100-150 times in all)
   }
 }
 

@@ -43,7 +43,10 @@ struct plan_options {
   /// placement.
   unsigned threads = 0;
   /// Optional progress callback, called at most about ten times a second, from one of the
-  /// planner's threads, never from two at once.
+  /// planner's threads, never from two at once. An exception it throws ends the planning
+  /// (a way to cancel it): no phase starts after it, the callback is not called again, and
+  /// plan() rethrows it on the caller's thread once every planner thread has ended (a
+  /// placement already running ends first, by the time limit at the latest).
   std::function<void(const plan_progress&)> progress;
 };
 
@@ -101,13 +104,15 @@ inline constexpr std::uint64_t plan_bytes_per_buffer = 160;
 ///     contention-guided first fit, whose rounds go on from the contention order's plan,
 ///     each doubling the weight of the buffers that ended above the lower bound. Where the
 ///     split greedy pays (under 1 % of the buffers across the median start, 20,000 or more),
-///     no perturbed skylines: the guided rounds alone, each split across two threads.
+///     no perturbed skylines: the guided rounds alone, on one thread beside the classic
+///     orders and the skylines on the other, then each split across two threads.
 /// Greedy phase: O(n log n + P log P) per order, P the number of conflicting pairs. The
 /// problem is NP-hard: the result is not guaranteed optimal unless it equals the lower bound.
 /// Throws std::invalid_argument for a non-power-of-two alignment, an empty lifetime, a time
 /// limit that is negative or NaN, or sizes that add up past 2^64 - 1 (a limit larger than
 /// the clock can count means no limit); std::length_error for more than max_plan_buffers
-/// buffers.
+/// buffers; std::bad_alloc without memory, from whichever of its threads ran out, once all
+/// have ended; and what the progress callback throws.
 plan_result plan(std::span<const buffer> buffers, const plan_options& options = {});
 
 /// Plans the activations, inputs and outputs of a graph (see derive_lifetimes); the
