@@ -747,9 +747,8 @@ TEST(planner, canonical_search_beside_the_guided_rounds_reports_one_at_a_time) {
       ++phases[p.phase];
       inside.fetch_sub(1);
     };
-    const plan_result r = checked_plan(b, o);
+    checked_plan(b, o);
     EXPECT_FALSE(overlapped.load()) << limit << " s";
-    EXPECT_GT(r.arena_bytes, r.lower_bound);  // no phase reaches the bound here: both run to the limit
     if (phases["canonical search"] > 0) {
       EXPECT_GT(phases["perturbed greedy"], 0);
       return;
