@@ -191,10 +191,22 @@ class planner_run {
   std::vector<std::uint32_t> guided_order() const { return order_by(p_, guided_, tie_break::start); }
 
   // One guided round by first fit (split across the threads where that pays), offered.
-  void guided_round() {
-    candidate_plan c = first_fit(guided_order());
+  // With `index`, first fit on this thread alone in that index (kept across rounds).
+  void guided_round(detail::occupancy_index* index = nullptr) {
+    candidate_plan c = index != nullptr
+                           ? detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_)
+                           : first_fit(guided_order());
     std::string name = end_guided_round(c);
     offer(std::move(c), std::move(name));
+  }
+
+  // Guided rounds, each split across the threads where that pays, until the bound or the
+  // deadline (nothing else runs meanwhile).
+  void guided_rounds_to_the_end() {
+    while (!done() && worth_starting()) {
+      guided_round();
+      report("perturbed greedy");
+    }
   }
 
   // After a guided round: raises the buffers that stuck out of its plan for the next round;
@@ -411,9 +423,7 @@ class planner_run {
         std::optional<detail::occupancy_index> index;
         while (!others_ended.load() && !done() && worth_starting()) {
           if (!index) index.emplace(p_.sections, p_.longest);
-          candidate_plan c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
-          std::string name = end_guided_round(c);
-          offer(std::move(c), std::move(name));
+          guided_round(&*index);
           const std::lock_guard lock(offer_mutex_);
           report("perturbed greedy");
         }
@@ -422,10 +432,7 @@ class planner_run {
         for (auto& flag : stop) flag.store(true);  // a skyline running could not be kept, or is not wanted
       }
     }
-    while (!done() && worth_starting()) {
-      guided_round();
-      report("perturbed greedy");
-    }
+    guided_rounds_to_the_end();
     return greedy_seconds;
   }
 
@@ -528,10 +535,7 @@ class planner_run {
       // There the perturbed skylines cost two or three rounds each and never came near them
       // (synthetic family, 10^5 buffers: 1.09 x against 1.02-1.04; traces repeated in time
       // as a series of copies: no better than the plain skylines before them).
-      while (!done() && worth_starting()) {
-        guided_round();
-        report("perturbed greedy");
-      }
+      guided_rounds_to_the_end();
       return;
     }
     rounds_state rounds;
