@@ -287,9 +287,10 @@ class planner_run {
   // own slot; the winner is chosen afterwards in a fixed order, so the result does not
   // depend on scheduling. They run before any skyline: each costs O(n log n + P log P), while
   // a skyline's re-checks grow with the overlap and can take the whole limit.
-  candidate_plan greedy() { return greedy_on(threads()); }
+  void greedy() { greedy_on(threads()); }
 
-  candidate_plan greedy_on(std::size_t thread_count) {
+  // (Returns nothing: a copy of best_ here would race with guided rounds offering beside it.)
+  void greedy_on(std::size_t thread_count) {
     struct variant {
       const order_key* key;
       detail::fit policy;
@@ -318,7 +319,6 @@ class planner_run {
                                      (v.ties == tie_break::start ? " (equal sizes by start)" : "") +
                                      (v.policy == detail::fit::best ? " best-fit" : " first-fit"));
     }
-    return best_;
   }
 
   // What the lanes of perturbation rounds share: the first position that reached the
@@ -340,8 +340,8 @@ class planner_run {
   // One flag per skyline: stop it (a plan before it in their order reached the bound).
   using skyline_flags = std::array<std::atomic<bool>, 3>;
 
-  candidate_plan search() {
-    if (done() || !worth_starting()) return best_;
+  void search() {
+    if (done() || !worth_starting()) return;
     // Where no canonical search follows (more than 4,096 sections) and the perturbation
     // rounds run on two lanes, a thread with no skyline left to start goes on to the
     // rounds at once instead of waiting for the skylines still running (IOPDDL S_1: the
@@ -352,12 +352,11 @@ class planner_run {
       skyline_flags stop = {};
       rounds_state rounds;
       skylines(threads(), stop, 2, &rounds);
-      return best_;
+      return;
     }
     skyline_flags stop = {};
     skylines_and_canonical(threads(), stop);
     if (!done()) perturbation_phase();
-    return best_;
   }
 
   // The skylines in their fixed order, then the canonical search where it applies.
