@@ -156,7 +156,7 @@ class planner_run {
       std::array<candidate_plan, 2> plans;
       auto work = [&](std::size_t which, std::size_t) {
         detail::occupancy_index index(p_.sections, p_.longest);
-        plans[which] = detail::place_in_order(p_, order_of(which), detail::fit::first, index, deadline_);
+        plans[which] = detail::place_in_order(p_, order_of(which), detail::fit::first, index, limit());
       };
       on_threads(2, work);
       placement_cost_ = clock::now() - t1;
@@ -194,7 +194,7 @@ class planner_run {
   // With `index`, first fit on this thread alone in that index (kept across rounds).
   void guided_round(detail::occupancy_index* index = nullptr) {
     candidate_plan c = index != nullptr
-                           ? detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_)
+                           ? detail::place_in_order(p_, guided_order(), detail::fit::first, *index, limit())
                            : first_fit(guided_order());
     std::string name = end_guided_round(c);
     offer(std::move(c), std::move(name));
@@ -235,9 +235,9 @@ class planner_run {
 
   // First fit in `order`, split over two threads where that pays (same offsets).
   candidate_plan first_fit(const std::vector<std::uint32_t>& order) {
-    if (threads() >= 2 && split_pays()) return detail::place_first_fit_split(p_, order, deadline_);
+    if (threads() >= 2 && split_pays()) return detail::place_first_fit_split(p_, order, limit());
     detail::occupancy_index index(p_.sections, p_.longest);
-    return detail::place_in_order(p_, order, detail::fit::first, index, deadline_);
+    return detail::place_in_order(p_, order, detail::fit::first, index, limit());
   }
 
   // Below this many buffers the second thread of the split greedy does not pay for itself.
@@ -247,10 +247,16 @@ class planner_run {
     return o_.threads != 0 ? o_.threads : std::max(1U, std::thread::hardware_concurrency());
   }
 
-  // See detail::worth_starting. Nothing starts once a thread has failed.
+  // See detail::worth_starting. Nothing starts once a thread has failed or a stop is requested.
   bool worth_starting() const {
-    return !failed_.load() && detail::worth_starting(clock::now(), deadline_, first_cost_, placement_cost_);
+    return !halted() && detail::worth_starting(clock::now(), deadline_, first_cost_, placement_cost_);
   }
+
+  // The deadline of placements and searches, with the caller's stop flag.
+  detail::deadline_or_stop limit() const { return {deadline_, o_.stop}; }
+
+  // Whether the caller asked the planning to stop (plan_options::stop).
+  bool stop_requested() const { return limit().stop_requested(); }
 
   // Runs work(t, count) for t in [0, count): t = 0 on the calling thread, the others on their
   // own; returns when all have ended. An exception in any of them is kept (see guarded).
@@ -310,7 +316,7 @@ class planner_run {
       for (std::size_t v = first; v < variants.size(); v += step) {
         if (!worth_starting() || done()) return;  // (guided rounds beside them may reach the bound)
         const auto order = order_by(p_, keys_of(p_, *variants[v].key), variants[v].ties);
-        variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index, deadline_);
+        variants[v].result = detail::place_in_order(p_, order, variants[v].policy, index, limit());
       }
     };
     on_threads(std::min(thread_count, variants.size()), work);
@@ -381,7 +387,7 @@ class planner_run {
     auto skyline = [&](std::size_t i) {
       if (stop[i].load() || !worth_starting()) return false;  // so are the skylines after it
       return guarded([&] {
-        candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), deadline_, &stop[i]);
+        candidate_plan c = detail::place_skyline(p_, keys_of(p_, *keys[i]), limit(), &stop[i]);
         if (!c.offsets.empty() && c.arena <= p_.lower_bound) {
           for (std::size_t j = i + 1; j < keys.size(); ++j) stop[j].store(true);
           if (rounds != nullptr) rounds->beat_all();  // every round comes after the skylines
@@ -443,7 +449,9 @@ class planner_run {
   bool done() const { return at_bound_.load(); }
 
  private:
-  bool time_left() const { return !failed_.load() && clock::now() < deadline_; }
+  // A thread failed or the caller asked to stop: nothing more is tried.
+  bool halted() const { return failed_.load() || stop_requested(); }
+  bool time_left() const { return !halted() && clock::now() < deadline_; }
 
   // Keeps `c` if it is smaller than the best plan so far, or an equal skyline earlier in
   // their fixed order (`slot`; see detail::replaces_best). Called from several threads while
@@ -487,15 +495,16 @@ class planner_run {
                                                 std::chrono::duration<double>(left * 0.5));
       bool found = false;
       bool settled = false;  // a heuristic searched its whole tree without a plan
-      for (std::uint64_t limit = 2 * p_.size(); !found && !settled && !done() && clock::now() < slice_end;
+      for (std::uint64_t limit = 2 * p_.size(); !found && !settled && !done() && time_left() &&
+                                                  clock::now() < slice_end;
            limit *= 2) {
         for (const detail::preorder heuristic :
              {detail::preorder::length_area_total, detail::preorder::total_area_length,
               detail::preorder::total_length_area}) {
           std::vector<std::uint64_t> offsets;
           bool stopped = false;
-          found = detail::canonical_search(p_, g, target, heuristic, slice_end, limit, offsets,
-                                           stopped);
+          found = detail::canonical_search(p_, g, target, heuristic, {slice_end, o_.stop}, limit,
+                                           offsets, stopped);
           if (found) {
             candidate_plan c;
             c.arena = detail::arena_of(p_, offsets);
@@ -557,14 +566,14 @@ class planner_run {
         const order_key& k = order_keys[round % std::size(order_keys)];
         std::vector<double> key = keys_of(p_, k);
         for (double& v : key) v *= noise(rng_);
-        c = detail::place_skyline(p_, key, deadline_, &rounds.beaten[lane]);
+        c = detail::place_skyline(p_, key, limit(), &rounds.beaten[lane]);
         name = std::string("perturbed skyline ") + k.name;
       } else {
         if (lanes == 1) {
           c = first_fit(guided_order());
         } else {
           if (!index) index.emplace(p_.sections, p_.longest);
-          c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, deadline_);
+          c = detail::place_in_order(p_, guided_order(), detail::fit::first, *index, limit());
         }
         name = end_guided_round(c);
       }
@@ -677,6 +686,7 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
   r.first_plan_seconds = run.first_plan_seconds();
   r.best_plan_seconds = run.best_plan_seconds();
   r.seconds = seconds_since(start);
+  r.stopped = options.stop != nullptr && options.stop->load();
   return r;
 }
 

@@ -152,12 +152,27 @@ enum class fit { best, first };
 
 using clock = std::chrono::steady_clock;
 
+/// When a placement or a search must end: at `at` (clock::time_point::max(): never) or as
+/// soon as `*stop` is true (null: never), whichever comes first. A time point converts to one
+/// without a stop flag.
+struct deadline_or_stop {
+  clock::time_point at = clock::time_point::max();
+  const std::atomic<bool>* stop = nullptr;
+  deadline_or_stop(clock::time_point when = clock::time_point::max(),  // NOLINT: implicit on purpose
+                   const std::atomic<bool>* flag = nullptr) noexcept
+      : at(when), stop(flag) {}
+  bool stop_requested() const noexcept { return stop != nullptr && stop->load(std::memory_order_relaxed); }
+  bool passed() const noexcept {
+    return stop_requested() || (at != clock::time_point::max() && clock::now() >= at);
+  }
+};
+
 /// Classic greedy: places buffers in `order`, each in the best-fitting (or lowest) gap
-/// among the placed buffers that overlap it in time. Past `deadline` (checked every 256
-/// buffers) it stops and returns an empty plan (no offsets), which the search ignores.
+/// among the placed buffers that overlap it in time. Once `deadline` has passed or its stop
+/// flag is set (checked every 256 buffers) it stops and returns an empty plan (no offsets),
+/// which the search ignores.
 candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32_t> order,
-                              fit policy, occupancy_index& index,
-                              clock::time_point deadline = clock::time_point::max());
+                              fit policy, occupancy_index& index, deadline_or_stop deadline = {});
 
 /// The number of buffers alive across the median start section: place_first_fit_split's
 /// cut, where its two threads meet for each of them.
@@ -169,14 +184,13 @@ std::size_t buffers_across_median_start(const plan_problem& p);
 /// every buffer alive across the cut, which is placed in both. Stops past `deadline` as
 /// place_in_order does.
 candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std::uint32_t> order,
-                                     clock::time_point deadline = clock::time_point::max());
+                                     deadline_or_stop deadline = {});
 
 /// Skyline greedy: repeatedly places, at its lowest feasible offset, the buffer whose lowest
-/// feasible offset is smallest; ties go to the highest `priority`. Stops past `deadline`
-/// as place_in_order does, or once `*stop` is set (checked as often).
+/// feasible offset is smallest; ties go to the highest `priority`. Stops at `deadline` as
+/// place_in_order does, or once `*stop` is set (checked as often).
 candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority,
-                             clock::time_point deadline = clock::time_point::max(),
-                             const std::atomic<bool>* stop = nullptr);
+                             deadline_or_stop deadline = {}, const std::atomic<bool>* stop = nullptr);
 
 /// Runs skyline(i) for every i < `skylines` on `threads` threads (the calling thread one
 /// of them), each thread taking the next skyline not yet started, until one returns false
@@ -249,10 +263,10 @@ enum class preorder { length_area_total, total_area_length, total_length_area };
 
 /// Depth-first search over canonical solutions at a fixed capacity. Returns true and fills `offsets` when a
 /// plan with arena <= capacity is found. `stopped` tells whether it gave up at `deadline`
-/// or after `node_limit` nodes (otherwise a false result means this search space holds no
-/// plan at that capacity).
+/// (its time or its stop flag, checked every 64 nodes) or after `node_limit` nodes (otherwise
+/// a false result means this search space holds no plan at that capacity).
 bool canonical_search(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
-                      preorder heuristic, clock::time_point deadline,
+                      preorder heuristic, deadline_or_stop deadline,
                       std::uint64_t node_limit, std::vector<std::uint64_t>& offsets,
                       bool& stopped);
 

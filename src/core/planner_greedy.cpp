@@ -339,7 +339,7 @@ std::uint64_t occupancy_index::first_fit(std::uint32_t lo, std::uint32_t hi, std
 }
 
 candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32_t> order,
-                              fit policy, occupancy_index& index, clock::time_point deadline) {
+                              fit policy, occupancy_index& index, deadline_or_stop deadline) {
   constexpr std::uint64_t unplaced = std::numeric_limits<std::uint64_t>::max();
   candidate_plan out;
   out.offsets.assign(p.size(), unplaced);
@@ -348,7 +348,7 @@ candidate_plan place_in_order(const plan_problem& p, std::span<const std::uint32
   std::uint64_t arena = 0;
   std::size_t placed = 0;
   for (const std::uint32_t b : order) {
-    if ((++placed & 255U) == 0 && deadline != clock::time_point::max() && clock::now() >= deadline) return {};
+    if ((++placed & 255U) == 0 && deadline.passed()) return {};
     const std::uint64_t need = p.bytes[b];
     std::uint64_t chosen = unplaced;
     if (policy == fit::first) {
@@ -399,7 +399,7 @@ std::size_t buffers_across_median_start(const plan_problem& p) {
 }
 
 candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std::uint32_t> order,
-                                     clock::time_point deadline) {
+                                     deadline_or_stop deadline) {
   const std::size_t n = p.size();
   if (n == 0) return {};
   // The cut: the median start section. side 0: before it, 1: after it, 2: alive across it.
@@ -431,7 +431,7 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
     for (std::size_t i = 0; i <= order.size(); ++i) {
       const std::uint32_t b = i < order.size() ? order[i] : 0;
       if (i < order.size() && side[b] == s) {
-        if ((++count & 255U) == 0 && deadline != clock::time_point::max() && clock::now() >= deadline) {
+        if ((++count & 255U) == 0 && deadline.passed()) {
           stopped.store(true, std::memory_order_relaxed);
           // Skip to the next crossing buffer, where both sides meet.
           while (i + 1 < order.size() && side[order[i + 1]] != 2) ++i;
@@ -544,7 +544,7 @@ class skyline {
 }  // namespace
 
 candidate_plan place_skyline(const plan_problem& p, std::span<const double> priority,
-                             clock::time_point deadline, const std::atomic<bool>* stop) {
+                             deadline_or_stop deadline, const std::atomic<bool>* stop) {
   candidate_plan out;
   out.offsets.assign(p.size(), 0);
   skyline floors(std::max<std::uint32_t>(p.sections, 1));
@@ -587,8 +587,7 @@ candidate_plan place_skyline(const plan_problem& p, std::span<const double> prio
   std::size_t steps = 0;
   while (!heap.empty()) {
     if ((++steps & 255U) == 0 &&
-        ((stop != nullptr && stop->load(std::memory_order_relaxed)) ||
-         (deadline != clock::time_point::max() && clock::now() >= deadline))) {
+        ((stop != nullptr && stop->load(std::memory_order_relaxed)) || deadline.passed())) {
       return {};
     }
     const std::uint32_t b = heap.front().buffer;

@@ -21,7 +21,7 @@ constexpr std::uint64_t unplaced = std::numeric_limits<std::uint64_t>::max();
 class canonical_dfs {
  public:
   canonical_dfs(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
-                preorder heuristic, clock::time_point deadline, std::uint64_t node_limit)
+                preorder heuristic, deadline_or_stop deadline, std::uint64_t node_limit)
       : p_(p), g_(g), capacity_(capacity), heuristic_(heuristic), deadline_(deadline),
         node_limit_(node_limit), offsets_(p.size(), unplaced), solution_(p.size(), 0),
         min_offset_(p.size(), 0), floor_(p.sections, 0), total_(g.section_total),
@@ -118,7 +118,7 @@ class canonical_dfs {
   // the offsets they had in the caller; offsets only grow, so re-sorting is nearly linear.
   bool dfs(std::uint32_t lo, std::uint32_t hi, std::uint64_t last_offset,
            std::uint32_t last_rank, const std::vector<candidate>& parent) {
-    if (++nodes_ > node_limit_ || ((nodes_ & 63U) == 0 && clock::now() > deadline_)) {
+    if (++nodes_ > node_limit_ || ((nodes_ & 63U) == 0 && deadline_.passed())) {
       stopped_ = true;
       return false;
     }
@@ -241,7 +241,7 @@ class canonical_dfs {
   const search_graph& g_;
   std::uint64_t capacity_;
   preorder heuristic_;
-  clock::time_point deadline_;
+  deadline_or_stop deadline_;
   std::uint64_t node_limit_;
   std::uint64_t nodes_ = 0;
   bool stopped_ = false;
@@ -320,7 +320,7 @@ std::uint64_t overlap_pairs(const plan_problem& p) {
 }
 
 bool canonical_search(const plan_problem& p, const search_graph& g, std::uint64_t capacity,
-                      preorder heuristic, clock::time_point deadline,
+                      preorder heuristic, deadline_or_stop deadline,
                       std::uint64_t node_limit, std::vector<std::uint64_t>& offsets,
                       bool& stopped) {
   canonical_dfs search(p, g, capacity, heuristic, deadline, node_limit);

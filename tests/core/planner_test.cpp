@@ -18,6 +18,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -61,6 +62,7 @@ plan_result checked_plan(const std::vector<buffer>& b, plan_options o = {}) {
   EXPECT_EQ(validate(b, r.offsets, r.arena_bytes, o.alignment), "");
   EXPECT_GE(r.arena_bytes, r.lower_bound);
   EXPECT_EQ(r.lower_bound, lower_bound(b, o.alignment));
+  EXPECT_EQ(r.stopped, o.stop != nullptr && o.stop->load());
   return r;
 }
 
@@ -152,6 +154,49 @@ TEST(planner_deadline, skyline_stops_when_asked) {
   const auto s = detail::place_skyline(p, priority, future, &stop);
   EXPECT_EQ(s.offsets, detail::place_skyline(p, priority).offsets);
   EXPECT_EQ(validate(b, s.offsets, s.arena, 1), "");
+}
+
+// A stop flag ends every placement and the canonical search as a past deadline does, however
+// far the deadline; unset, it changes nothing. The planner stops its phases this way when its
+// caller asks it to (plan_options::stop).
+TEST(planner_deadline, placements_and_the_search_stop_when_asked) {
+  const auto b = synthetic_lifetimes(30'000, 4);
+  const detail::plan_problem p = detail::make_problem(b, 1);
+  detail::occupancy_index index(p.sections, p.longest);
+  std::vector<std::uint32_t> order(b.size());
+  std::iota(order.begin(), order.end(), 0U);
+  std::vector<double> priority(b.size());
+  for (std::size_t i = 0; i < b.size(); ++i) priority[i] = static_cast<double>(b[i].bytes);
+  std::atomic<bool> stop{true};
+  const detail::deadline_or_stop asked(detail::clock::now() + std::chrono::hours(1), &stop);
+  EXPECT_TRUE(asked.passed());
+  for (const auto policy : {detail::fit::first, detail::fit::best}) {
+    EXPECT_TRUE(detail::place_in_order(p, order, policy, index, asked).offsets.empty());
+  }
+  EXPECT_TRUE(detail::place_first_fit_split(p, order, asked).offsets.empty());
+  EXPECT_TRUE(detail::place_skyline(p, priority, asked).offsets.empty());
+  stop = false;
+  EXPECT_FALSE(asked.passed());
+  EXPECT_EQ(detail::place_in_order(p, order, detail::fit::first, index, asked).offsets,
+            detail::place_in_order(p, order, detail::fit::first, index).offsets);
+  EXPECT_EQ(detail::place_first_fit_split(p, order, asked).offsets, detail::place_first_fit_split(p, order).offsets);
+  EXPECT_EQ(detail::place_skyline(p, priority, asked).offsets, detail::place_skyline(p, priority).offsets);
+  // The canonical search at the lower bound of an instance where 1,000 nodes do not settle
+  // it: stopped at once, though it has no node limit; unset, it goes on to its node limit.
+  std::mt19937_64 rng(11);
+  const auto small = random_buffers(rng, 300, 2000, 200, [&] { return 1 + rng() % 64; });
+  const detail::plan_problem q = detail::make_problem(small, 1);
+  const detail::search_graph g = detail::make_search_graph(q);
+  std::vector<std::uint64_t> offsets;
+  bool stopped = false;
+  ASSERT_FALSE(detail::canonical_search(q, g, q.lower_bound, detail::preorder::length_area_total, asked, 1000,
+                                        offsets, stopped));
+  ASSERT_TRUE(stopped);  // by the node limit
+  stop = true;
+  stopped = false;
+  EXPECT_FALSE(detail::canonical_search(q, g, q.lower_bound, detail::preorder::length_area_total, asked,
+                                        std::numeric_limits<std::uint64_t>::max(), offsets, stopped));
+  EXPECT_TRUE(stopped);
 }
 
 // The rule that keeps the planner's time limit: a placement starts only with twice the first
@@ -818,6 +863,40 @@ TEST(planner, an_exception_from_the_progress_callback_comes_out_of_plan) {
     off_the_caller += plan_with_a_throwing_callback(b, 2, 0);
   }
   EXPECT_GE(off_the_caller, 1);
+}
+
+// plan_options::stop: set before the call, the first plan comes back and nothing after it;
+// set by the progress callback once a later phase has found a smaller plan, plan() returns that
+// plan or a better one long before its time limit (an hour), valid, with `stopped` set. On
+// the two kinds of input whose phases differ (the canonical search on a short time line, the
+// guided rounds on a long one) and on one thread and two.
+TEST(planner, a_stop_request_ends_the_plan_with_the_best_plan_so_far) {
+  std::mt19937_64 rng(5);
+  const auto spread = random_buffers(rng, 3000, 100'000, 4000, [&] { return 64 * (1 + rng() % 8); });
+  std::mt19937_64 rng_split(8);
+  const auto split = random_buffers(rng_split, 20'000, 700'000, 4000, [&] { return 64 * (1 + rng_split() % 4); });
+  for (const auto* b : {&spread, &split}) {
+    for (const unsigned threads : {1U, 2U}) {
+      const std::string where = std::to_string(b->size()) + " buffers, " + std::to_string(threads) + " threads";
+      std::atomic<bool> stop{true};
+      plan_options o;
+      o.threads = threads;
+      o.time_limit_seconds = 3600;
+      o.stop = &stop;
+      const plan_result first = checked_plan(*b, o);
+      EXPECT_TRUE(first.stopped) << where;
+      EXPECT_EQ(first.strategy, "online O(1) allocator") << where;
+      ASSERT_GT(first.arena_bytes, first.lower_bound) << where;  // else nothing would follow it
+      stop = false;
+      o.progress = [&](const plan_progress& progress) {
+        if (progress.best_arena_bytes < first.arena_bytes) stop = true;
+      };
+      const plan_result r = checked_plan(*b, o);
+      EXPECT_TRUE(r.stopped) << where;
+      EXPECT_LT(r.arena_bytes, first.arena_bytes) << where;
+      EXPECT_LT(r.seconds, 60) << where;  // stopped, not ended by its limit
+    }
+  }
 }
 
 // The two first greedy passes run at once, a thread each, where the split does not pay

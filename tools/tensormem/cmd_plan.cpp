@@ -3,7 +3,10 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <iostream>
 #include <string>
 
@@ -42,6 +45,58 @@ std::uint64_t peak_rss_bytes() {
   return static_cast<std::uint64_t>(u.ru_maxrss) * 1024;
 }
 
+// While the planner runs, SIGINT (Ctrl-C) and SIGTERM stop its search instead of the
+// process: the best plan found by then is validated, written and printed as usual, and the
+// command exits with 128 + the signal's number. The handler is reset by its first signal, so a
+// second one ends the process at once. A signal the tool was started with ignored (a
+// background job's SIGINT) stays ignored; the old handlers are back once the plan returns.
+class stop_on_signals {
+ public:
+  stop_on_signals() {
+    stop_.store(false);
+    signal_ = 0;
+    for (std::size_t k = 0; k < signals.size(); ++k) {
+      struct sigaction now {};
+      if (sigaction(signals[k], nullptr, &now) != 0 || now.sa_handler == SIG_IGN) continue;
+      now = {};
+      now.sa_handler = &on_signal;
+      sigemptyset(&now.sa_mask);
+      now.sa_flags = static_cast<int>(SA_RESETHAND | SA_RESTART);
+      installed_[k] = sigaction(signals[k], &now, &old_[k]) == 0;
+    }
+  }
+  ~stop_on_signals() {
+    for (std::size_t k = 0; k < signals.size(); ++k) {
+      if (installed_[k]) sigaction(signals[k], &old_[k], nullptr);
+    }
+  }
+  stop_on_signals(const stop_on_signals&) = delete;
+  stop_on_signals& operator=(const stop_on_signals&) = delete;
+  static const std::atomic<bool>* flag() noexcept { return &stop_; }
+  /// The signal that stopped the plan, 0 if none came.
+  static int signal() noexcept { return signal_; }
+
+ private:
+  static_assert(std::atomic<bool>::is_always_lock_free, "set from a signal handler");
+  static void on_signal(int sig) {
+    signal_ = sig;
+    stop_.store(true);
+  }
+  static constexpr std::array<int, 2> signals = {SIGINT, SIGTERM};
+  static inline std::atomic<bool> stop_{false};
+  static inline volatile std::sig_atomic_t signal_ = 0;
+  std::array<struct sigaction, 2> old_{};
+  std::array<bool, 2> installed_{};
+};
+
+// After the plan is out: the exit status of a plan stopped by `signal` (0: none came).
+void stop_if_signalled(int signal, const core::plan_result& r) {
+  if (signal == 0) return;
+  throw command_failed(128 + signal, fmt::format("plan: stopped by {} after {:.3f} s; the plan above is the best "
+                                                 "found by then (validated)",
+                                                 signal == SIGINT ? "SIGINT" : "SIGTERM", r.seconds));
+}
+
 void run_plan(plan_cli_options o) {
   // --time-limit is the budget of reading, planning and validating together: the planner
   // gets what reading the trace left of it and keeps room for the validation (its first plan
@@ -77,8 +132,16 @@ void run_plan(plan_cli_options o) {
   options.seed = o.seed;
   progress_line progress;
   if (progress.enabled()) options.progress = plan_progress_printer(progress, buffers.size());
-  const core::plan_result r = core::plan(buffers, options);
+  core::plan_result r;
+  {
+    const stop_on_signals signals;
+    options.stop = stop_on_signals::flag();
+    r = core::plan(buffers, options);
+  }
   progress.clear();
+  // A signal that came after the planner's last look at the flag stops nothing, but the
+  // caller asked for an end all the same.
+  const int stopped_by = stop_on_signals::signal();
   const auto validation = std::chrono::steady_clock::now();
   const std::string problem = core::validate(buffers, r.offsets, r.arena_bytes, o.alignment);
   const double validate_seconds = seconds_since(validation);
@@ -107,7 +170,9 @@ void run_plan(plan_cli_options o) {
     j["peak_rss_bytes"] = peak_rss_bytes();
     j["strategy"] = r.strategy;
     j["heap_huge_pages"] = huge_pages_status();
+    j["stopped"] = stopped_by != 0;
     std::cout << j.dump() << '\n';
+    stop_if_signalled(stopped_by, r);
     return;
   }
   std::cout << fmt::format("trace        {}\n", o.trace)
@@ -124,6 +189,7 @@ void run_plan(plan_cli_options o) {
             << fmt::format("peak RSS     {} (heap on huge pages: {})\n", human_bytes(peak_rss_bytes()),
                            huge_pages_status())
             << "validated    yes\n";
+  stop_if_signalled(stopped_by, r);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #pragma once
 // Static memory planner: buffers with known lifetimes in, offsets in one arena out.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -48,6 +49,13 @@ struct plan_options {
   /// plan() rethrows it on the caller's thread once every planner thread has ended (a
   /// placement already running ends first, by the time limit at the latest).
   std::function<void(const plan_progress&)> progress;
+  /// Optional stop flag, read and never written by the planner. Once `*stop` is true (set
+  /// from any thread, or from a signal handler: a store to a lock-free atomic), the planning
+  /// ends as it does at its time limit: no phase starts, a running placement or search stops
+  /// within 256 buffers (64 search nodes), and plan() returns the best valid plan found so
+  /// far, with plan_result::stopped set. The first plan always completes, as with a time limit
+  /// of zero. The flag must outlive the call.
+  const std::atomic<bool>* stop = nullptr;
 };
 
 struct plan_result {
@@ -62,6 +70,9 @@ struct plan_result {
   double greedy_seconds = 0;
   double first_plan_seconds = 0;       ///< when the first complete plan was found
   double best_plan_seconds = 0;        ///< when the returned plan was found
+  /// plan_options::stop was set when plan() returned: the planning may have ended before its
+  /// time limit, with a plan it would have improved.
+  bool stopped = false;
   double ratio() const noexcept {
     return lower_bound == 0 ? 1.0
                             : static_cast<double>(arena_bytes) / static_cast<double>(lower_bound);
