@@ -7,7 +7,10 @@
 
 #include <dlpack/dlpack.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <functional>
 #include <map>
 #include <optional>
@@ -16,6 +19,7 @@
 #include <sstream>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include "tensormem/arena/contiguous_arena.hpp"
@@ -454,6 +458,33 @@ std::vector<core::buffer> buffers_from(const py::handle& lower, const py::handle
   return b;
 }
 
+// core::plan on a thread of its own, while the calling thread lets Python run its signal
+// handlers every 50 ms (they run only on the main thread, and only when it runs Python code):
+// Ctrl-C's KeyboardInterrupt, or any exception a handler raises, stops the planner
+// (plan_options::stop); once the planner has ended, that exception is raised and its plan
+// dropped. Called with the GIL held.
+core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, core::plan_options o) {
+  std::atomic<bool> stop{false};
+  o.stop = &stop;
+  std::packaged_task<core::plan_result()> task([&] { return core::plan(buffers, o); });
+  std::future<core::plan_result> result = task.get_future();
+  bool interrupted = false;
+  {
+    py::gil_scoped_release release;
+    std::jthread planner(std::move(task));
+    while (result.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+      py::gil_scoped_acquire acquire;
+      if (PyErr_CheckSignals() != 0) {
+        interrupted = true;
+        stop.store(true);
+        break;
+      }
+    }
+  }  // the planner thread has ended here
+  if (interrupted) throw py::error_already_set();
+  return result.get();
+}
+
 }  // namespace
 
 void bind_offload(py::module_& m);  // offload_bindings.cpp
@@ -556,11 +587,7 @@ PYBIND11_MODULE(_tensormem, m) {
     o.time_limit_seconds = time_limit;
     o.alignment = alignment;
     o.seed = seed;
-    core::plan_result r;
-    {
-      py::gil_scoped_release release;
-      r = core::plan(buffers, o);
-    }
+    const core::plan_result r = plan_interruptibly(buffers, o);
     py::dict d;
     d["offsets"] = py::array_t<std::uint64_t>(static_cast<py::ssize_t>(r.offsets.size()), r.offsets.data());
     d["arena_bytes"] = r.arena_bytes;
@@ -571,7 +598,8 @@ PYBIND11_MODULE(_tensormem, m) {
     return d;
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
      py::arg("alignment") = 1, py::arg("seed") = 1,
-     "Plans buffers with half-open lifetimes [lower, upper) in one arena.");
+     "Plans buffers with half-open lifetimes [lower, upper) in one arena. Ctrl-C (or any exception "
+     "a signal handler raises) stops the planner within about 0.1 s and is raised; the plan is dropped.");
 
   // The C++ graph front end: operators over tensors of known sizes, their lifetimes.
   py::class_<core::graph>(m, "OperatorGraph", "Operators in execution order over tensors of known sizes.")

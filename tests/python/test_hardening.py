@@ -1,10 +1,12 @@
 """Misuse from Python: buffer lifetimes, freed pinned buffers, foreign handles, hostile
 arrays and one swapper shared by threads."""
 
+import _thread
 import errno
 import gc
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -628,3 +630,65 @@ def test_a_pool_registered_with_cuda_needs_a_device():
     assert pool.stats()["registered_bytes"] == 0
     assert pool.stats()["locked_bytes"] == 1 << 20
     buffer.free()
+
+
+# ----------------------------------------------------------------------------- stopping a plan
+
+def _long_plan_arrays(n=100_000, seed=1):
+    # The synthetic family of `tensormem plan --synthetic`: starts uniform over n steps,
+    # lifetimes 2^U(0, 12) steps, sizes 2^U(10, 24) bytes; far from solved in 600 s.
+    rng = np.random.default_rng(seed)
+    lower = rng.integers(0, n, n, dtype=np.uint64)
+    upper = lower + np.ceil(2.0 ** rng.uniform(0, 12, n)).astype(np.uint64)
+    size = np.ceil(2.0 ** rng.uniform(10, 24, n)).astype(np.uint64)
+    return lower, upper, size
+
+
+def _plan_stopped_by(signal_from_a_timer, expected):
+    lower, upper, size = _long_plan_arrays()
+    timer = threading.Timer(1.0, signal_from_a_timer)
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(expected):
+            tensormem.plan(lower, upper, size, time_limit=600)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 30  # stopped, not ended by its limit
+    # The planner's thread has ended: the module plans again at once.
+    assert tensormem.plan([0, 1], [2, 3], [10, 10])["arena_bytes"] == 20
+
+
+def test_ctrl_c_stops_a_plan_with_keyboard_interrupt():
+    _plan_stopped_by(_thread.interrupt_main, KeyboardInterrupt)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_an_exception_from_a_signal_handler_stops_a_plan():
+    def handler(signum, frame):
+        raise _Stop(f"signal {signum}")
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        _plan_stopped_by(lambda: os.kill(os.getpid(), signal.SIGUSR1), _Stop)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_signal_handler_that_returns_lets_the_plan_run_on():
+    seen = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    lower, upper, size = _long_plan_arrays()
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        p = tensormem.plan(lower, upper, size, time_limit=1.5)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+    assert seen == [signal.SIGUSR1]  # the handler ran during the plan
+    assert tensormem.validate(lower, upper, size, p["offsets"], p["arena_bytes"]) == ""
+    assert p["seconds"] >= 1.0  # it ran on to its limit (it does not reach the bound)
