@@ -458,30 +458,42 @@ std::vector<core::buffer> buffers_from(const py::handle& lower, const py::handle
   return b;
 }
 
-// core::plan on a thread of its own, while the calling thread lets Python run its signal
-// handlers every 50 ms (they run only on the main thread, and only when it runs Python code):
-// Ctrl-C's KeyboardInterrupt, or any exception a handler raises, stops the planner
-// (plan_options::stop); once the planner has ended, that exception is raised and its plan
-// dropped. Called with the GIL held.
-core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, core::plan_options o) {
-  std::atomic<bool> stop{false};
-  o.stop = &stop;
+// core::plan on a thread of its own, while the calling thread, every 50 ms, lets Python run
+// its signal handlers (they run only on the main thread, and only when it runs Python code)
+// and looks at `stop` (None, or an object with is_set(), as threading.Event). Ctrl-C's
+// KeyboardInterrupt, or any exception a handler or is_set() raises, stops the planner
+// (plan_options::stop) and is raised once the planner has ended, its plan dropped; `stop` set
+// stops it too, and its best plan so far is returned (plan_result::stopped). Called with the
+// GIL held.
+core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, core::plan_options o,
+                                     const py::object& stop) {
+  std::atomic<bool> stop_flag{false};
+  o.stop = &stop_flag;
   std::packaged_task<core::plan_result()> task([&] { return core::plan(buffers, o); });
   std::future<core::plan_result> result = task.get_future();
-  bool interrupted = false;
+  bool raised = false;
   {
     py::gil_scoped_release release;
     std::jthread planner(std::move(task));
     while (result.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
       py::gil_scoped_acquire acquire;
       if (PyErr_CheckSignals() != 0) {
-        interrupted = true;
-        stop.store(true);
+        raised = true;
+      } else if (!stop.is_none() && !stop_flag.load()) {
+        try {
+          if (stop.attr("is_set")().cast<bool>()) stop_flag.store(true);
+        } catch (py::error_already_set& e) {
+          e.restore();  // raised below, once the planner has ended
+          raised = true;
+        }
+      }
+      if (raised) {
+        stop_flag.store(true);
         break;
       }
     }
   }  // the planner thread has ended here
-  if (interrupted) throw py::error_already_set();
+  if (raised) throw py::error_already_set();
   return result.get();
 }
 
@@ -572,7 +584,11 @@ PYBIND11_MODULE(_tensormem, m) {
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("alignment") = 1);
 
   m.def("plan", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
-                   double time_limit, u64 alignment, u64 seed) {
+                   double time_limit, u64 alignment, u64 seed, const py::object& stop) {
+    if (!stop.is_none() && !py::hasattr(stop, "is_set")) {
+      throw py::type_error("plan: stop must be None or have is_set() (a threading.Event), not " +
+                           py::str(py::type::of(stop).attr("__name__")).cast<std::string>());
+    }
     // Refused before the buffers are made where planning them would pass the process's
     // memory (the kernel's out-of-memory killer would end the interpreter).
     const auto n = static_cast<std::size_t>(py::len(lower));
@@ -587,7 +603,7 @@ PYBIND11_MODULE(_tensormem, m) {
     o.time_limit_seconds = time_limit;
     o.alignment = alignment;
     o.seed = seed;
-    const core::plan_result r = plan_interruptibly(buffers, o);
+    const core::plan_result r = plan_interruptibly(buffers, o, stop);
     py::dict d;
     d["offsets"] = py::array_t<std::uint64_t>(static_cast<py::ssize_t>(r.offsets.size()), r.offsets.data());
     d["arena_bytes"] = r.arena_bytes;
@@ -595,11 +611,14 @@ PYBIND11_MODULE(_tensormem, m) {
     d["ratio"] = r.ratio();
     d["strategy"] = r.strategy;
     d["seconds"] = r.seconds;
+    d["stopped"] = r.stopped;
     return d;
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
-     py::arg("alignment") = 1, py::arg("seed") = 1,
-     "Plans buffers with half-open lifetimes [lower, upper) in one arena. Ctrl-C (or any exception "
-     "a signal handler raises) stops the planner within about 0.1 s and is raised; the plan is dropped.");
+     py::arg("alignment") = 1, py::arg("seed") = 1, py::arg("stop") = py::none(),
+     "Plans buffers with half-open lifetimes [lower, upper) in one arena. stop: None or a "
+     "threading.Event (anything with is_set()); once set, the planner stops within about 0.1 s and the "
+     "best plan so far is returned, with 'stopped' True. Ctrl-C (or any exception a signal handler "
+     "raises) stops it too and is raised; that plan is dropped.");
 
   // The C++ graph front end: operators over tensors of known sizes, their lifetimes.
   py::class_<core::graph>(m, "OperatorGraph", "Operators in execution order over tensors of known sizes.")

@@ -692,3 +692,60 @@ def test_a_signal_handler_that_returns_lets_the_plan_run_on():
     assert seen == [signal.SIGUSR1]  # the handler ran during the plan
     assert tensormem.validate(lower, upper, size, p["offsets"], p["arena_bytes"]) == ""
     assert p["seconds"] >= 1.0  # it ran on to its limit (it does not reach the bound)
+
+
+def test_an_event_stops_a_plan_and_the_best_plan_so_far_comes_back():
+    lower, upper, size = _long_plan_arrays()
+    first = tensormem.plan(lower, upper, size, time_limit=0)  # the first plan alone
+    assert first["stopped"] is False
+    for where in ("main", "worker"):
+        stop = threading.Event()
+        timer = threading.Timer(1.5, stop.set)
+        out = {}
+
+        def run():
+            out["plan"] = tensormem.plan(lower, upper, size, time_limit=600, stop=stop)
+
+        start = time.monotonic()
+        timer.start()
+        if where == "main":
+            run()
+        else:  # a thread other than the main one: the event is seen there too
+            t = threading.Thread(target=run)
+            t.start()
+            t.join(60)
+            assert not t.is_alive()
+        took = time.monotonic() - start
+        timer.cancel()
+        p = out["plan"]
+        assert p["stopped"] is True, where
+        assert took < 30, where  # stopped, not ended by its limit
+        assert tensormem.validate(lower, upper, size, p["offsets"], p["arena_bytes"]) == "", where
+        assert p["arena_bytes"] <= first["arena_bytes"], where
+    # Set before the call: the first plan, at once.
+    stop = threading.Event()
+    stop.set()
+    p = tensormem.plan(lower, upper, size, time_limit=600, stop=stop)
+    assert p["stopped"] is True and p["arena_bytes"] == first["arena_bytes"]
+    assert p["strategy"] == "online O(1) allocator"
+
+
+def test_a_stop_that_is_not_an_event_is_refused_and_one_that_raises_stops_the_plan():
+    with pytest.raises(TypeError, match="stop must be None or have is_set\\(\\).*not int"):
+        tensormem.plan([0], [1], [10], stop=1)
+
+    class Broken:
+        def __init__(self):
+            self.calls = 0
+
+        def is_set(self):
+            self.calls += 1
+            if self.calls == 3:
+                raise _Stop("is_set failed")
+            return False
+
+    lower, upper, size = _long_plan_arrays()
+    start = time.monotonic()
+    with pytest.raises(_Stop, match="is_set failed"):
+        tensormem.plan(lower, upper, size, time_limit=600, stop=Broken())
+    assert time.monotonic() - start < 30
