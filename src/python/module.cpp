@@ -20,6 +20,7 @@
 #include <string>
 #include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tensormem/arena/contiguous_arena.hpp"
@@ -459,16 +460,41 @@ std::vector<core::buffer> buffers_from(const py::handle& lower, const py::handle
 }
 
 // core::plan on a thread of its own, while the calling thread, every 50 ms, lets Python run
-// its signal handlers (they run only on the main thread, and only when it runs Python code)
-// and looks at `stop` (None, or an object with is_set(), as threading.Event). Ctrl-C's
-// KeyboardInterrupt, or any exception a handler or is_set() raises, stops the planner
-// (plan_options::stop) and is raised once the planner has ended, its plan dropped; `stop` set
-// stops it too, and its best plan so far is returned (plan_result::stopped). Called with the
-// GIL held.
+// its signal handlers (they run only on the main thread, and only when it runs Python code),
+// looks at `stop` (None, or an object with is_set(), as threading.Event) and hands the
+// planner's latest progress, if new, to `progress` (None or a callable taking a dict). So
+// the Python calls all come on the calling thread, one at a time. Ctrl-C's
+// KeyboardInterrupt, or any exception a handler, is_set() or `progress` raises, stops the
+// planner (plan_options::stop) and is raised once the planner has ended, its plan dropped;
+// `stop` set stops it too, and its best plan so far is returned (plan_result::stopped).
+// Called with the GIL held.
 core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, core::plan_options o,
-                                     const py::object& stop) {
+                                     const py::object& stop, const py::object& progress) {
   std::atomic<bool> stop_flag{false};
   o.stop = &stop_flag;
+  std::mutex latest_mutex;
+  std::optional<core::plan_progress> latest;  // the planner's last report not yet handed on
+  if (!progress.is_none()) {
+    o.progress = [&](const core::plan_progress& p) {
+      const std::lock_guard lock(latest_mutex);
+      latest = p;
+    };
+  }
+  // Hands the planner's latest report, if new, to `progress` (with the GIL).
+  auto hand_on = [&] {
+    std::optional<core::plan_progress> now;
+    {
+      const std::lock_guard lock(latest_mutex);
+      now = std::exchange(latest, std::nullopt);
+    }
+    if (!now) return;
+    py::dict d;
+    d["seconds"] = now->seconds;
+    d["best_arena_bytes"] = now->best_arena_bytes;
+    d["lower_bound"] = now->lower_bound;
+    d["phase"] = now->phase;
+    progress(d);
+  };
   std::packaged_task<core::plan_result()> task([&] { return core::plan(buffers, o); });
   std::future<core::plan_result> result = task.get_future();
   bool raised = false;
@@ -479,9 +505,10 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
       py::gil_scoped_acquire acquire;
       if (PyErr_CheckSignals() != 0) {
         raised = true;
-      } else if (!stop.is_none() && !stop_flag.load()) {
+      } else {
         try {
-          if (stop.attr("is_set")().cast<bool>()) stop_flag.store(true);
+          if (!stop.is_none() && !stop_flag.load() && stop.attr("is_set")().cast<bool>()) stop_flag.store(true);
+          hand_on();
         } catch (py::error_already_set& e) {
           e.restore();  // raised below, once the planner has ended
           raised = true;
@@ -494,6 +521,7 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
     }
   }  // the planner thread has ended here
   if (raised) throw py::error_already_set();
+  hand_on();  // its last report, so that a progress display ends where the plan did
   return result.get();
 }
 
@@ -584,10 +612,14 @@ PYBIND11_MODULE(_tensormem, m) {
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("alignment") = 1);
 
   m.def("plan", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
-                   double time_limit, u64 alignment, u64 seed, const py::object& stop) {
+                   double time_limit, u64 alignment, u64 seed, const py::object& stop,
+                   const py::object& progress) {
+    auto type_name = [](const py::object& x) { return py::str(py::type::of(x).attr("__name__")).cast<std::string>(); };
     if (!stop.is_none() && !py::hasattr(stop, "is_set")) {
-      throw py::type_error("plan: stop must be None or have is_set() (a threading.Event), not " +
-                           py::str(py::type::of(stop).attr("__name__")).cast<std::string>());
+      throw py::type_error("plan: stop must be None or have is_set() (a threading.Event), not " + type_name(stop));
+    }
+    if (!progress.is_none() && !PyCallable_Check(progress.ptr())) {
+      throw py::type_error("plan: progress must be None or callable, not " + type_name(progress));
     }
     // Refused before the buffers are made where planning them would pass the process's
     // memory (the kernel's out-of-memory killer would end the interpreter).
@@ -603,7 +635,7 @@ PYBIND11_MODULE(_tensormem, m) {
     o.time_limit_seconds = time_limit;
     o.alignment = alignment;
     o.seed = seed;
-    const core::plan_result r = plan_interruptibly(buffers, o, stop);
+    const core::plan_result r = plan_interruptibly(buffers, o, stop, progress);
     py::dict d;
     d["offsets"] = py::array_t<std::uint64_t>(static_cast<py::ssize_t>(r.offsets.size()), r.offsets.data());
     d["arena_bytes"] = r.arena_bytes;
@@ -615,10 +647,13 @@ PYBIND11_MODULE(_tensormem, m) {
     return d;
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
      py::arg("alignment") = 1, py::arg("seed") = 1, py::arg("stop") = py::none(),
+     py::arg("progress") = py::none(),
      "Plans buffers with half-open lifetimes [lower, upper) in one arena. stop: None or a "
      "threading.Event (anything with is_set()); once set, the planner stops within about 0.1 s and the "
-     "best plan so far is returned, with 'stopped' True. Ctrl-C (or any exception a signal handler "
-     "raises) stops it too and is raised; that plan is dropped.");
+     "best plan so far is returned, with 'stopped' True. progress: None or a callable, called on this "
+     "thread, at most about ten times a second, with a dict (seconds, best_arena_bytes, lower_bound, "
+     "phase). Ctrl-C, or an exception raised by a signal handler, is_set() or progress, stops the "
+     "planner too and is raised; that plan is dropped.");
 
   // The C++ graph front end: operators over tensors of known sizes, their lifetimes.
   py::class_<core::graph>(m, "OperatorGraph", "Operators in execution order over tensors of known sizes.")

@@ -749,3 +749,37 @@ def test_a_stop_that_is_not_an_event_is_refused_and_one_that_raises_stops_the_pl
     with pytest.raises(_Stop, match="is_set failed"):
         tensormem.plan(lower, upper, size, time_limit=600, stop=Broken())
     assert time.monotonic() - start < 30
+
+
+def test_progress_comes_on_the_calling_thread_and_an_exception_from_it_stops_the_plan():
+    lower, upper, size = _long_plan_arrays()
+    calls = []
+    caller = threading.get_ident()
+
+    def progress(p):
+        calls.append((threading.get_ident(), dict(p)))
+
+    plan = tensormem.plan(lower, upper, size, time_limit=1.5, progress=progress)
+    assert len(calls) >= 2  # the first plan's report, then later ones
+    assert {ident for ident, _ in calls} == {caller}
+    reports = [p for _, p in calls]
+    assert set(reports[0]) == {"seconds", "best_arena_bytes", "lower_bound", "phase"}
+    assert all(p["lower_bound"] == plan["lower_bound"] for p in reports)
+    assert all(isinstance(p["phase"], str) and p["phase"] for p in reports)
+    seconds = [p["seconds"] for p in reports]
+    assert seconds == sorted(seconds) and seconds[-1] <= plan["seconds"]
+    best = [p["best_arena_bytes"] for p in reports]
+    assert best == sorted(best, reverse=True)  # never worse than an earlier report
+    assert best[-1] >= plan["arena_bytes"] >= plan["lower_bound"]
+
+    with pytest.raises(TypeError, match="progress must be None or callable, not int"):
+        tensormem.plan([0], [1], [10], progress=1)
+
+    def failing(p):
+        if p["seconds"] > 0.5:
+            raise _Stop("enough")
+
+    start = time.monotonic()
+    with pytest.raises(_Stop, match="enough"):
+        tensormem.plan(lower, upper, size, time_limit=600, progress=failing)
+    assert time.monotonic() - start < 30
