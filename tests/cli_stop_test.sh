@@ -56,4 +56,7 @@ kill -s INT "$pid"
 wait "$pid"
 expect ignored "exit status" $? 0
 expect ignored stopped "$(grep -o '"stopped":[a-z]*' "$dir/ignored.out")" '"stopped":false'
+# The help says so.
+"$cli" plan --help | grep -q 'Ctrl-C (SIGINT) or SIGTERM while planning stops the search' ||
+  { echo "FAIL help: plan --help does not say what a signal does"; fail=1; }
 [ $fail -eq 0 ] && echo PASS

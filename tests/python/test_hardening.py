@@ -685,13 +685,15 @@ def test_a_signal_handler_that_returns_lets_the_plan_run_on():
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGUSR1))
     try:
         timer.start()
-        p = tensormem.plan(lower, upper, size, time_limit=1.5)
+        p = tensormem.plan(lower, upper, size, time_limit=3)
     finally:
         timer.cancel()
         signal.signal(signal.SIGUSR1, old)
     assert seen == [signal.SIGUSR1]  # the handler ran during the plan
     assert tensormem.validate(lower, upper, size, p["offsets"], p["arena_bytes"]) == ""
-    assert p["seconds"] >= 1.0  # it ran on to its limit (it does not reach the bound)
+    # It ran on well past the signal (0.5 s), towards its limit: it does not reach the bound,
+    # and a placement starts only where it can end in time, so it may end before 3 s.
+    assert p["stopped"] is False and p["seconds"] > 1.0
 
 
 def test_an_event_stops_a_plan_and_the_best_plan_so_far_comes_back():
@@ -759,7 +761,7 @@ def test_progress_comes_on_the_calling_thread_and_an_exception_from_it_stops_the
     def progress(p):
         calls.append((threading.get_ident(), dict(p)))
 
-    plan = tensormem.plan(lower, upper, size, time_limit=1.5, progress=progress)
+    plan = tensormem.plan(lower, upper, size, time_limit=3, progress=progress)
     assert len(calls) >= 2  # the first plan's report, then later ones
     assert {ident for ident, _ in calls} == {caller}
     reports = [p for _, p in calls]

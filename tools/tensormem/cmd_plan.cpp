@@ -197,6 +197,9 @@ void run_plan(plan_cli_options o) {
 void add_plan_command(CLI::App& app) {
   auto opts = std::make_shared<plan_cli_options>();
   CLI::App* cmd = app.add_subcommand("plan", "Plan a trace offline in one arena");
+  cmd->footer("Ctrl-C (SIGINT) or SIGTERM while planning stops the search: the best plan found by then is "
+              "validated, written and printed, and the exit status is 128 + the signal (130, 143); a second "
+              "signal ends the process at once.");
   cmd->add_option("trace", opts->trace, "trace CSV file (id,lower,upper,size)")->check(path_given());
   cmd->add_option("--synthetic", opts->synthetic,
                   "plan N buffers of the synthetic family instead of a trace (starts uniform over N steps, "
