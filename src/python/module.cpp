@@ -643,6 +643,9 @@ PYBIND11_MODULE(_tensormem, m) {
     d["ratio"] = r.ratio();
     d["strategy"] = r.strategy;
     d["seconds"] = r.seconds;
+    d["first_plan_seconds"] = r.first_plan_seconds;
+    d["best_plan_seconds"] = r.best_plan_seconds;
+    d["greedy_seconds"] = r.greedy_seconds;
     d["stopped"] = r.stopped;
     return d;
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,

@@ -773,6 +773,9 @@ def test_progress_comes_on_the_calling_thread_and_an_exception_from_it_stops_the
     best = [p["best_arena_bytes"] for p in reports]
     assert best == sorted(best, reverse=True)  # never worse than an earlier report
     assert best[-1] >= plan["arena_bytes"] >= plan["lower_bound"]
+    # The times of the plan, as `tensormem plan --json` gives them.
+    assert 0 < plan["first_plan_seconds"] <= plan["best_plan_seconds"] <= plan["seconds"]
+    assert 0 < plan["greedy_seconds"] <= plan["seconds"]
 
     with pytest.raises(TypeError, match="progress must be None or callable, not int"):
         tensormem.plan([0], [1], [10], progress=1)
