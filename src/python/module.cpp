@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <future>
 #include <functional>
 #include <map>
@@ -497,7 +498,8 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
   };
   std::packaged_task<core::plan_result()> task([&] { return core::plan(buffers, o); });
   std::future<core::plan_result> result = task.get_future();
-  bool raised = false;
+  bool raised = false;     // a Python exception is set, to be raised
+  std::exception_ptr failure;  // or a C++ one (is_set() giving what is not a bool...)
   {
     py::gil_scoped_release release;
     std::jthread planner(std::move(task));
@@ -512,15 +514,18 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
         } catch (py::error_already_set& e) {
           e.restore();  // raised below, once the planner has ended
           raised = true;
+        } catch (...) {
+          failure = std::current_exception();
         }
       }
-      if (raised) {
+      if (raised || failure) {
         stop_flag.store(true);
         break;
       }
     }
   }  // the planner thread has ended here
   if (raised) throw py::error_already_set();
+  if (failure) std::rethrow_exception(failure);
   hand_on();  // its last report, so that a progress display ends where the plan did
   return result.get();
 }

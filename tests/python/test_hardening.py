@@ -752,6 +752,15 @@ def test_a_stop_that_is_not_an_event_is_refused_and_one_that_raises_stops_the_pl
         tensormem.plan(lower, upper, size, time_limit=600, stop=Broken())
     assert time.monotonic() - start < 30
 
+    class NotABool:
+        def is_set(self):
+            return object()  # no truth value pybind11 can read: a C++ cast error, not a Python one
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="Unable to cast"):
+        tensormem.plan(lower, upper, size, time_limit=600, stop=NotABool())
+    assert time.monotonic() - start < 30
+
 
 def test_progress_comes_on_the_calling_thread_and_an_exception_from_it_stops_the_plan():
     lower, upper, size = _long_plan_arrays()
