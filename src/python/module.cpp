@@ -52,6 +52,11 @@ using python::engine_of;
 
 namespace {
 
+// The name of an object's type, for errors ("not int").
+std::string type_name(const py::handle& object) {
+  return py::str(py::type::handle_of(object).attr("__name__")).cast<std::string>();
+}
+
 // ---------------------------------------------------------------- memory views and DLPack
 
 /// Bytes owned by something else (an arena, a pool buffer) that Python may view without a
@@ -245,7 +250,7 @@ held_view hold(const py::handle& object, bool writable) {
                            py::hasattr(object, "is_contiguous");
   if (!tensor_like) {
     throw py::type_error("a tensor must be a buffer (numpy array, bytearray, memoryview...) or a CPU torch "
-                         "tensor, not " + py::str(py::type::handle_of(object).attr("__name__")).cast<std::string>());
+                         "tensor, not " + type_name(object));
   }
   const auto device = py::str(object.attr("device")).cast<std::string>();
   if (device != "cpu") {
@@ -619,7 +624,6 @@ PYBIND11_MODULE(_tensormem, m) {
   m.def("plan", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
                    double time_limit, u64 alignment, u64 seed, const py::object& stop,
                    const py::object& progress) {
-    auto type_name = [](const py::object& x) { return py::str(py::type::of(x).attr("__name__")).cast<std::string>(); };
     if (!stop.is_none() && !py::hasattr(stop, "is_set")) {
       throw py::type_error("plan: stop must be None or have is_set() (a threading.Event), not " + type_name(stop));
     }
