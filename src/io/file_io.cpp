@@ -21,6 +21,46 @@ std::string describe(int error) { return std::generic_category().message(error);
 
 }  // namespace
 
+const char* kind_of_file(unsigned mode) noexcept {
+  return S_ISREG(mode)    ? "a regular file"
+         : S_ISDIR(mode)  ? "a directory"
+         : S_ISFIFO(mode) ? "a pipe"
+         : S_ISLNK(mode)  ? "a symbolic link"
+         : S_ISSOCK(mode) ? "a socket"
+                          : "a device";
+}
+
+int keep_regular_file(int fd, const char* path, const char*& refused) noexcept {
+  struct stat st {};
+  if (fd < 0) {
+    if (errno == ENXIO && ::stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+      refused = kind_of_file(st.st_mode);
+      errno = EINVAL;
+    }
+    return -1;
+  }
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    errno = e;
+    return -1;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    refused = kind_of_file(st.st_mode);
+    ::close(fd);
+    errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+    return -1;
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    const int e = errno;
+    ::close(fd);
+    errno = e;
+    return -1;
+  }
+  return fd;
+}
+
 void check_path_argument(std::string_view who, std::string_view path) {
   if (path.empty()) throw std::invalid_argument(std::string(who) + ": an empty path");
   if (const auto nul = path.find('\0'); nul != std::string_view::npos) {
@@ -108,11 +148,14 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
                 aligned(bytes);
   const bool wanted_direct = direct;
   const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
-  const int fd = open_direct_or_buffered([&](int extra) { return ::open(path.c_str(), flags | extra, 0600); }, direct);
+  const char* refused = nullptr;
+  const int fd = open_regular_file(
+      path.c_str(), [&](int extra) { return ::open(path.c_str(), flags | extra, 0600); }, direct, refused);
   if (fd < 0) {
     const int e = errno;
     throw std::system_error(e, std::generic_category(),
-                            std::string("cannot open ") + path + (write ? " for writing" : " for reading"));
+                            std::string("cannot open ") + path + (write ? " for writing" : " for reading") +
+                                (refused != nullptr ? std::string(": it is ") + refused + ", not a regular file" : ""));
   }
   if (!write) {
     struct stat st {};

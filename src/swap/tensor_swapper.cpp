@@ -260,12 +260,7 @@ std::string not_replaceable(const std::string& path, int& error) {
   struct stat st {};
   if (lstat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return {};
   error = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
-  const char* what = S_ISDIR(st.st_mode)    ? "a directory"
-                     : S_ISLNK(st.st_mode)  ? "a symbolic link"
-                     : S_ISFIFO(st.st_mode) ? "a pipe"
-                     : S_ISSOCK(st.st_mode) ? "a socket"
-                                            : "a device";
-  return path + " is " + what + "; a swap-out replaces only a regular file (or makes a new one)";
+  return path + " is " + io::kind_of_file(st.st_mode) + "; a swap-out replaces only a regular file (or makes a new one)";
 }
 
 }  // namespace
@@ -276,20 +271,23 @@ void tensor_swapper::note_buffered(const std::string& where) {
   if (stats_.fallback.empty()) stats_.fallback = "O_DIRECT refused by the filesystem of " + where + "; buffered I/O";
 }
 
-int tensor_swapper::open_file(const std::string& path, bool out, bool& direct) {
+int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, const char*& refused) {
   // Reads leave the access time alone (after every rewrite, relatime would dirty the inode
   // on the next read): O_NOATIME where we own the file (it needs the owner: EPERM else).
   // A swap-out writes its own file beside the path: never through a symbolic link there.
   int flags = out ? O_WRONLY | O_CREAT | O_NOFOLLOW | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
   direct = options_.direct;
-  const int fd = io::open_direct_or_buffered([&](int extra) {
+  // Only a regular file: a pipe or a device at the path (or at the spare's) would hold the
+  // worker in open(), and every caller behind the swapper's lock, for as long as no one
+  // opened its other end.
+  const int fd = io::open_regular_file(path.c_str(), [&](int extra) {
     int f = open(path.c_str(), flags | extra | O_CLOEXEC, 0644);
     if (f < 0 && errno == EPERM && (flags & O_NOATIME) != 0) {
       flags &= ~O_NOATIME;
       f = open(path.c_str(), flags | extra | O_CLOEXEC, 0644);
     }
     return f;
-  }, direct);
+  }, direct, refused);
   if (fd >= 0 && options_.direct && !direct) note_buffered(path);
   return fd;
 }
@@ -384,11 +382,14 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
                                        : j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." + std::to_string(id);
   }
   const std::string& file = j.out ? j.temp_path : j.path;
-  j.fd = open_file(file, j.out, j.direct);
+  const char* refused = nullptr;
+  j.fd = open_file(file, j.out, j.direct, refused);
   if (j.fd < 0) {
     const int e = errno;
     j.error = e;
-    j.message = (j.out ? "cannot create " : "cannot open ") + file + ": " + std::strerror(e) +
+    j.message = (j.out ? "cannot create " : "cannot open ") + file + ": " +
+                (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
+                                    : std::string(std::strerror(e))) +
                 (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
     finish(id, j);
     return;

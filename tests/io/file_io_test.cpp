@@ -181,6 +181,66 @@ TEST_P(file_io_test, errors_at_queuing_name_the_path_and_queue_nothing) {
   EXPECT_THROW(io.write(b.data, 1, small, UINT64_MAX), std::invalid_argument);
 }
 
+// A pipe held the caller in open() (a read until a writer came, a write until a reader did);
+// a device or a directory failed later or not at all. Only regular files are opened; the
+// refusal names what the path is and queues nothing.
+TEST_P(file_io_test, only_regular_files_are_opened_and_a_pipe_never_blocks) {
+  scratch_dir dir;
+  async_file_io io(options());
+  aligned_buffer b(4096);
+  const std::string pipe = dir.file("pipe");
+  ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+  const std::string folder = dir.file("folder");
+  std::filesystem::create_directory(folder);
+  const struct {
+    std::string path;
+    bool write;
+    int error;
+    const char* kind;
+  } cases[] = {{pipe, false, EINVAL, "a pipe"},      {pipe, true, EINVAL, "a pipe"},
+               {folder, false, EISDIR, "a directory"}, {"/dev/null", false, EINVAL, "a device"},
+               {"/dev/null", true, EINVAL, "a device"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.path + (c.write ? " (write)" : " (read)"));
+    const swap::testing::hang_guard guard("async_file_io opening " + c.path, std::chrono::seconds(20));
+    try {
+      if (c.write) {
+        io.write(b.data, 4096, c.path, 0);
+      } else {
+        io.read(b.data, 4096, c.path, 0);
+      }
+      ADD_FAILURE() << "queued";
+    } catch (const std::system_error& e) {
+      EXPECT_EQ(e.code().value(), c.error);
+      EXPECT_NE(std::string(e.what()).find(std::string("cannot open ") + c.path + (c.write ? " for writing" : " for reading") +
+                                           ": it is " + c.kind + ", not a regular file"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(io.pending(), 0U);
+  EXPECT_TRUE(std::filesystem::is_fifo(pipe));
+  // The open adds O_NONBLOCK and clears it again: a buffered read of pages that are not in
+  // the page cache waits for them (io_uring may end such a read with EAGAIN on a file opened
+  // O_NONBLOCK) and completes whole.
+  const std::string plain = dir.file("plain");
+  const std::vector<std::byte> bytes = pattern(1 << 20, 8);
+  write_plain(plain, bytes);
+  const int fd = ::open(plain.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::fdatasync(fd), 0);
+  ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  ::close(fd);
+  file_io_options buffered = options();
+  buffered.direct = false;
+  async_file_io cold(buffered);
+  aligned_buffer back(bytes.size());
+  cold.read(back.data, bytes.size(), plain, 0);
+  const auto r = cold.wait();
+  EXPECT_TRUE(r.errors.empty()) << r.errors[0].message;
+  EXPECT_EQ(std::memcmp(back.data, bytes.data(), bytes.size()), 0);
+}
+
 // "a\0b" would name the file "a" at the system call: such a path, and an empty one, are
 // refused before any file is opened, and the file the prefix names keeps its bytes.
 TEST_P(file_io_test, empty_paths_and_paths_with_a_nul_byte_are_refused) {

@@ -454,6 +454,11 @@ def test_swap_paths_that_are_not_regular_files_are_refused(tmp_path):
     with pytest.raises(IsADirectoryError):
         a.synchronize()
     assert (folder / "keep").exists()
+    # A pipe is not opened (the open would wait for a writer, with the swapper's lock held).
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    [r] = s.wait(s.swap_in([str(pipe)], [src]))
+    assert r["error"] == errno.EINVAL and "it is a pipe; swap files are regular files" in r["message"]
 
 
 def test_unknown_tickets_are_value_errors(tmp_path):

@@ -31,6 +31,7 @@ namespace fs = std::filesystem;
 
 using testing::pattern;
 using testing::scratch_dir;
+using testing::hang_guard;
 
 int swap_out_one(tensor_swapper& s, std::vector<std::byte>& t, const std::string& path,
                  const std::vector<std::string>& keys = {}) {
@@ -375,6 +376,58 @@ TEST_P(integrity, a_swap_out_replaces_only_a_regular_file) {
   EXPECT_EQ(packing.wait(packing.swap_out(small_refs, to_link))[0].error, EINVAL);
   EXPECT_TRUE(fs::is_symlink(link));
   EXPECT_EQ(fs::file_size(target), std::string("the target").size());
+}
+
+// The worker opens files under the swapper's lock: a pipe at a swap-in's path (or at the
+// spare a swap-out writes) held it in open() until someone opened the pipe's other end, and
+// with it every caller of the swapper, its destructor included. Such files, and devices and
+// directories, are refused at once, naming what they are; the swapper works on afterwards.
+TEST_P(integrity, a_swap_file_that_is_not_a_regular_file_is_refused_without_blocking) {
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  auto t = pattern(10000, 44);
+  const tensor_ref refs[] = {{t.data(), t.size()}};
+  const std::string pipe = dir_.file("in_pipe");
+  ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+  const std::string dir = dir_.file("in_dir");
+  fs::create_directory(dir);
+  const struct {
+    std::string path;
+    int error;
+    const char* kind;
+  } cases[] = {{pipe, EINVAL, "a pipe"}, {dir, EISDIR, "a directory"}, {"/dev/null", EINVAL, "a device"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.path);
+    const hang_guard guard("a swap-in from " + c.path, std::chrono::seconds(20));
+    const std::string from[] = {c.path};
+    const swap_result r = s.wait(s.swap_in(from, refs))[0];
+    EXPECT_EQ(r.error, c.error);
+    EXPECT_NE(r.message.find("cannot open " + c.path + ": it is " + c.kind + "; swap files are regular files"),
+              std::string::npos)
+        << r.message;
+  }
+  EXPECT_TRUE(fs::is_fifo(pipe));
+
+  // A swap-out writes the spare beside its path; a pipe there (no reader: the open would wait
+  // for one) is refused, and the path keeps the version it had.
+  const std::string path = dir_.file("spare_pipe");
+  const std::string to_path[] = {path};
+  ASSERT_EQ(s.wait(s.swap_out(refs, to_path))[0].error, 0);
+  ASSERT_EQ(mkfifo(tensor_swapper::spare_path(path).c_str(), 0600), 0);
+  auto other = pattern(10000, 45);
+  const tensor_ref other_refs[] = {{other.data(), other.size()}};
+  {
+    const hang_guard guard("a swap-out beside a pipe", std::chrono::seconds(20));
+    const swap_result r = s.wait(s.swap_out(other_refs, to_path))[0];
+    EXPECT_EQ(r.error, EINVAL);
+    EXPECT_NE(r.message.find("cannot create " + tensor_swapper::spare_path(path) +
+                             ": it is a pipe; swap files are regular files"),
+              std::string::npos)
+        << r.message;
+  }
+  EXPECT_TRUE(fs::is_fifo(tensor_swapper::spare_path(path)));
+  std::vector<std::byte> back(t.size());
+  EXPECT_EQ(swap_in_one(s, back, path).error, 0);
+  EXPECT_EQ(back, t);
 }
 
 // Memory a swap-in writes may be in no other unwaited transfer; swap-outs may share memory.

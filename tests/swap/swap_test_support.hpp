@@ -10,13 +10,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tensormem/io/io_engine.hpp"
@@ -46,6 +51,39 @@ inline std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
   for (auto& b : v) b = static_cast<std::byte>(rng());
   return v;
 }
+
+/// For tests of code that must not block on something: unless destroyed within `limit`, it
+/// names `what` and aborts the process, so that such a test fails instead of hanging until the
+/// test runner's own limit.
+class hang_guard {
+ public:
+  hang_guard(std::string what, std::chrono::seconds limit)
+      : what_(std::move(what)), thread_([this, limit] {
+          std::unique_lock lock(mutex_);
+          if (!cv_.wait_for(lock, limit, [this] { return done_; })) {
+            std::fprintf(stderr, "FAILED: still blocked after %lld s: %s\n", static_cast<long long>(limit.count()),
+                         what_.c_str());
+            std::abort();
+          }
+        }) {}
+  ~hang_guard() {
+    {
+      const std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  hang_guard(const hang_guard&) = delete;
+  hang_guard& operator=(const hang_guard&) = delete;
+
+ private:
+  std::string what_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
 
 /// An engine that hands everything to another; tests override what they observe or bend.
 class forwarding_engine : public io::io_engine {

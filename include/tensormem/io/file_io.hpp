@@ -34,6 +34,28 @@ int open_direct_or_buffered(Open open_as, bool& direct) {
   return fd;
 }
 
+/// What a file of this mode is, for a message: "a regular file", "a directory", "a pipe",
+/// "a symbolic link", "a socket" or "a device".
+const char* kind_of_file(unsigned mode) noexcept;
+
+/// Keeps `fd` (opened with O_NONBLOCK by open_regular_file) when it is a regular file, clearing
+/// O_NONBLOCK; otherwise closes it and returns -1 with errno EISDIR for a directory, else
+/// EINVAL, and `refused` naming what it is. With `fd` < 0 and errno ENXIO (a pipe's write end
+/// with no reader), `path` is looked at to name it. Never blocks.
+int keep_regular_file(int fd, const char* path, const char*& refused) noexcept;
+
+/// open_direct_or_buffered for a file that must be a regular file (swap files, the files of
+/// async_file_io). The open itself never waits: O_NONBLOCK is added, so that a pipe with no
+/// one at its other end or a terminal cannot hold the caller, and cleared once the file is
+/// known to be regular. Anything else is refused as keep_regular_file says; `refused` is null
+/// when the open failed for another reason (errno set by open).
+template <class Open>
+int open_regular_file(const char* path, Open open_as, bool& direct, const char*& refused) {
+  refused = nullptr;
+  return keep_regular_file(open_direct_or_buffered([&](int extra) { return open_as(extra | O_NONBLOCK); }, direct),
+                           path, refused);
+}
+
 /// The most rings one async_file_io drives (each is an engine and a thread).
 inline constexpr unsigned max_rings = 256;
 
@@ -87,13 +109,16 @@ class async_file_io {
 
   /// Queues a read of `bytes` at `file_offset` of `path` into `buffer` (which must stay valid
   /// until `wait` returns). Throws std::system_error naming the path when the file cannot be
-  /// opened or is shorter than `file_offset + bytes`, std::invalid_argument for an empty path
+  /// opened, is not a regular file (a pipe, a device: EINVAL, naming what it is; a directory:
+  /// EISDIR; the open never waits for a pipe's other end), or is shorter than
+  /// `file_offset + bytes`, std::invalid_argument for an empty path
   /// or one holding a NUL byte (io::check_path_argument); nothing is queued then. With `validate`,
   /// `wait` reads the range again through the page cache and compares. Returns the
   /// operation's ticket for `wait_for`.
   std::uint64_t read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
                      bool validate = false);
-  /// Queues a write of `bytes` from `buffer` (valid and unchanged until it is collected).
+  /// Queues a write of `bytes` from `buffer` (valid and unchanged until it is collected), to a
+  /// regular file only, as `read`.
   std::uint64_t write(const void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
                       bool validate = false);
 

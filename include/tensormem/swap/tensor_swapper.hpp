@@ -132,6 +132,9 @@ struct swap_stats {
 ///   symbolic link, a pipe, a socket or a device (EINVAL) is an error for that tensor and
 ///   stays as it was, also when it appears there while the tensor is being written. The
 ///   file beside the path is opened with O_NOFOLLOW.
+/// - Swap files are regular files: a swap-in from a pipe, a device or a directory, and a
+///   swap-out whose spare (`spare_path`) is one, fail that tensor with EINVAL (EISDIR for a
+///   directory) naming what the file is. No open waits for a pipe's other end.
 /// Thread-safe: any thread may queue and wait (one internal mutex, never held while blocked;
 /// Python bindings release the GIL before taking it). The destructor waits for everything.
 class tensor_swapper {
@@ -199,7 +202,7 @@ class tensor_swapper {
   void queue_jobs();
   void start_job(std::uint64_t id, job& j);
   bool queue_more(std::uint64_t id, job& j);
-  int open_file(const std::string& path, bool out, bool& direct);
+  int open_file(const std::string& path, bool out, bool& direct, const char*& refused);
   void note_buffered(const std::string& where);
   std::size_t take_staging();
   std::size_t take_header();
