@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "tensormem/io/file_io.hpp"
 #include "tensormem/io/path_argument.hpp"
 #include "tensormem/swap/crc32c.hpp"
 
@@ -39,6 +40,18 @@ struct file {
   std::string path;
   file(const std::string& p, int flags) : fd(::open(p.c_str(), flags | O_CLOEXEC, 0600)), path(p) {
     if (fd < 0) throw std::system_error(errno, std::generic_category(), "cannot open checkpoint " + p);
+  }
+  // A checkpoint to read: a regular file only (a pipe would hold the caller in open()).
+  explicit file(const std::string& p) : path(p) {
+    bool direct = false;
+    const char* refused = nullptr;
+    fd = io::open_regular_file(p.c_str(), [&](int extra) { return ::open(p.c_str(), O_RDONLY | O_CLOEXEC | extra); },
+                               direct, refused);
+    if (fd < 0) {
+      throw std::system_error(errno, std::generic_category(),
+                              "cannot open checkpoint " + p +
+                                  (refused != nullptr ? std::string(": it is ") + refused + ", not a regular file" : ""));
+    }
   }
   ~file() {
     if (fd >= 0) ::close(fd);
@@ -427,7 +440,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
 std::string offloaded_optimizer::load(const std::string& path) {
   const exclusive_call call(*this, "load");
   io::check_path_argument("offloaded_optimizer::load", path);
-  const file in(path, O_RDONLY);
+  const file in(path);
   std::vector<char> head(header_bytes(numels_.size()), 0);
   char magic[8];
   in.read_all(magic, 8, 0);

@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -581,6 +582,19 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   offloaded_optimizer truncated(numels, small_options(dir));
   EXPECT_THROW(truncated.load(ck), std::runtime_error);
   EXPECT_THROW(truncated.load((dir.path / "none").string()), std::system_error);
+  // Not a regular file: refused without waiting for a pipe's writer, naming what it is.
+  const std::string pipe = (dir.path / "pipe").string();
+  ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+  for (const std::string& path : {pipe, std::string("/dev/zero"), dir.path.string()}) {
+    const swap::testing::hang_guard guard("loading a checkpoint from " + path, std::chrono::seconds(20));
+    try {
+      truncated.load(path);
+      ADD_FAILURE() << "loaded " << path;
+    } catch (const std::system_error& e) {
+      EXPECT_NE(std::string(e.what()).find("cannot open checkpoint " + path + ": it is a"), std::string::npos)
+          << e.what();
+    }
+  }
 
   // "ck\0x" would save over, or load, the file "ck": refused, and ck keeps its bytes.
   const auto size = std::filesystem::file_size(ck);
