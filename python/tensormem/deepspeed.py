@@ -185,7 +185,9 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
     ``read``/``write`` are synchronous and separate from the queue; ``pread``/``pwrite``
     queue an operation and, unless asynchronous, wait for every queued one and return how
     many completed; ``async_*`` return 0 and ``wait()`` returns the count. Tensors stay
-    referenced by the handle until the wait that completes them."""
+    referenced by the handle until the wait that completes them. Ctrl-C interrupts a wait
+    (``KeyboardInterrupt``) without collecting anything: the operations go on and the next
+    wait (of the queue, or of ``read``/``write`` for theirs) collects them."""
 
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128, single_submit: bool = False,
                  overlap_events: bool = False, intra_op_parallelism: int = 1):
@@ -200,6 +202,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # read/write: one at a time, apart from the queue
         self._keep: list = []        # tensors the queued operations use
+        self._sync_keep: list = []   # read/write's: more than one only after an interrupted wait
 
     # DeepSpeed's getters
     def get_block_size(self) -> int:
@@ -243,11 +246,15 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         return ticket, staged, destination
 
     @staticmethod
-    def _finish(io, queued) -> int:
-        """Waits for every queued operation; copies each staged read that succeeded back
-        into its tensor. A failed read's tensor is left as it was: its staging copy holds no
-        file data."""
+    def _finish(io, keep: list) -> int:
+        """Waits for every operation queued on ``io`` (``keep`` holds their tensors), then
+        empties ``keep`` and copies each staged read that succeeded back into its tensor. A
+        failed read's tensor is left as it was: its staging copy holds no file data. Ctrl-C
+        (KeyboardInterrupt) ends the wait and collects nothing: the operations go on, their
+        tensors held in ``keep``, and the next wait collects them."""
         completed, errors = io.wait()
+        queued = keep[:]
+        keep.clear()
         failed = {ticket for _, _, _, ticket in errors}
         for ticket, staged, destination in queued:
             if destination is not None and ticket not in failed:
@@ -260,8 +267,8 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         with self._sync_lock:
             if self._sync_io is None:
                 self._sync_io = _tensormem.AsyncFileIO(block_bytes=self._block_size, queue_depth=self._queue_depth)
-            staged = self._queue(self._sync_io, read, buffer, filename, validate, file_offset)
-            self._finish(self._sync_io, [staged])
+            self._sync_keep.append(self._queue(self._sync_io, read, buffer, filename, validate, file_offset))
+            self._finish(self._sync_io, self._sync_keep)
         return 0
 
     def read(self, buffer: torch.Tensor, filename: str, validate: bool, file_offset: int = 0) -> int:
@@ -303,8 +310,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         """Waits for every queued operation; returns how many completed. Raises AIOError
         (after all have completed) when any failed."""
         with self._lock:
-            staged, self._keep = self._keep, []
-            return self._finish(self._io, staged)
+            return self._finish(self._io, self._keep)
 
     # pinned tensors
     def new_cpu_locked_tensor(self, num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
@@ -552,19 +558,28 @@ class AsyncTensorSwapper:
     def _wait_in_flight(self) -> None:
         if self.timers:
             self.timers(ASYNC_SWAPPER_WAIT_TIMER).start()
+        ended = False  # every write in flight ended, whether or not it failed
         try:
-            completed = self.aio_handle.wait()
+            try:
+                completed = self.aio_handle.wait()
+            except AIOError:
+                ended = True
+                raise
+            ended = True
             if completed != self._pending_ops:
                 raise SwapperAssertion(f"wait completed {completed} writes, {self._pending_ops} were queued")
         finally:
             if self.timers:
                 self.timers(ASYNC_SWAPPER_WAIT_TIMER).stop()
             self._timer_names.add(ASYNC_SWAPPER_WAIT_TIMER)
-            for index in self._in_flight:  # the buffers are free again, whatever happened
-                self.num_elements_swapped += sum(n for _v, _p, n in self._staging[index].entries)
-                self._staging[index].reset()
-                self._free.append(index)
-            self._in_flight, self._pending_ops = [], 0
+            # The buffers are free again once their writes ended, failed or not. A wait that
+            # ended otherwise (Ctrl-C) leaves them in flight: the next wait collects them.
+            if ended:
+                for index in self._in_flight:
+                    self.num_elements_swapped += sum(n for _v, _p, n in self._staging[index].entries)
+                    self._staging[index].reset()
+                    self._free.append(index)
+                self._in_flight, self._pending_ops = [], 0
 
     def _flush(self) -> None:
         """Queues the filling buffer and waits for every write, even when some were refused

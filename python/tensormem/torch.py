@@ -261,6 +261,7 @@ class AsyncTensorSwapper:
         self._staging = 8
         self._swapper: Optional[_tensormem.TensorSwapper] = None
         self._pending: List[tuple] = []  # (ticket, tensors kept alive until their I/O ends)
+        self._collected: List[dict] = []  # results of tickets a synchronize collected before Ctrl-C
         self._timers: Dict[str, float] = {"swap_out": 0.0, "swap_in": 0.0, "wait": 0.0}
         self.results: List[dict] = []
 
@@ -310,13 +311,20 @@ class AsyncTensorSwapper:
 
     def synchronize(self) -> List[dict]:
         """Waits for every queued transfer; returns (and keeps in ``results``) one dict per
-        tensor; raises OSError for the first failure after all have completed."""
+        tensor; raises OSError for the first failure after all have completed. Ctrl-C raises
+        KeyboardInterrupt; the transfers go on, and the next call returns every result, those
+        collected before the interruption included."""
         start = time.perf_counter()
-        results: List[dict] = []
-        for ticket, _arrays in self._pending:
-            results.extend(self._ensure().wait(ticket))
-        self._pending.clear()
-        self._timers["wait"] += time.perf_counter() - start
+        try:
+            # Ctrl-C (KeyboardInterrupt) may end any wait: tickets collected before it are
+            # kept with their results, the rest stay pending, and the next call goes on.
+            while self._pending:
+                ticket, _arrays = self._pending[0]
+                self._collected.extend(self._ensure().wait(ticket))
+                self._pending.pop(0)
+        finally:
+            self._timers["wait"] += time.perf_counter() - start
+        results, self._collected = self._collected, []
         self.results = results
         for r in results:
             if r["error"]:

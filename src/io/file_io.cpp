@@ -263,8 +263,17 @@ void async_file_io::finish(op& o) {
 }
 
 async_file_io::wait_result async_file_io::wait() {
+  return *wait_until(std::chrono::steady_clock::time_point::max());
+}
+
+std::optional<async_file_io::wait_result> async_file_io::wait_until(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock lock(mutex_);
-  done_.wait(lock, [this] { return unfinished_ops_ == 0; });
+  const auto finished_all = [this] { return unfinished_ops_ == 0; };
+  if (deadline == std::chrono::steady_clock::time_point::max()) {
+    done_.wait(lock, finished_all);
+  } else if (!done_.wait_until(lock, deadline, finished_all)) {
+    return std::nullopt;
+  }
   std::map<std::uint64_t, op> finished;
   finished.swap(ops_);
   lock.unlock();

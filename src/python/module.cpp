@@ -264,8 +264,30 @@ held_view hold(const py::handle& object, bool writable) {
   return h;
 }
 
-/// TensorSwapper for Python: the buffers of each ticket are held until its `wait`, and no
-/// call blocks with the GIL held (the swapper's own lock is taken with the GIL released).
+/// How often a wait for I/O looks for signals: Ctrl-C interrupts it within this.
+constexpr std::chrono::milliseconds signal_check_interval{50};
+
+/// Waits for `attempt(deadline)` to return true, in slices of signal_check_interval with the
+/// GIL released, handling signals between slices (on the main thread): Ctrl-C raises
+/// KeyboardInterrupt, and so does whatever a Python signal handler raises. `attempt` must
+/// leave things as they were when it returns false, so that the wait can be taken up again.
+template <class Attempt>
+void wait_answering_signals(Attempt attempt) {
+  for (;;) {
+    bool done = false;
+    {
+      py::gil_scoped_release release;
+      done = attempt(std::chrono::steady_clock::now() + signal_check_interval);
+    }
+    if (done) return;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+/// TensorSwapper for Python: the buffers of each ticket are held until it is collected, and
+/// no call blocks with the GIL held (the swapper's own lock is taken with the GIL released).
+/// `wait` and `synchronize` answer Ctrl-C: interrupted, they collect no more tickets, and the
+/// outstanding ones keep their buffers held, to be waited for again.
 class py_swapper {
  public:
   py_swapper(std::shared_ptr<memory::pinned_pool> pool, swap::swap_options options)
@@ -293,21 +315,25 @@ class py_swapper {
     return ticket;
   }
   std::vector<swap::swap_result> wait(std::uint64_t ticket) {
-    std::vector<swap::swap_result> r;
+    std::optional<std::vector<swap::swap_result>> r;
     try {
-      py::gil_scoped_release release;
-      r = swapper_->wait(ticket);
+      wait_answering_signals([&](auto deadline) {
+        r = swapper_->wait_until(ticket, deadline);
+        return r.has_value();
+      });
     } catch (...) {
       release_collected();  // another thread's synchronize may have collected it
       throw;
     }
     held_.erase(ticket);  // GIL held again: the views can be released
-    return r;
+    return std::move(*r);
   }
   void synchronize() {
-    {
-      py::gil_scoped_release release;
-      swapper_->synchronize();
+    try {
+      wait_answering_signals([&](auto deadline) { return swapper_->synchronize_until(deadline); });
+    } catch (...) {
+      release_collected();  // those collected before the interruption
+      throw;
     }
     // It collects the tickets other threads start while it runs, too; one started after it
     // ended is still outstanding, and its buffers stay held.
@@ -898,7 +924,8 @@ PYBIND11_MODULE(_tensormem, m) {
              return s.start(tensors, paths, keys, false);
            }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<std::string>{})
       .def("wait", [](py_swapper& s, u64 ticket) { return results_to_python(s.wait(ticket)); },
-           py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message.")
+           py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message. Ctrl-C raises "
+           "KeyboardInterrupt; the ticket stays outstanding, its buffers held, to be waited for again.")
       .def("done", [](py_swapper& s, u64 ticket) {
              py::gil_scoped_release release;
              return s.get().done(ticket);
@@ -913,7 +940,9 @@ PYBIND11_MODULE(_tensormem, m) {
              py::gil_scoped_release release;
              s.get().discard(path);
            }, py::arg("path"), "Frees a packed tensor's slot and deletes the path's files.")
-      .def("synchronize", &py_swapper::synchronize)
+      .def("synchronize", &py_swapper::synchronize,
+           "Waits for every ticket (results dropped). Ctrl-C raises KeyboardInterrupt; tickets not yet "
+           "collected stay outstanding.")
       .def("timers", [](py_swapper& s) { return s.get().timers(); })
       .def("stats", [](py_swapper& s) {
         const swap::swap_stats st = s.get().stats();
@@ -962,15 +991,17 @@ PYBIND11_MODULE(_tensormem, m) {
              return io.write(reinterpret_cast<const void*>(address), bytes, path, offset, validate);
            }, "Queues a write; returns its ticket.", py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
       .def("wait", [](io::async_file_io& io) {
-             io::async_file_io::wait_result r;
-             {
-               py::gil_scoped_release release;
-               r = io.wait();
-             }
+             std::optional<io::async_file_io::wait_result> r;
+             wait_answering_signals([&](auto deadline) {
+               r = io.wait_until(deadline);
+               return r.has_value();
+             });
              py::list errors;
-             for (const io::file_io_error& e : r.errors) errors.append(py::make_tuple(e.path, e.error, e.message, e.ticket));
-             return py::make_tuple(r.completed, errors);
-           }, "Waits for every queued operation: (completed, [(path, errno, message, ticket) per failure]).")
+             for (const io::file_io_error& e : r->errors) errors.append(py::make_tuple(e.path, e.error, e.message, e.ticket));
+             return py::make_tuple(r->completed, errors);
+           }, "Waits for every queued operation: (completed, [(path, errno, message, ticket) per failure]). "
+              "Ctrl-C raises KeyboardInterrupt and collects nothing: the operations go on, their buffers "
+              "in use, and a later wait() collects them.")
       .def("pending", &io::async_file_io::pending)
       .def("stats", [](const io::async_file_io& io) {
         const io::file_io_stats st = io.stats();

@@ -963,11 +963,17 @@ std::size_t tensor_swapper::unfinished(std::uint64_t ticket) {
 
 std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {
   std::unique_lock lock(mutex_);
-  return wait_locked(lock, ticket);
+  return *wait_locked(lock, ticket, nullptr);
 }
 
-std::vector<swap_result> tensor_swapper::wait_locked(std::unique_lock<std::mutex>& lock,
-                                                     std::uint64_t ticket) {
+std::optional<std::vector<swap_result>> tensor_swapper::wait_until(std::uint64_t ticket, clock::time_point deadline) {
+  std::unique_lock lock(mutex_);
+  return wait_locked(lock, ticket, &deadline);
+}
+
+std::optional<std::vector<swap_result>> tensor_swapper::wait_locked(std::unique_lock<std::mutex>& lock,
+                                                                    std::uint64_t ticket,
+                                                                    const clock::time_point* deadline) {
   const auto it = tickets_.find(ticket);
   if (it == tickets_.end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " +
@@ -980,11 +986,18 @@ std::vector<swap_result> tensor_swapper::wait_locked(std::unique_lock<std::mutex
                                 " is already being waited for by another thread");
   }
   state.waiting = true;
-  done_cv_.wait(lock, [&] { return state.unfinished == 0; });
-  const std::vector<std::uint64_t> members = state.jobs;
+  const auto finished = [&] { return state.unfinished == 0; };
+  const bool ended = deadline == nullptr ? (done_cv_.wait(lock, finished), true)
+                                         : done_cv_.wait_until(lock, *deadline, finished);
   const double waited = seconds(clock::now() - t0);
   stats_.seconds_waiting += waited;
   timers_["wait"] += waited;
+  if (!ended) {
+    state.waiting = false;  // outstanding still: another wait may take it up
+    done_cv_.notify_all();  // synchronize() may be waiting for someone to wait for it
+    return std::nullopt;
+  }
+  const std::vector<std::uint64_t> members = state.jobs;
   std::vector<swap_result> results;
   clock::time_point first = clock::time_point::max();
   clock::time_point last = clock::time_point::min();
@@ -1019,14 +1032,25 @@ std::vector<swap_result> tensor_swapper::wait_locked(std::unique_lock<std::mutex
 
 void tensor_swapper::synchronize() {
   std::unique_lock lock(mutex_);
+  synchronize_locked(lock, nullptr);
+}
+
+bool tensor_swapper::synchronize_until(clock::time_point deadline) {
+  std::unique_lock lock(mutex_);
+  return synchronize_locked(lock, &deadline);
+}
+
+bool tensor_swapper::synchronize_locked(std::unique_lock<std::mutex>& lock, const clock::time_point* deadline) {
   for (;;) {
     const auto it = std::find_if(tickets_.begin(), tickets_.end(), [](const auto& t) { return !t.second.waiting; });
     if (it != tickets_.end()) {
-      wait_locked(lock, it->first);
+      if (!wait_locked(lock, it->first, deadline)) return false;
     } else if (tickets_.empty()) {
-      return;
-    } else {
+      return true;
+    } else if (deadline == nullptr) {
       done_cv_.wait(lock);  // tickets other threads wait for: until they are collected
+    } else if (done_cv_.wait_until(lock, *deadline) == std::cv_status::timeout) {
+      return tickets_.empty();
     }
   }
 }

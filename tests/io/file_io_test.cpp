@@ -287,6 +287,38 @@ class truncating_engine final : public swap::testing::forwarding_engine {
   std::string path_;
 };
 
+// A wait with a deadline that passes collects nothing: the operations stay pending, their
+// buffers in use, and the next wait collects them all.
+TEST(file_io, a_wait_that_gives_up_collects_nothing) {
+  using clock = std::chrono::steady_clock;
+  scratch_dir dir;
+  auto gate = std::make_shared<swap::testing::gate>();
+  file_io_options o;
+  o.make_engine = [gate](unsigned depth) {
+    return std::make_unique<swap::testing::gated_engine>(make_thread_engine(depth, 1), gate);
+  };
+  async_file_io io(o);
+  aligned_buffer b(8192);
+  std::memset(b.data, 0x3c, 8192);
+  const std::string path = dir.file("f");
+  io.write(b.data, 8192, path, 0);
+  io.write(b.data, 4096, path, 8192);
+  const auto start = clock::now();
+  EXPECT_FALSE(io.wait_until(start + std::chrono::milliseconds(100)).has_value());
+  EXPECT_GE(clock::now() - start, std::chrono::milliseconds(100));
+  EXPECT_EQ(io.pending(), 2U);
+  gate->open();
+  const auto r = io.wait_until(clock::now() + std::chrono::seconds(60));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->completed, 2U);
+  EXPECT_TRUE(r->errors.empty());
+  EXPECT_EQ(io.pending(), 0U);
+  EXPECT_EQ(file_bytes(path), std::vector<std::byte>(12288, std::byte{0x3c}));
+  const auto none = io.wait_until(clock::now() - std::chrono::milliseconds(1));  // nothing queued
+  ASSERT_TRUE(none.has_value());
+  EXPECT_EQ(none->completed, 0U);
+}
+
 // A file's folder is synced after a rename into it (a checkpoint's save); a folder that is
 // not there is an error naming it and the caller.
 TEST(file_io, the_folder_of_a_path_is_synced_or_named_in_the_error) {

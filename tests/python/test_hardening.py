@@ -802,3 +802,134 @@ def test_progress_comes_on_the_calling_thread_and_an_exception_from_it_stops_the
     with pytest.raises(_Stop, match="enough"):
         tensormem.plan(lower, upper, size, time_limit=600, progress=failing)
     assert time.monotonic() - start < 30
+
+
+# ------------------------------------------------------------------- Ctrl-C in a wait for I/O
+
+# Transfers slow enough to interrupt on any disk, tmpfs included: 128 MiB in requests of 4 KiB,
+# one at a time (at least 0.7 s in memory, seconds on a disk); Ctrl-C comes 50 ms in.
+_SLOW = dict(queue_depth=1, block_bytes=4096, direct=False)
+_SLOW_BYTES = 128 << 20
+
+
+def _interrupted(call):
+    """Runs call() with Ctrl-C 50 ms in; returns the seconds until KeyboardInterrupt."""
+    timer = threading.Timer(0.05, _thread.interrupt_main)
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        timer.cancel()
+    return time.monotonic() - start
+
+
+def test_ctrl_c_interrupts_a_swapper_wait_and_the_ticket_is_waited_for_again(tmp_path):
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(), **_SLOW)
+    big = np.random.default_rng(3).integers(0, 256, _SLOW_BYTES, dtype=np.uint8)
+    path = str(tmp_path / "big")
+    t = s.swap_out([big], [path])
+    _interrupted(lambda: s.wait(t))
+    # Nothing was collected: the transfer goes on and its buffer stays held.
+    assert s.outstanding(t) and not s.done(t)
+    with pytest.raises(ValueError, match="cannot resize"):
+        big.resize(1)
+    [r] = s.wait(t)
+    assert r["error"] == 0 and r["bytes"] == _SLOW_BYTES
+    back = np.zeros_like(big)
+    assert s.wait(s.swap_in([path], [back]))[0]["error"] == 0
+    assert np.array_equal(back, big)
+
+    # synchronize: the tickets it collected before Ctrl-C stay collected, the rest outstanding.
+    small = np.arange(1024, dtype=np.uint8)
+    first = s.swap_out([small], [str(tmp_path / "small")])
+    second = s.swap_out([big], [path])
+    _interrupted(s.synchronize)
+    assert s.outstanding(second)
+    s.synchronize()
+    assert not s.outstanding(first) and not s.outstanding(second)
+    big.resize(1)  # no longer held
+
+
+def test_ctrl_c_interrupts_the_torch_swapper_and_synchronize_goes_on(tmp_path):
+    from tensormem.torch import AsyncTensorSwapper
+    a = AsyncTensorSwapper(queue_depth=1, block_bytes=4096)
+    small = torch.arange(256, dtype=torch.float32)
+    big = torch.from_numpy(np.random.default_rng(4).integers(0, 256, _SLOW_BYTES, dtype=np.uint8))
+    a.swap_out_tensors([small], [str(tmp_path / "small")])
+    a.swap_out_tensors([big], [str(tmp_path / "big")])
+    _interrupted(a.synchronize)
+    # The first ticket was collected before Ctrl-C; the next call returns both results.
+    results = a.synchronize()
+    assert [r["path"] for r in results] == [str(tmp_path / "small"), str(tmp_path / "big")]
+    assert all(r["error"] == 0 for r in results)
+    back = torch.zeros_like(big)
+    a.swap_in_tensors([str(tmp_path / "big")], [back])
+    a.synchronize()
+    assert torch.equal(back, big)
+
+
+class _InterruptedOnce:
+    """An aio_handle whose first wait is interrupted (KeyboardInterrupt) before the writes end."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.interrupted = False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def wait(self):
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return self.inner.wait()
+
+
+def test_ctrl_c_interrupts_an_aio_handle_wait_without_losing_its_operations(tmp_path):
+    from tensormem.deepspeed import aio_handle
+    h = aio_handle(block_size=4096, queue_depth=1)
+    # Not contiguous: the handle writes from a copy of its own, which only it holds (freed
+    # during the write, its pages would fail the write or reach the file as other bytes).
+    big = torch.from_numpy(np.random.default_rng(5).integers(0, 256, _SLOW_BYTES, dtype=np.uint8)).view(2, -1).t()
+    want = big.contiguous().numpy().reshape(-1)
+    path = str(tmp_path / "queued")
+    assert h.async_pwrite(big, path) == 0
+    _interrupted(h.wait)
+    gc.collect()
+    assert h.wait() == 1  # collected by the next wait, its copy held until then
+    assert np.array_equal(np.fromfile(path, dtype=np.uint8), want)
+
+    # A synchronous write whose wait is interrupted (at once, so that the copy the handle makes
+    # is certainly queued first): the next synchronous call collects it too.
+    h._sync_io = _InterruptedOnce(tensormem._tensormem.AsyncFileIO(block_bytes=4096, queue_depth=1))
+    other = str(tmp_path / "sync")
+    with pytest.raises(KeyboardInterrupt):
+        h.write(big, other, False)
+    assert h._sync_io.interrupted
+    gc.collect()
+    back = torch.zeros(4096, dtype=torch.uint8)
+    assert h.read(back, other, False) == 0
+    assert np.array_equal(back.numpy(), want[:4096])
+    assert np.array_equal(np.fromfile(other, dtype=np.uint8), want)
+
+
+def test_an_interrupted_wait_leaves_the_deepspeed_swappers_buffers_in_flight(tmp_path):
+    from tensormem import deepspeed as ds
+    handle = _InterruptedOnce(ds.aio_handle())
+    swapper = ds.AsyncTensorSwapper(handle, numel_alignment=256, timers=None)
+    buffers = [ds.new_cpu_locked_tensor(4096, torch.zeros(1)) for _ in range(2)]
+    swapper.add_buffers(buffers)
+    tensors = [torch.full((4096,), float(i)) for i in range(3)]
+    paths = [str(tmp_path / f"g{i}") for i in range(3)]
+    # Two full buffers, then a third tensor that waits for a free one: that wait is interrupted.
+    with pytest.raises(KeyboardInterrupt):
+        swapper.swap_out_tensors(tensors, paths)
+    assert handle.interrupted
+    # The buffers were not handed back while their writes were in flight: the next wait
+    # collects those writes, and every file holds its tensor.
+    swapper.swap_out_tensors(tensors[2:], paths[2:])
+    assert swapper.release_buffers() == buffers
+    for t, p in zip(tensors, paths):
+        assert torch.equal(torch.from_file(p, size=4096, dtype=torch.float32), t)

@@ -128,6 +128,65 @@ TEST(async_checksums, hold_when_blocks_arrive_in_any_order) {
   EXPECT_EQ(bad.at(0).error, EBADMSG) << bad.at(0).message;
 }
 
+// A wait with a deadline (what Python's wait uses, in slices, to answer Ctrl-C) gives up
+// without collecting anything: the ticket stays outstanding, and any thread may wait for it
+// again, while one wait at a time is still the rule.
+TEST(async_wait, a_wait_that_gives_up_leaves_the_ticket_to_be_waited_for_again) {
+  using clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  scratch_dir dir;
+  memory::pinned_pool pool({.slab_bytes = std::size_t{16} << 20});
+  auto gate = std::make_shared<testing::gate>();
+  tensor_swapper s(pool, {.queue_depth = 4, .block_bytes = 4096, .staging_buffers = 2},
+                   std::make_unique<testing::gated_engine>(io::make_thread_engine(4, 1), gate));
+  auto t = pattern(100000, 61);
+  const std::string path = dir.file("t");
+  const tensor_ref ref{t.data(), t.size()};
+  const std::uint64_t ticket = s.swap_out({&ref, 1}, {&path, 1});
+  auto start = clock::now();
+  EXPECT_FALSE(s.wait_until(ticket, start + milliseconds(100)).has_value());
+  EXPECT_GE(clock::now() - start, milliseconds(100));
+  EXPECT_TRUE(s.outstanding(ticket));
+  EXPECT_FALSE(s.done(ticket));
+  start = clock::now();
+  EXPECT_FALSE(s.synchronize_until(start + milliseconds(50)));
+  EXPECT_GE(clock::now() - start, milliseconds(50));
+  EXPECT_TRUE(s.outstanding(ticket));
+  EXPECT_FALSE(s.wait_until(ticket, clock::now() - milliseconds(1)).has_value());  // a deadline passed
+
+  // While a wait with a deadline runs, the ticket is taken: another wait is refused.
+  std::thread waiting([&] { EXPECT_FALSE(s.wait_until(ticket, clock::now() + milliseconds(300)).has_value()); });
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_THROW((void)s.wait(ticket), std::invalid_argument);
+  waiting.join();
+
+  // Given up, it is free again: another thread waits for it, and the transfer ends.
+  std::vector<swap_result> results;
+  std::thread other([&] { results = s.wait(ticket); });
+  std::this_thread::sleep_for(milliseconds(50));
+  gate->open();
+  other.join();
+  ASSERT_EQ(results.size(), 1U);
+  EXPECT_EQ(results[0].error, 0) << results[0].message;
+  EXPECT_FALSE(s.outstanding(ticket));
+  EXPECT_THROW((void)s.wait_until(ticket, clock::now()), std::invalid_argument);  // collected
+  EXPECT_TRUE(s.synchronize_until(clock::now()));                                // nothing left
+
+  // A finished ticket is collected even at a deadline already passed; synchronize_until
+  // collects every ticket in time.
+  std::vector<std::byte> back(t.size());
+  const tensor_ref in{back.data(), back.size()};
+  const std::uint64_t read = s.swap_in({&path, 1}, {&in, 1});
+  while (!s.done(read)) std::this_thread::sleep_for(milliseconds(1));
+  const auto got = s.wait_until(read, clock::now() - milliseconds(1));
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->at(0).error, 0);
+  EXPECT_EQ(back, t);
+  const std::uint64_t again = s.swap_in({&path, 1}, {&in, 1});
+  EXPECT_TRUE(s.synchronize_until(clock::now() + std::chrono::seconds(60)));
+  EXPECT_FALSE(s.outstanding(again));
+}
+
 TEST_P(async_test, two_thousand_tensors_through_an_open_file_limit_of_256) {
   scratch_dir dir;
   const io::engine_kind kind = GetParam();

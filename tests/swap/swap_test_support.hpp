@@ -52,6 +52,27 @@ inline std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
   return v;
 }
 
+/// A gate that engines wait at: closed until `open`.
+class gate {
+ public:
+  void open() {
+    {
+      const std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  void pass() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [this] { return open_; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
 /// For tests of code that must not block on something: unless destroyed within `limit`, it
 /// names `what` and aborts the process, so that such a test fails instead of hanging until the
 /// test runner's own limit.
@@ -171,6 +192,21 @@ int with_thread_limit(std::size_t threads, Body body) {
   }
   return WIFEXITED(status) ? WEXITSTATUS(status) : 99;
 }
+
+/// Hands no completion back until its gate opens: transfers that cannot end before a test
+/// says so.
+class gated_engine final : public forwarding_engine {
+ public:
+  gated_engine(std::unique_ptr<io::io_engine> inner, std::shared_ptr<gate> g)
+      : forwarding_engine(std::move(inner)), gate_(std::move(g)) {}
+  std::vector<io::io_completion> wait(std::size_t min_completions) override {
+    gate_->pass();
+    return inner_->wait(min_completions);
+  }
+
+ private:
+  std::shared_ptr<gate> gate_;
+};
 
 }  // namespace tensormem::swap::testing
 

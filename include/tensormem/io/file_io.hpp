@@ -6,6 +6,7 @@
 #include <fcntl.h>
 
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -128,6 +130,9 @@ class async_file_io {
   };
   /// Blocks until every queued operation has finished.
   wait_result wait();
+  /// `wait`, giving up at `deadline`: std::nullopt when an operation has not finished by then,
+  /// and nothing is collected (buffers stay in use; a later wait collects them all).
+  std::optional<wait_result> wait_until(std::chrono::steady_clock::time_point deadline);
   /// Blocks until the operation `ticket` has finished and collects it (a later `wait` does not
   /// count it again): its error, or an empty `path` and `error == 0` when it succeeded. Throws
   /// std::invalid_argument for a ticket that is unknown or already collected.

@@ -2,6 +2,7 @@
 // Tensors out to files and back, asynchronously, through pinned staging buffers.
 
 #include <chrono>
+#include <optional>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -154,6 +155,10 @@ class tensor_swapper {
   std::uint64_t swap_in(std::span<const std::string> paths, std::span<const tensor_ref> tensors,
                         std::span<const std::string> keys = {});
   std::vector<swap_result> wait(std::uint64_t ticket);
+  /// `wait`, giving up at `deadline`: std::nullopt when some transfer of the ticket has not
+  /// finished by then. The ticket then stays outstanding, its memory in use, for any thread to
+  /// wait for again (callers that must answer a signal wait in slices: Python's Ctrl-C).
+  std::optional<std::vector<swap_result>> wait_until(std::uint64_t ticket, std::chrono::steady_clock::time_point deadline);
   /// True when every transfer of the ticket has finished (`wait` would not block).
   bool done(std::uint64_t ticket);
   /// True while the ticket has not been collected by `wait` or `synchronize` (from any
@@ -173,6 +178,9 @@ class tensor_swapper {
   void discard(const std::string& path);
   /// Waits for every ticket; their results are dropped.
   void synchronize();
+  /// `synchronize`, giving up at `deadline`: false when a ticket is still outstanding then.
+  /// The tickets collected before it stay collected (their results dropped).
+  bool synchronize_until(std::chrono::steady_clock::time_point deadline);
   swap_stats stats() const;
   /// Named timers (seconds): "checksum", "staging_copy", "wait".
   std::map<std::string, double> timers() const;
@@ -196,7 +204,10 @@ class tensor_swapper {
                       std::span<const std::string> keys, bool out);
   void check_memory(std::span<const tensor_ref> tensors, std::span<const std::string> paths, bool out) const;
   void stop_threads_and_free_staging() noexcept;
-  std::vector<swap_result> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket);
+  // Without a deadline (null) it waits for as long as the transfers take.
+  std::optional<std::vector<swap_result>> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket,
+                                                      const clock::time_point* deadline);
+  bool synchronize_locked(std::unique_lock<std::mutex>& lock, const clock::time_point* deadline);
   void run();
   void queue_ready();
   void queue_jobs();
