@@ -317,10 +317,28 @@ class py_swapper {
   std::vector<swap::swap_result> wait(std::uint64_t ticket) {
     std::optional<std::vector<swap::swap_result>> r;
     try {
-      wait_answering_signals([&](auto deadline) {
-        r = swapper_->wait_until(ticket, deadline);
-        return r.has_value();
-      });
+      // The ticket is held from the first slice to the last: no other thread's wait or
+      // synchronize takes it in between. Interrupted, the claim is let go (GIL released: it
+      // takes the swapper's lock), and the ticket stays outstanding.
+      std::optional<swap::tensor_swapper::ticket_wait> claim;
+      const auto let_go = [&claim] {
+        py::gil_scoped_release release;
+        claim.reset();
+      };
+      {
+        py::gil_scoped_release release;
+        claim.emplace(*swapper_, ticket);
+      }
+      try {
+        wait_answering_signals([&](auto deadline) {
+          r = claim->until(deadline);
+          return r.has_value();
+        });
+      } catch (...) {
+        let_go();
+        throw;
+      }
+      let_go();
     } catch (...) {
       release_collected();  // another thread's synchronize may have collected it
       throw;

@@ -971,32 +971,65 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_until(std::uint64_t
   return wait_locked(lock, ticket, &deadline);
 }
 
-std::optional<std::vector<swap_result>> tensor_swapper::wait_locked(std::unique_lock<std::mutex>& lock,
-                                                                    std::uint64_t ticket,
-                                                                    const clock::time_point* deadline) {
+void tensor_swapper::claim_locked(std::uint64_t ticket) {
   const auto it = tickets_.find(ticket);
   if (it == tickets_.end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " +
                                 std::to_string(ticket));
   }
-  const auto t0 = clock::now();
-  ticket_state& state = it->second;
-  if (state.waiting) {
+  if (it->second.waiting) {
     throw std::invalid_argument("tensor_swapper: ticket " + std::to_string(ticket) +
                                 " is already being waited for by another thread");
   }
-  state.waiting = true;
+  it->second.waiting = true;
+}
+
+void tensor_swapper::unclaim_locked(std::uint64_t ticket) {
+  tickets_.at(ticket).waiting = false;  // outstanding still: another wait may take it up
+  done_cv_.notify_all();                // synchronize() may be waiting for someone to wait for it
+}
+
+std::optional<std::vector<swap_result>> tensor_swapper::wait_locked(std::unique_lock<std::mutex>& lock,
+                                                                    std::uint64_t ticket,
+                                                                    const clock::time_point* deadline) {
+  claim_locked(ticket);
+  auto results = wait_claimed_locked(lock, ticket, deadline);
+  if (!results) unclaim_locked(ticket);
+  return results;
+}
+
+tensor_swapper::ticket_wait::ticket_wait(tensor_swapper& swapper, std::uint64_t ticket)
+    : swapper_(swapper), ticket_(ticket) {
+  const std::lock_guard lock(swapper_.mutex_);
+  swapper_.claim_locked(ticket);
+}
+
+tensor_swapper::ticket_wait::~ticket_wait() {
+  if (collected_) return;
+  const std::lock_guard lock(swapper_.mutex_);
+  swapper_.unclaim_locked(ticket_);
+}
+
+std::optional<std::vector<swap_result>> tensor_swapper::ticket_wait::until(clock::time_point deadline) {
+  if (collected_) throw std::logic_error("tensor_swapper: ticket " + std::to_string(ticket_) + " was collected");
+  std::unique_lock lock(swapper_.mutex_);
+  auto results = swapper_.wait_claimed_locked(lock, ticket_, &deadline);
+  collected_ = results.has_value();
+  return results;
+}
+
+std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std::unique_lock<std::mutex>& lock,
+                                                                            std::uint64_t ticket,
+                                                                            const clock::time_point* deadline) {
+  const auto t0 = clock::now();
+  ticket_state& state = tickets_.at(ticket);
   const auto finished = [&] { return state.unfinished == 0; };
   const bool ended = deadline == nullptr ? (done_cv_.wait(lock, finished), true)
                                          : done_cv_.wait_until(lock, *deadline, finished);
   const double waited = seconds(clock::now() - t0);
   stats_.seconds_waiting += waited;
   timers_["wait"] += waited;
-  if (!ended) {
-    state.waiting = false;  // outstanding still: another wait may take it up
-    done_cv_.notify_all();  // synchronize() may be waiting for someone to wait for it
-    return std::nullopt;
-  }
+  if (!ended) return std::nullopt;
   const std::vector<std::uint64_t> members = state.jobs;
   std::vector<swap_result> results;
   clock::time_point first = clock::time_point::max();

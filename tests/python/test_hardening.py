@@ -852,6 +852,29 @@ def test_ctrl_c_interrupts_a_swapper_wait_and_the_ticket_is_waited_for_again(tmp
     big.resize(1)  # no longer held
 
 
+def test_a_wait_keeps_its_ticket_from_other_threads_between_its_slices(tmp_path):
+    # The wait looks for signals every 50 ms; between those slices its ticket stays its own:
+    # a synchronize on another thread waits for it to be collected, and takes nothing.
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(), **_SLOW)
+    big = np.ones(_SLOW_BYTES, dtype=np.uint8)
+    t = s.swap_out([big], [str(tmp_path / "big")])
+    got, failed = [], []
+
+    def waiter():
+        try:
+            got.extend(s.wait(t))
+        except Exception as e:  # noqa: BLE001 - reported below
+            failed.append(e)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)  # several slices in
+    s.synchronize()
+    thread.join()
+    assert failed == [] and len(got) == 1 and got[0]["error"] == 0
+    assert not s.outstanding(t)
+
+
 def test_ctrl_c_interrupts_the_torch_swapper_and_synchronize_goes_on(tmp_path):
     from tensormem.torch import AsyncTensorSwapper
     a = AsyncTensorSwapper(queue_depth=1, block_bytes=4096)

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -154,6 +155,17 @@ TEST(async_wait, a_wait_that_gives_up_leaves_the_ticket_to_be_waited_for_again) 
   EXPECT_TRUE(s.outstanding(ticket));
   EXPECT_FALSE(s.wait_until(ticket, clock::now() - milliseconds(1)).has_value());  // a deadline passed
 
+  // A wait in slices keeps the ticket between slices: another wait is refused, synchronize
+  // cannot take it; let go, the ticket is outstanding and free.
+  {
+    tensor_swapper::ticket_wait slices(s, ticket);
+    EXPECT_FALSE(slices.until(clock::now() + milliseconds(50)).has_value());
+    EXPECT_THROW((void)s.wait_until(ticket, clock::now()), std::invalid_argument);
+    EXPECT_FALSE(s.synchronize_until(clock::now() + milliseconds(50)));
+    EXPECT_FALSE(slices.until(clock::now() + milliseconds(50)).has_value());
+  }
+  EXPECT_TRUE(s.outstanding(ticket));
+
   // While a wait with a deadline runs, the ticket is taken: another wait is refused.
   std::thread waiting([&] { EXPECT_FALSE(s.wait_until(ticket, clock::now() + milliseconds(300)).has_value()); });
   std::this_thread::sleep_for(milliseconds(100));
@@ -171,6 +183,32 @@ TEST(async_wait, a_wait_that_gives_up_leaves_the_ticket_to_be_waited_for_again) 
   EXPECT_FALSE(s.outstanding(ticket));
   EXPECT_THROW((void)s.wait_until(ticket, clock::now()), std::invalid_argument);  // collected
   EXPECT_TRUE(s.synchronize_until(clock::now()));                                // nothing left
+
+  // A wait in slices holds the ticket between its slices: another thread's wait is refused
+  // and its synchronize cannot collect the ticket, even once the transfer has ended.
+  {
+    const std::uint64_t held = s.swap_out({&ref, 1}, {&path, 1});
+    std::optional<tensor_swapper::ticket_wait> slices(std::in_place, s, held);
+    EXPECT_THROW(tensor_swapper::ticket_wait(s, held), std::invalid_argument);
+    while (!s.done(held)) std::this_thread::sleep_for(milliseconds(1));
+    EXPECT_THROW((void)s.wait(held), std::invalid_argument);
+    EXPECT_FALSE(s.synchronize_until(clock::now() + milliseconds(50)));
+    EXPECT_TRUE(s.outstanding(held));
+    const auto got = slices->until(clock::now() - milliseconds(1));  // finished: collected
+    ASSERT_TRUE(got.has_value());
+    EXPECT_EQ(got->at(0).error, 0) << got->at(0).message;
+    EXPECT_FALSE(s.outstanding(held));
+    EXPECT_THROW((void)slices->until(clock::now()), std::logic_error);
+    slices.reset();  // collected: nothing to let go
+    EXPECT_THROW(tensor_swapper::ticket_wait(s, held), std::invalid_argument);
+  }
+  // Let go uncollected, the ticket is any thread's to wait for.
+  {
+    const std::uint64_t kept = s.swap_out({&ref, 1}, {&path, 1});
+    { const tensor_swapper::ticket_wait slices(s, kept); }
+    EXPECT_TRUE(s.outstanding(kept));
+    EXPECT_EQ(s.wait(kept).at(0).error, 0);
+  }
 
   // A finished ticket is collected even at a deadline already passed; synchronize_until
   // collects every ticket in time.

@@ -157,8 +157,30 @@ class tensor_swapper {
   std::vector<swap_result> wait(std::uint64_t ticket);
   /// `wait`, giving up at `deadline`: std::nullopt when some transfer of the ticket has not
   /// finished by then. The ticket then stays outstanding, its memory in use, for any thread to
-  /// wait for again (callers that must answer a signal wait in slices: Python's Ctrl-C).
+  /// wait for again.
   std::optional<std::vector<swap_result>> wait_until(std::uint64_t ticket, std::chrono::steady_clock::time_point deadline);
+
+  /// A wait in slices, for callers that must answer signals between them (Python's Ctrl-C):
+  /// it takes the ticket as `wait` does (throwing as `wait` does when the ticket is unknown,
+  /// collected, or being waited for by another thread), and holds it for its lifetime, so
+  /// that no other thread's `wait` or `synchronize` collects the ticket between slices.
+  /// Destroyed before `until` collected the ticket, it lets go: the ticket stays outstanding,
+  /// its memory in use, for any thread to wait for. Must not outlive the swapper.
+  class ticket_wait {
+   public:
+    ticket_wait(tensor_swapper& swapper, std::uint64_t ticket);
+    ~ticket_wait();
+    ticket_wait(const ticket_wait&) = delete;
+    ticket_wait& operator=(const ticket_wait&) = delete;
+    /// The results once every transfer has finished (the ticket is then collected), or
+    /// std::nullopt when `deadline` comes first. Throws std::logic_error once collected.
+    std::optional<std::vector<swap_result>> until(std::chrono::steady_clock::time_point deadline);
+
+   private:
+    tensor_swapper& swapper_;
+    std::uint64_t ticket_;
+    bool collected_ = false;
+  };
   /// True when every transfer of the ticket has finished (`wait` would not block).
   bool done(std::uint64_t ticket);
   /// True while the ticket has not been collected by `wait` or `synchronize` (from any
@@ -204,7 +226,13 @@ class tensor_swapper {
                       std::span<const std::string> keys, bool out);
   void check_memory(std::span<const tensor_ref> tensors, std::span<const std::string> paths, bool out) const;
   void stop_threads_and_free_staging() noexcept;
-  // Without a deadline (null) it waits for as long as the transfers take.
+  // A ticket is taken by one waiter at a time (claim), waited for (without a deadline, null,
+  // for as long as the transfers take) and collected, or let go again (unclaim).
+  void claim_locked(std::uint64_t ticket);
+  void unclaim_locked(std::uint64_t ticket);
+  std::optional<std::vector<swap_result>> wait_claimed_locked(std::unique_lock<std::mutex>& lock,
+                                                              std::uint64_t ticket, const clock::time_point* deadline);
+  // Claims, waits, and lets go when the deadline passes.
   std::optional<std::vector<swap_result>> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket,
                                                       const clock::time_point* deadline);
   bool synchronize_locked(std::unique_lock<std::mutex>& lock, const clock::time_point* deadline);
