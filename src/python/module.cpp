@@ -321,24 +321,21 @@ class py_swapper {
       // synchronize takes it in between. Interrupted, the claim is let go (GIL released: it
       // takes the swapper's lock), and the ticket stays outstanding.
       std::optional<swap::tensor_swapper::ticket_wait> claim;
-      const auto let_go = [&claim] {
-        py::gil_scoped_release release;
-        claim.reset();
-      };
+      struct let_go_without_gil {
+        std::optional<swap::tensor_swapper::ticket_wait>& claim;
+        ~let_go_without_gil() {
+          py::gil_scoped_release release;
+          claim.reset();
+        }
+      } let_go{claim};
       {
         py::gil_scoped_release release;
         claim.emplace(*swapper_, ticket);
       }
-      try {
-        wait_answering_signals([&](auto deadline) {
-          r = claim->until(deadline);
-          return r.has_value();
-        });
-      } catch (...) {
-        let_go();
-        throw;
-      }
-      let_go();
+      wait_answering_signals([&](auto deadline) {
+        r = claim->until(deadline);
+        return r.has_value();
+      });
     } catch (...) {
       release_collected();  // another thread's synchronize may have collected it
       throw;
