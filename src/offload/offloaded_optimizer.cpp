@@ -38,8 +38,19 @@ std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / 
 struct file {
   int fd = -1;
   std::string path;
-  file(const std::string& p, int flags) : fd(::open(p.c_str(), flags | O_CLOEXEC, 0600)), path(p) {
-    if (fd < 0) throw std::system_error(errno, std::generic_category(), "cannot open checkpoint " + p);
+  // A checkpoint to write. The open never waits (O_NONBLOCK, cleared once open): a pipe with
+  // no reader at the path is an error (ENXIO), not a save that waits for ever. A device is
+  // written as a file would be (/dev/full gives ENOSPC, as a full disk).
+  file(const std::string& p, int flags) : fd(::open(p.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0600)), path(p) {
+    const int opened = fd < 0 ? -1 : ::fcntl(fd, F_GETFL);
+    if (opened < 0 || ::fcntl(fd, F_SETFL, opened & ~O_NONBLOCK) != 0) {
+      const int e = errno;
+      struct stat st {};
+      const bool pipe = e == ENXIO && ::stat(p.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
+      if (fd >= 0) ::close(fd);
+      throw std::system_error(e, std::generic_category(),
+                              "cannot open checkpoint " + p + (pipe ? " (a pipe with no reader)" : ""));
+    }
   }
   // A checkpoint to read: a regular file only (a pipe would hold the caller in open()).
   explicit file(const std::string& p) : path(p) {

@@ -617,6 +617,24 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   }
   EXPECT_FALSE(std::filesystem::is_symlink(ck + ".tmp"));
   EXPECT_EQ(file_bytes(ck), before);
+  // A pipe where the temporary file goes: an error at once, not a save waiting for a reader.
+  ASSERT_EQ(mkfifo((ck + ".tmp").c_str(), 0600), 0);
+  {
+    const swap::testing::hang_guard guard("saving a checkpoint beside a pipe", std::chrono::seconds(20));
+    try {
+      o.save(ck);
+      ADD_FAILURE() << "saved through a pipe";
+    } catch (const std::system_error& e) {
+      EXPECT_EQ(e.code().value(), ENXIO) << e.what();
+      EXPECT_NE(std::string(e.what()).find(ck + ".tmp (a pipe with no reader)"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(file_bytes(ck), before);
+  std::filesystem::remove(ck + ".tmp");
+  o.save(ck);  // O_NONBLOCK is not left on the file: a whole checkpoint, loaded back
+  offloaded_optimizer reloaded(numels, small_options(dir));
+  reloaded.load(ck);
+  EXPECT_EQ(all_records(reloaded), all_records(o));
   const std::string folder = (dir.path / "folder").string();
   std::filesystem::create_directory(folder);
   std::filesystem::create_directory(folder + "/inside");
