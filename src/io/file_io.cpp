@@ -30,12 +30,12 @@ const char* kind_of_file(unsigned mode) noexcept {
                           : "a device";
 }
 
-int keep_regular_file(int fd, const char* path, const char*& refused) noexcept {
+int keep_opened_file(int fd, const char* path, const char*& refused, bool regular_only) noexcept {
   struct stat st {};
   if (fd < 0) {
     if (errno == ENXIO && ::stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
       refused = kind_of_file(st.st_mode);
-      errno = EINVAL;
+      if (regular_only) errno = EINVAL;
     }
     return -1;
   }
@@ -45,7 +45,7 @@ int keep_regular_file(int fd, const char* path, const char*& refused) noexcept {
     errno = e;
     return -1;
   }
-  if (!S_ISREG(st.st_mode)) {
+  if (regular_only && !S_ISREG(st.st_mode)) {
     refused = kind_of_file(st.st_mode);
     ::close(fd);
     errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;

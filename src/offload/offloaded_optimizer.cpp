@@ -38,30 +38,20 @@ std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / 
 struct file {
   int fd = -1;
   std::string path;
-  // A checkpoint to write. The open never waits (O_NONBLOCK, cleared once open): a pipe with
-  // no reader at the path is an error (ENXIO), not a save that waits for ever. A device is
-  // written as a file would be (/dev/full gives ENOSPC, as a full disk).
-  file(const std::string& p, int flags) : fd(::open(p.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0600)), path(p) {
-    const int opened = fd < 0 ? -1 : ::fcntl(fd, F_GETFL);
-    if (opened < 0 || ::fcntl(fd, F_SETFL, opened & ~O_NONBLOCK) != 0) {
-      const int e = errno;
-      struct stat st {};
-      const bool pipe = e == ENXIO && ::stat(p.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
-      if (fd >= 0) ::close(fd);
-      throw std::system_error(e, std::generic_category(),
-                              "cannot open checkpoint " + p + (pipe ? " (a pipe with no reader)" : ""));
-    }
-  }
-  // A checkpoint to read: a regular file only (a pipe would hold the caller in open()).
-  explicit file(const std::string& p) : path(p) {
-    bool direct = false;
+  // The open never waits (O_NONBLOCK, cleared once open). A checkpoint to read is a regular
+  // file only; one to write may be a device, written as a file would be (/dev/full gives
+  // ENOSPC, as a full disk), but a pipe with no reader there is an error (ENXIO), not a save
+  // that waits for ever.
+  file(const std::string& p, int flags, bool regular_only) : path(p) {
     const char* refused = nullptr;
-    fd = io::open_regular_file(p.c_str(), [&](int extra) { return ::open(p.c_str(), O_RDONLY | O_CLOEXEC | extra); },
-                               direct, refused);
+    fd = io::keep_opened_file(::open(p.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0600), p.c_str(), refused,
+                              regular_only);
     if (fd < 0) {
-      throw std::system_error(errno, std::generic_category(),
-                              "cannot open checkpoint " + p +
-                                  (refused != nullptr ? std::string(": it is ") + refused + ", not a regular file" : ""));
+      const int e = errno;
+      const std::string why = refused == nullptr ? ""
+                              : regular_only     ? std::string(": it is ") + refused + ", not a regular file"
+                                                 : std::string(" (") + refused + " with no reader)";
+      throw std::system_error(e, std::generic_category(), "cannot open checkpoint " + p + why);
     }
   }
   ~file() {
@@ -414,7 +404,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   const exclusive_call call(*this, "save");
   io::check_path_argument("offloaded_optimizer::save", path);
   const std::string tmp = path + ".tmp";
-  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC, false);
   try {
     const std::vector<std::uint64_t> words = header_words(*this);
     std::vector<char> head(header_bytes(numels_.size()), 0);
@@ -451,7 +441,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
 std::string offloaded_optimizer::load(const std::string& path) {
   const exclusive_call call(*this, "load");
   io::check_path_argument("offloaded_optimizer::load", path);
-  const file in(path);
+  const file in(path, O_RDONLY, true);
   std::vector<char> head(header_bytes(numels_.size()), 0);
   char magic[8];
   in.read_all(magic, 8, 0);

@@ -549,7 +549,7 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
   {
     py::gil_scoped_release release;
     std::jthread planner(std::move(task));
-    while (result.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+    while (result.wait_for(signal_check_interval) != std::future_status::ready) {
       py::gil_scoped_acquire acquire;
       if (PyErr_CheckSignals() != 0) {
         raised = true;

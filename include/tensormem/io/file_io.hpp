@@ -40,22 +40,23 @@ int open_direct_or_buffered(Open open_as, bool& direct) {
 /// "a symbolic link", "a socket" or "a device".
 const char* kind_of_file(unsigned mode) noexcept;
 
-/// Keeps `fd` (opened with O_NONBLOCK by open_regular_file) when it is a regular file, clearing
-/// O_NONBLOCK; otherwise closes it and returns -1 with errno EISDIR for a directory, else
-/// EINVAL, and `refused` naming what it is. With `fd` < 0 and errno ENXIO (a pipe's write end
-/// with no reader), `path` is looked at to name it. Never blocks.
-int keep_regular_file(int fd, const char* path, const char*& refused) noexcept;
+/// Keeps `fd`, opened with O_NONBLOCK so that the open could not wait, clearing O_NONBLOCK.
+/// With `regular_only`, anything but a regular file is closed and refused: -1 with errno
+/// EISDIR for a directory, else EINVAL, and `refused` naming what it is. With `fd` < 0 and
+/// errno ENXIO (a pipe's write end with no reader), `path` is looked at to name it (errno
+/// EINVAL when `regular_only`, ENXIO kept otherwise). Never blocks.
+int keep_opened_file(int fd, const char* path, const char*& refused, bool regular_only = true) noexcept;
 
 /// open_direct_or_buffered for a file that must be a regular file (swap files, the files of
 /// async_file_io). The open itself never waits: O_NONBLOCK is added, so that a pipe with no
 /// one at its other end or a terminal cannot hold the caller, and cleared once the file is
-/// known to be regular. Anything else is refused as keep_regular_file says; `refused` is null
+/// known to be regular. Anything else is refused as keep_opened_file says; `refused` is null
 /// when the open failed for another reason (errno set by open).
 template <class Open>
 int open_regular_file(const char* path, Open open_as, bool& direct, const char*& refused) {
   refused = nullptr;
-  return keep_regular_file(open_direct_or_buffered([&](int extra) { return open_as(extra | O_NONBLOCK); }, direct),
-                           path, refused);
+  return keep_opened_file(open_direct_or_buffered([&](int extra) { return open_as(extra | O_NONBLOCK); }, direct),
+                          path, refused);
 }
 
 /// The most rings one async_file_io drives (each is an engine and a thread).
