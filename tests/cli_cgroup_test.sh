@@ -63,6 +63,21 @@ after = tensormem.cgroup_memory_available_bytes()
 print("left", before - after >= 15 << 20, after <= limit - (16 << 20), before <= limit)
 ' 2>&1)
   expect "cgroup_memory_available_bytes in the cgroup" "$out" "^left True True True\$"
+  # An allocator's reserve makes its nodes: 3,000,000 blocks (108 MB for the O(1) allocator)
+  # are refused in 64 MiB (the interpreter was ended by the out-of-memory killer).
+  out=$(inside env PYTHONPATH="$python_dir" /usr/bin/python3 -c '
+import tensormem
+for cls in (tensormem.TlsfAllocator, tensormem.BestFitAllocator):
+    try:
+        cls().reserve(3_000_000)
+        print("reserved")
+    except MemoryError as e:
+        print("refused", e)
+' 2>&1)
+  rc=$?
+  [ $rc = 0 ] || { echo "FAIL reserve: exit $rc (137 is the out-of-memory killer)"; fail=1; }
+  expect "reserve in the cgroup" "$out" "^refused TlsfAllocator.reserve: 3000000 blocks need 108000000 bytes (36 a block), more than the $limit bytes this process can have\$"
+  expect "reserve in the cgroup" "$out" "^refused BestFitAllocator.reserve: 3000000 blocks need [0-9]* bytes ([0-9]* a block), more than the $limit bytes"
 else
   echo "note: no Python module in $python_dir (this build has none): its check is left out"
 fi

@@ -29,6 +29,7 @@ void best_fit_allocator::add_spare_index_node() {
 }
 
 void best_fit_allocator::reserve(std::size_t blocks) {
+  blocks = blocks_to_reserve(blocks);
   reserve_blocks(blocks);
   // With blocks + 2 index nodes made (spare or holding a free block), reserve_for_allocation
   // finds enough while no more than `blocks` blocks, so no more live ones, exist.

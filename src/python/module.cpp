@@ -391,7 +391,9 @@ py::list results_to_python(const std::vector<swap::swap_result>& results) {
 
 template <class Allocator>
 void bind_allocator(py::module_& m, const char* name, const char* doc) {
-  py::class_<Allocator>(m, name, doc)
+  py::class_<Allocator> cls(m, name, doc);
+  cls.attr("reserve_bytes_per_block") = Allocator::reserve_bytes_per_block;
+  cls
       .def(py::init<u64, u64>(), py::arg("capacity") = core::growing,
            py::arg("alignment") = 256)
       .def("allocate",
@@ -404,11 +406,27 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
       // (members inherited from the block-chain base are adapted or wrapped to take an
       // Allocator; pybind11's adaptor does not take noexcept members)
       .def("deallocate", py::method_adaptor<Allocator>(&Allocator::deallocate), py::arg("allocation"))
-      .def("reserve", [](Allocator& a, u64 blocks) { a.reserve(static_cast<std::size_t>(std::uint64_t{blocks})); },
+      .def("reserve",
+           [name](Allocator& a, u64 blocks) {
+             // The nodes are made here: a count past the process's memory would have the
+             // kernel's out-of-memory killer end the interpreter, so it is refused first.
+             const std::size_t n = a.blocks_to_reserve(static_cast<std::size_t>(std::uint64_t{blocks}));
+             if (n <= Allocator::max_reserved_blocks) {
+               if (const auto shortfall = memory::memory_shortfall_for(n, Allocator::reserve_bytes_per_block)) {
+                 throw memory::out_of_memory(std::string(name) + ".reserve: " + std::to_string(n) + " blocks need " +
+                                             std::to_string(shortfall->need_bytes) + " bytes (" +
+                                             std::to_string(Allocator::reserve_bytes_per_block) +
+                                             " a block), more than the " + std::to_string(shortfall->memory_bytes) +
+                                             " bytes this process can have");
+               }
+             }
+             a.reserve(n);
+           },
            py::arg("blocks"),
            "Room for this many blocks, live and free together, so that allocating and "
-           "deallocating by handle ask for no memory until more exist; ValueError for 2**32 - 18 "
-           "or more, changing nothing.")
+           "deallocating by handle ask for no memory until more exist (with a fixed capacity, "
+           "at most one block per alignment unit of it); ValueError for 2**32 - 18 or more, "
+           "MemoryError for more than this process's memory can hold, changing nothing.")
       .def("free", [](Allocator& a, u64 offset, u64 bytes) { a.free(offset, bytes); }, py::arg("offset"), py::arg("bytes"),
            "InfiniTensor-style free; raises ValueError on misuse, changing nothing.")
       .def_property_readonly("peak", [](const Allocator& a) { return a.peak(); })

@@ -377,5 +377,53 @@ TEST(planner_faults, an_allocation_failing_on_the_callers_thread_comes_out_of_pl
   }
 }
 
+
+// With a fixed capacity, a reserve of any count makes room for the most blocks the arena can
+// ever hold (one per alignment unit, the last one shorter) and no more: no length_error, no
+// memory past that, and a stream that tiles the whole arena with the smallest blocks still
+// asks for no memory.
+template <class Allocator>
+void a_fixed_arena_reserves_what_it_can_hold() {
+  const disarm_on_exit disarm;
+  constexpr std::uint64_t units = 64;
+  Allocator a(units * 256 + 100, 256);
+  EXPECT_EQ(a.blocks_to_reserve(std::size_t{1} << 40), units + 1);
+  EXPECT_EQ(a.blocks_to_reserve(7), 7U);
+  EXPECT_EQ(Allocator(core::growing, 256).blocks_to_reserve(std::size_t{1} << 40), std::size_t{1} << 40);
+  EXPECT_EQ(Allocator(100, 256).blocks_to_reserve(1000), 1U);
+  a.reserve(std::size_t{1} << 40);
+  std::vector<core::allocation> row;
+  row.reserve(units);
+  countdown = 0;
+  for (std::uint64_t i = 0; i < units; ++i) {
+    ASSERT_NO_THROW(row.push_back(*a.allocate(256))) << "block " << i;
+    countdown = 0;
+  }
+  std::optional<core::allocation> none;
+  ASSERT_NO_THROW(none = a.allocate(1));
+  EXPECT_FALSE(none);  // full
+  countdown = 0;
+  for (std::size_t round = 0; round < 3; ++round) {
+    for (std::size_t i = round % 2; i < row.size(); i += 2) {
+      ASSERT_NO_THROW(a.deallocate(row[i]));
+      countdown = 0;
+    }
+    for (std::size_t i = round % 2; i < row.size(); i += 2) {
+      ASSERT_NO_THROW(row[i] = *a.allocate(256)) << "round " << round << " block " << i;
+      countdown = 0;
+    }
+  }
+  countdown = -1;
+  EXPECT_EQ(a.check_invariants(), "");
+  EXPECT_EQ(a.stats().live_allocations, units);
+}
+
+TEST(reserve, tlsf_with_a_fixed_capacity_reserves_what_the_arena_can_hold) {
+  a_fixed_arena_reserves_what_it_can_hold<core::tlsf_allocator>();
+}
+TEST(reserve, best_fit_with_a_fixed_capacity_reserves_what_the_arena_can_hold) {
+  a_fixed_arena_reserves_what_it_can_hold<core::best_fit_allocator>();
+}
+
 }  // namespace
 }  // namespace tensormem

@@ -65,6 +65,36 @@ def test_allocator_reserve(cls):
         h.bytes for h in held[1::2])
 
 
+@pytest.mark.parametrize("cls", [tensormem.BestFitAllocator, tensormem.TlsfAllocator])
+def test_a_reserve_past_the_process_memory_is_refused_and_a_fixed_arena_caps_it(cls):
+    # The nodes are made (their pages touched) by reserve: past the process's memory the
+    # out-of-memory killer would end the interpreter, so such a count is refused first.
+    a = cls()
+    x = a.allocate(1000)
+    blocks = tensormem.physical_memory_bytes() // cls.reserve_bytes_per_block + 1
+    if blocks <= 2**32 - 19:
+        t0 = time.monotonic()
+        with pytest.raises(MemoryError, match=r"\.reserve: %d blocks need \d+ bytes \(%d a block\), more than the %d "
+                           r"bytes this process can have" % (blocks, cls.reserve_bytes_per_block,
+                                                               tensormem.physical_memory_bytes())):
+            a.reserve(blocks)
+        assert time.monotonic() - t0 < 1.0
+    a.reserve(1000)
+    assert a.check_invariants() == "" and a.stats()["live_allocations"] == 1
+    a.deallocate(x)
+    # A fixed capacity holds one block per alignment unit at most: a larger count is cut to
+    # that (no error, no memory beyond it), and the arena can then be tiled with its
+    # smallest blocks.
+    fixed = cls(16 * 4096, 4096)
+    fixed.reserve(2**32 - 18)
+    fixed.reserve(2**40)
+    held = [fixed.allocate(1) for _ in range(16)]
+    assert all(h is not None for h in held) and fixed.allocate(1) is None
+    for h in held[::2]:
+        fixed.deallocate(h)
+    assert fixed.stats()["free_blocks"] == 8 and fixed.check_invariants() == ""
+
+
 # ----------------------------------------------------------------------------- planner
 
 def test_plan_and_validate_with_numpy():

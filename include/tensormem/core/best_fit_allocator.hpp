@@ -57,9 +57,14 @@ class best_fit_allocator : public detail::block_chain_allocator<best_fit_allocat
   /// Makes room for `blocks` blocks, live and free together: nodes and index nodes, made
   /// here. While no more blocks than that exist, `allocate`, `deallocate` and
   /// `try_deallocate` allocate no memory. A stream with at most L allocations live at once
-  /// has at most 2L + 1 blocks. `free(offset, bytes)` keeps an index of its own that this
-  /// does not cover. Never shrinks. Throws std::length_error for 2^32 - 18 blocks or more
-  /// and std::bad_alloc without the memory, changing nothing observable either way.
+  /// has at most 2L + 1 blocks; an arena of fixed capacity C at most ceil(C / alignment),
+  /// and no more are made (blocks_to_reserve). `free(offset, bytes)` keeps an index of its
+  /// own that this does not cover. Never shrinks. Throws std::length_error for 2^32 - 18
+  /// blocks or more and std::bad_alloc where the allocation is refused, changing nothing
+  /// observable either way. The blocks' memory (reserve_bytes_per_block each) is touched
+  /// here, so under Linux's overcommit a count past the process's memory ends the process
+  /// through the out-of-memory killer rather than throwing: check a count that comes from
+  /// outside first, as the Python module does (memory::memory_shortfall_for).
   void reserve(std::size_t blocks);
 
   // deallocate, try_deallocate, free (InfiniTensor style: `bytes` as asked at allocation,
@@ -85,6 +90,16 @@ class best_fit_allocator : public detail::block_chain_allocator<best_fit_allocat
     }
   };
   using size_index = std::set<free_key, by_size_then_offset>;
+
+ public:
+  /// Memory a reserved block takes, about: its node, its place in the stack of unused
+  /// nodes, and an index node (a tree node of the set, as malloc hands it out, 64 bytes,
+  /// and its handle while spare). 108 measured with glibc's malloc. `reserve` makes them all,
+  /// touching their pages.
+  static constexpr std::size_t reserve_bytes_per_block =
+      sizeof(detail::chain_block) + sizeof(std::uint32_t) + sizeof(size_index::node_type) + 64;
+
+ private:
 
   /// Room for `blocks` new blocks, two spare index nodes, spare + indexed >= live + 2, and
   /// one more live-index entry: after it, an allocation and any later free change state

@@ -104,11 +104,18 @@ class tlsf_allocator : public detail::block_chain_allocator<tlsf_allocator, deta
   /// `deallocate` and `try_deallocate` allocate no memory and touch no new page, so none of
   /// them pays for growing the pool, which otherwise doubles (a copy of every node) inside
   /// some `allocate`, nor for a page fault on a new node. A stream with at most L
-  /// allocations live at once has at most 2L + 1 blocks. `free(offset, bytes)` keeps an
-  /// index of its own that this does not cover. Never shrinks. Throws std::length_error for
-  /// 2^32 - 18 blocks or more and std::bad_alloc without the memory, changing nothing
-  /// observable either way.
+  /// allocations live at once has at most 2L + 1 blocks; an arena of fixed capacity C at
+  /// most ceil(C / alignment), and no more are made (blocks_to_reserve). `free(offset,
+  /// bytes)` keeps an index of its own that this does not cover. Never shrinks. Throws
+  /// std::length_error for 2^32 - 18 blocks or more and std::bad_alloc where the allocation
+  /// is refused, changing nothing observable either way. The nodes' memory
+  /// (reserve_bytes_per_block each) is touched here, so under Linux's overcommit a count past
+  /// the process's memory ends the process through the out-of-memory killer rather than
+  /// throwing: check a count that comes from outside first, as the Python module does
+  /// (memory::memory_shortfall_for).
   void reserve(std::size_t blocks) { reserve_blocks(blocks); }
+  /// Memory a reserved block takes: its node and its place in the stack of unused nodes.
+  static constexpr std::size_t reserve_bytes_per_block = sizeof(detail::tlsf_node) + sizeof(std::uint32_t);
   // deallocate, try_deallocate, free, try_free, capacity, alignment, peak, used and
   // for_each_block (TLSF's walk_pool) come from detail::block_chain_allocator.
   allocator_stats stats() const;

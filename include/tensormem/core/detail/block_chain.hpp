@@ -107,6 +107,19 @@ class block_chain_allocator {
     return free_status::ok;
   }
 
+  /// The most blocks `reserve` takes: past it, std::length_error.
+  static constexpr std::size_t max_reserved_blocks = 0xfffffff0U - 3U;
+
+  /// How many blocks `reserve(blocks)` makes room for: `blocks`, or with a fixed capacity no
+  /// more than the arena can ever hold. Blocks tile the arena and none is empty (each holds
+  /// at least one alignment unit, the last one at least a byte), so a capacity of C bytes
+  /// holds at most ceil(C / alignment) of them.
+  std::size_t blocks_to_reserve(std::size_t blocks) const noexcept {
+    if (capacity_ == growing) return blocks;
+    const std::uint64_t most = capacity_ / alignment_ + (capacity_ % alignment_ != 0 ? 1U : 0U);
+    return static_cast<std::size_t>(std::min<std::uint64_t>(blocks, most));
+  }
+
   /// Calls `f(offset, bytes, is_free)` for every block below the high-water mark, in
   /// address order. For tests and pictures; O(n).
   template <class F>
@@ -162,10 +175,12 @@ class block_chain_allocator {
   /// exist, allocating and freeing by handle never grow the pool nor touch a new page of it.
   /// The new nodes go below the recycled ones in the stack of unused nodes, lowest index on
   /// top, so that nodes are handed out in the order they would have been made. Never
-  /// shrinks. Throws std::length_error past the node limit and std::bad_alloc, changing
-  /// nothing observable either way.
+  /// shrinks. A fixed capacity caps `blocks` (blocks_to_reserve). Throws std::length_error
+  /// past the node limit and std::bad_alloc, changing nothing observable either way.
   void reserve_blocks(std::size_t blocks) {
-    if (blocks >= most_nodes - 2U) throw std::length_error(std::string(name_) + ": too many blocks");
+    static_assert(max_reserved_blocks == most_nodes - 3U);
+    blocks = blocks_to_reserve(blocks);
+    if (blocks > max_reserved_blocks) throw std::length_error(std::string(name_) + ": too many blocks");
     unused_nodes_.reserve(blocks + 2U);  // (each a no-op where the room is there)
     nodes_.reserve(blocks + 2U);
     if (nodes_.size() >= blocks) return;
