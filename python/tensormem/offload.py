@@ -14,7 +14,10 @@ Steps are atomic on disk: new state goes to a second generation of the files, co
 when every group is written. A failed step (a full folder, an I/O error) raises
 ``OffloadError`` (an OSError with ``errno``, ``filename`` and ``tensor``) and leaves the
 previous state committed; with ``offload_master=True`` (the default) the parameters are put
-back to their values before the step, so the step can be retried.
+back to their values before the step, so the step can be retried. Ctrl-C during a step raises
+``KeyboardInterrupt`` within about one sub-group's time and undoes the step the same way; without
+the master copy only a step that has changed no parameter yet can be undone, so a later one runs
+to its end first (the core's ``steps`` counts say which happened).
 
 ``ZeroOffloadedOptimizer`` wraps one of them for ``torch.distributed``: each rank owns whole
 parameters, gradients are reduced to their owner, the owner updates from its own swap folder

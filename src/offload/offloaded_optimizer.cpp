@@ -295,7 +295,7 @@ void offloaded_optimizer::update_group(const group& g, float* record, std::span<
 }
 
 step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<const float* const> grads,
-                                     std::span<const param_hyper> hyper) {
+                                     std::span<const param_hyper> hyper, const std::function<bool()>& stop) {
   const exclusive_call call(*this, "step");
   if (!initialized_) throw std::logic_error("offloaded_optimizer::step before initialize or load");
   if (params.size() != numels_.size() || grads.size() != numels_.size() || hyper.size() != numels_.size()) {
@@ -316,6 +316,10 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
   try {
     prefetch_pipeline pipe(*space_, *pool_, order(), options_.pipeline);
     for (const group& g : groups_) {
+      if (stop && (options_.offload_master || updated.empty()) && stop()) {
+        throw step_interrupted("offloaded_optimizer::step: interrupted before group " + std::to_string(g.index) +
+                               " of " + std::to_string(groups_.size()) + "; the step was undone");
+      }
       auto* record = reinterpret_cast<float*>(pipe.acquire(g.index));
       const double t0 = now_seconds();
       bool dirty = false;

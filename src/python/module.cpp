@@ -41,6 +41,7 @@
 #include "tensormem/trace/trace_io.hpp"
 #include "engine_name.hpp"
 #include "numpy_abi.hpp"
+#include "signals.hpp"
 #include "whole_number.hpp"
 
 namespace py = pybind11;
@@ -49,6 +50,8 @@ using python::u64;  // sizes, offsets, alignments, ids: ValueError outside 0..2^
 using python::whole;
 using python::engine_kinds;  // "uring", "threads": what an `engine` argument names
 using python::engine_of;
+using python::signal_check_interval;
+using python::wait_answering_signals;
 
 namespace {
 
@@ -262,26 +265,6 @@ held_view hold(const py::handle& object, bool writable) {
   h.tensor = py::reinterpret_borrow<py::object>(object);
   h.ref = {reinterpret_cast<void*>(object.attr("data_ptr")().cast<std::uintptr_t>()), bytes};
   return h;
-}
-
-/// How often a wait for I/O looks for signals: Ctrl-C interrupts it within this.
-constexpr std::chrono::milliseconds signal_check_interval{50};
-
-/// Waits for `attempt(deadline)` to return true, in slices of signal_check_interval with the
-/// GIL released, handling signals between slices (on the main thread): Ctrl-C raises
-/// KeyboardInterrupt, and so does whatever a Python signal handler raises. `attempt` must
-/// leave things as they were when it returns false, so that the wait can be taken up again.
-template <class Attempt>
-void wait_answering_signals(Attempt attempt) {
-  for (;;) {
-    bool done = false;
-    {
-      py::gil_scoped_release release;
-      done = attempt(std::chrono::steady_clock::now() + signal_check_interval);
-    }
-    if (done) return;
-    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-  }
 }
 
 /// TensorSwapper for Python: the buffers of each ticket are held until it is collected, and

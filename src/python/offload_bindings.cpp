@@ -5,14 +5,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <string>
 #include <vector>
 
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "engine_name.hpp"
 #include "numpy_abi.hpp"
+#include "signals.hpp"
 #include "whole_number.hpp"
 
 namespace py = pybind11;
@@ -193,14 +196,32 @@ void bind_offload(py::module_& m) {
              }
              const auto p = pointers<float>(params);
              const auto g = pointers<const float>(grads);
-             offload::step_stats s;
-             {
+             // The step runs on a thread of its own while this one answers Ctrl-C: the step
+             // is then told to stop, and KeyboardInterrupt comes out once it has (undone, or
+             // finished where it could no longer be undone).
+             // From inside a visit or rewrite callback the step is refused on this thread (on
+             // another it would wait for the callback, which waits for it).
+             if (o.called_from_this_thread()) return to_dict(o.step(p, g, h));
+             std::atomic<bool> stop{false};
+             std::future<offload::step_stats> step = std::async(std::launch::async, [&] {
+               return o.step(p, g, h, [&] { return stop.load(std::memory_order_relaxed); });
+             });
+             try {
+               python::wait_answering_signals([&](auto deadline) {
+                 return step.wait_until(deadline) == std::future_status::ready;
+               });
+             } catch (...) {
+               stop.store(true, std::memory_order_relaxed);
                py::gil_scoped_release release;
-               s = o.step(p, g, h);
+               step.wait();
+               throw;
              }
-             return to_dict(s);
+             return to_dict(step.get());
            }, py::arg("params"), py::arg("grads"), py::arg("hyper"),
-           "One step; a gradient address of 0 skips that parameter. Returns the step's statistics.")
+           "One step; a gradient address of 0 skips that parameter. Returns the step's statistics. "
+           "Ctrl-C raises KeyboardInterrupt within about one sub-group: with the master copy offloaded "
+           "the step is undone (parameters and state as before it), without it the step is undone only "
+           "if no parameter had changed yet, else it finishes first (`steps` tells which).")
       .def_property_readonly("fields", &offload::offloaded_optimizer::fields)
       // Read under the optimizer's lock, which another thread's step may hold for long.
       .def_property_readonly("steps", [](const offload::offloaded_optimizer& o) {

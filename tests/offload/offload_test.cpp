@@ -460,6 +460,18 @@ struct model_params {
 
 const std::vector<std::uint64_t> numels = {5000, 3, 0, 2048, 9000};
 
+// The parameters after two steps of an optimizer that never failed nor stopped.
+std::vector<std::vector<float>> values_after_two_clean_steps() {
+  scratch_dir dir;
+  offloaded_optimizer clean(numels, small_options(dir));
+  model_params b(numels);
+  clean.initialize(b.cp());
+  const std::vector<param_hyper> hyper(numels.size());
+  clean.step(b.p(), b.g(), hyper);
+  clean.step(b.p(), b.g(), hyper);
+  return b.values;
+}
+
 TEST(offload_optimizer, matches_the_kernels_in_memory_and_pieces_cover_every_element) {
   scratch_dir dir;
   offloaded_optimizer o(numels, small_options(dir));
@@ -519,13 +531,7 @@ TEST(offload_optimizer, a_failed_step_restores_the_parameters_and_keeps_the_stat
   // Retried once the fault is gone: the same as an optimizer that never failed.
   armed->store(false);
   o.step(a.p(), a.g(), hyper);
-  scratch_dir dir2;
-  offloaded_optimizer clean(numels, small_options(dir2));
-  model_params b(numels);
-  clean.initialize(b.cp());
-  clean.step(b.p(), b.g(), hyper);
-  clean.step(b.p(), b.g(), hyper);
-  EXPECT_EQ(a.values, b.values);
+  EXPECT_EQ(a.values, values_after_two_clean_steps());
 }
 
 std::vector<char> file_bytes(const std::string& path) {
@@ -555,6 +561,53 @@ std::vector<float> all_records(offloaded_optimizer& o) {
   std::vector<float> out;
   o.visit([&](const auto& g, const float* rec) { out.insert(out.end(), rec, rec + 3 * g.stride); });
   return out;
+}
+
+// A step told to stop before its k-th group (k = 0 .. groups) is undone as a failed one:
+// step_interrupted, the parameters and the state as before it, the step counts unchanged,
+// and the next step equal to an optimizer's that was never stopped. Without the master copy
+// offloaded, the step is stopped only while no parameter has changed.
+TEST(offload_optimizer, a_stopped_step_is_undone_while_it_can_be) {
+  const auto records = [](offloaded_optimizer& o) {
+    std::vector<float> out;
+    const std::size_t fields = o.fields().size();
+    o.visit([&](const auto& g, const float* r) { out.insert(out.end(), r, r + fields * g.stride); });
+    return out;
+  };
+  const std::vector<param_hyper> hyper(numels.size());
+  const auto clean = values_after_two_clean_steps();
+  for (const bool master : {true, false}) {
+    scratch_dir dir;
+    optimizer_options opts = small_options(dir);
+    opts.offload_master = master;
+    offloaded_optimizer o(numels, opts);
+    ASSERT_GE(o.groups().size(), 3U);
+    model_params a(numels);
+    o.initialize(a.cp());
+    o.step(a.p(), a.g(), hyper);
+    for (std::size_t k = 0; k <= o.groups().size(); ++k) {
+      SCOPED_TRACE("master " + std::to_string(master) + ", stopped before group " + std::to_string(k));
+      const auto before = a.values;
+      const std::vector<float> state_before = records(o);
+      std::size_t asked = 0;
+      const std::function<bool()> stop = [&] { return asked++ == k; };
+      // Without the master copy only the first group's question comes before a change.
+      const bool undone = k < o.groups().size() && (master || k == 0);
+      if (undone) {
+        EXPECT_THROW(o.step(a.p(), a.g(), hyper, stop), step_interrupted);
+        EXPECT_EQ(a.values, before);
+        EXPECT_EQ(records(o), state_before);
+        EXPECT_EQ(o.steps(), (std::vector<std::uint64_t>{1, 1, 0, 1, 1}));
+        EXPECT_EQ(asked, k + 1);
+      } else {
+        EXPECT_NO_THROW(o.step(a.p(), a.g(), hyper, stop));
+        EXPECT_EQ(asked, master ? o.groups().size() : 1U);
+        break;  // the step ran to its end: two steps taken, as the clean optimizer's
+      }
+    }
+    EXPECT_EQ(o.steps(), (std::vector<std::uint64_t>{2, 2, 0, 2, 2}));
+    EXPECT_EQ(a.values, clean);  // the arithmetic is the same with the master copy or without
+  }
 }
 
 TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {

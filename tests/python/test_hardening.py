@@ -956,3 +956,36 @@ def test_an_interrupted_wait_leaves_the_deepspeed_swappers_buffers_in_flight(tmp
     assert swapper.release_buffers() == buffers
     for t, p in zip(tensors, paths):
         assert torch.equal(torch.from_file(p, size=4096, dtype=torch.float32), t)
+
+
+@pytest.mark.parametrize("master", [True, False])
+def test_ctrl_c_interrupts_an_offloaded_step_and_undoes_it_while_it_can(tmp_path, master):
+    # 16 Mi parameters in sub-groups of 1 MiB: a step of a few tenths of a second, 64
+    # sub-groups. Ctrl-C 50 ms in: with the master copy offloaded the step is undone (the
+    # parameters, the state and the step count as before it, and the next step equal to an
+    # uninterrupted one), and KeyboardInterrupt comes out within about a sub-group's time;
+    # without it, a step whose first sub-group changed its parameters finishes first.
+    from tensormem.offload import OffloadedAdamW
+
+    values = torch.randn(16 << 20, generator=torch.Generator().manual_seed(5))
+    grad = torch.randn(16 << 20, generator=torch.Generator().manual_seed(6))
+
+    def make(folder):
+        p = torch.nn.Parameter(values.clone())
+        p.grad = grad.clone()
+        folder.mkdir()
+        return p, OffloadedAdamW([p], lr=1e-2, swap_dirs=[str(folder)], group_bytes=1 << 20,
+                                 pinned_budget=16 << 20, offload_master=master)
+
+    p, opt = make(tmp_path / "ours")
+    before = p.detach().clone()
+    seconds = _interrupted(opt.step)
+    if master:
+        assert seconds < 0.05 + 0.25, seconds  # a sub-group, and undoing those done
+        assert opt._core.steps == [0] and torch.equal(p.detach(), before)
+        assert opt.totals["steps"] == 0
+        opt.step()
+    assert opt._core.steps == [1]
+    ref_p, ref = make(tmp_path / "reference")
+    ref.step()
+    assert torch.equal(p.detach(), ref_p.detach())

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -28,6 +29,12 @@
 namespace tensormem::offload {
 
 enum class optimizer_kind { adamw, adam, sgd };
+
+/// A step given up on request (`offloaded_optimizer::step`'s `stop`): nothing of it stays.
+class step_interrupted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 /// Hyperparameters of one parameter for one step (torch.optim's names and defaults).
 struct param_hyper {
@@ -98,8 +105,14 @@ class offloaded_optimizer {
   /// One step. `grads[i]` null skips parameter i (its state and step count stay; so does a
   /// zero-element parameter's step count when its gradient pointer is null). Throws
   /// offload_error naming the tensor that failed; see the class comment for what stays.
+  /// `stop`, when given, is asked before each group: once it answers true the step is given
+  /// up and undone as a failed step is (the previous state committed, the parameters as they
+  /// were) and step_interrupted is thrown. It is asked only while the step can be undone:
+  /// with the master copy offloaded, before every group; without it, until the first
+  /// parameter changes (the values before the step are kept nowhere else), after which the
+  /// step runs to its end.
   step_stats step(std::span<float* const> params, std::span<const float* const> grads,
-                  std::span<const param_hyper> hyper);
+                  std::span<const param_hyper> hyper, const std::function<bool()>& stop = {});
 
   /// Fields of a record: "master" (when offloaded), then "exp_avg", "exp_avg_sq" (Adam) or
   /// "momentum_buffer" (SGD).
@@ -134,6 +147,11 @@ class offloaded_optimizer {
   memory::pinned_pool& pool() noexcept { return *pool_; }
   const optimizer_options& options() const noexcept { return options_; }
 
+  /// Whether the calling thread is inside one of the six calls (in a callback of `visit` or
+  /// `rewrite`), where another of them is refused. A caller that hands a call to another
+  /// thread asks this first: there the call would not be refused but wait for this one.
+  bool called_from_this_thread() const noexcept { return caller_.load() == std::this_thread::get_id(); }
+
  private:
   std::uint64_t record_bytes(const group& g) const;
   void update_group(const group& g, float* record, std::span<float* const> params,
@@ -154,7 +172,6 @@ class offloaded_optimizer {
    private:
     const offloaded_optimizer& o_;
   };
-  bool called_from_this_thread() const noexcept { return caller_.load() == std::this_thread::get_id(); }
 
   std::vector<std::uint64_t> numels_;
   optimizer_options options_;

@@ -1,0 +1,30 @@
+#pragma once
+// Waits that answer Ctrl-C: the GIL released in short slices, signals handled between them.
+
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+
+namespace tensormem::python {
+
+/// How often a wait looks for signals: Ctrl-C interrupts it within this.
+inline constexpr std::chrono::milliseconds signal_check_interval{50};
+
+/// Waits for `attempt(deadline)` to return true, in slices of signal_check_interval with the
+/// GIL released, handling signals between slices (on the main thread): Ctrl-C raises
+/// KeyboardInterrupt, and so does whatever a Python signal handler raises. `attempt` must
+/// leave things as they were when it returns false, so that the wait can be taken up again.
+template <class Attempt>
+void wait_answering_signals(Attempt attempt) {
+  for (;;) {
+    bool done = false;
+    {
+      pybind11::gil_scoped_release release;
+      done = attempt(std::chrono::steady_clock::now() + signal_check_interval);
+    }
+    if (done) return;
+    if (PyErr_CheckSignals() != 0) throw pybind11::error_already_set();
+  }
+}
+
+}  // namespace tensormem::python
