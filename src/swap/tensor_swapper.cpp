@@ -723,7 +723,12 @@ void tensor_swapper::commit_locked(job& j) {
 void tensor_swapper::close_and_commit(job& j) {
   if (j.packed) {  // the pack stays open; a swap-in is verified, a first packed path cleared
     if (!j.out && j.error == 0) verify_in(j);
-    if (j.out && j.error == 0 && j.first_pack) remove_files(j.path);
+    if (j.out && j.error == 0 && j.first_pack) {  // what is not a swap file there is left alone
+      for (const std::string& p : {j.path, spare_path(j.path)}) {
+        struct stat st {};
+        if (lstat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode)) unlink(p.c_str());
+      }
+    }
     return;
   }
   if (j.out && j.error == 0 && options_.reuse_files) {
@@ -800,10 +805,29 @@ void tensor_swapper::verify_in(job& j) {
 
 std::string tensor_swapper::spare_path(const std::string& path) { return path + ".tensormem-spare"; }
 
+namespace {
+
+// Swap files are regular files: anything else at the path or at its spare's (a device, a
+// pipe, a socket, a symbolic link, a folder) was not made by a swapper, and removing it (a
+// device node such as /dev/null, as root) could break the machine. Throws naming it.
+void check_removable(const std::string& path, const std::string& spare) {
+  for (const std::string* p : {&path, &spare}) {
+    struct stat st {};
+    if (lstat(p->c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+      throw std::invalid_argument("tensor_swapper: " + *p + " is " + io::kind_of_file(st.st_mode) +
+                                  "; only swap files (regular files) are removed, and nothing was");
+    }
+  }
+}
+
+}  // namespace
+
 void tensor_swapper::remove_files(const std::string& path) {
   io::check_path_argument("tensor_swapper::remove_files", path);
+  const std::string spare = spare_path(path);
+  check_removable(path, spare);
   unlink(path.c_str());
-  unlink(spare_path(path).c_str());
+  unlink(spare.c_str());
 }
 
 // Hands a file to the reaper thread, which unlinks it off the I/O path.
@@ -1098,6 +1122,7 @@ swap_stats tensor_swapper::stats() const {
 
 void tensor_swapper::discard(const std::string& path) {
   io::check_path_argument("tensor_swapper::discard", path);
+  check_removable(path, spare_path(path));  // before the packed slot is let go
   {
     const std::lock_guard lock(mutex_);
     if (busy_paths_.contains(path)) {

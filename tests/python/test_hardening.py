@@ -7,6 +7,7 @@ import gc
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -989,3 +990,33 @@ def test_ctrl_c_interrupts_an_offloaded_step_and_undoes_it_while_it_can(tmp_path
     ref_p, ref = make(tmp_path / "reference")
     ref.step()
     assert torch.equal(p.detach(), ref_p.detach())
+
+
+def test_discard_removes_only_regular_files(tmp_path):
+    # A swap file is a regular file. A device node (as root, discarding "/dev/null" deleted
+    # the machine's), a pipe, a symbolic link or a folder at the path, or at its spare's, is
+    # refused with ValueError naming it, and nothing is removed.
+    s = tensormem.TensorSwapper(tensormem.PinnedPool())
+    target = tmp_path / "target"
+    target.write_text("kept")
+    (tmp_path / "link").symlink_to(target)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    cases = {"link": "a symbolic link", "fifo": "a pipe", "dir": "a directory"}
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        cases["null"] = "a device"
+    real = tmp_path / "real"
+    assert s.wait(s.swap_out([np.arange(100, dtype=np.uint8)], [str(real)]))[0]["error"] == 0
+    os.mkfifo(str(real) + ".tensormem-spare")
+    for name, kind in cases.items():
+        path = tmp_path / name
+        with pytest.raises(ValueError, match=re.escape(f"{path} is {kind}; only swap files")):
+            s.discard(str(path))
+        assert os.path.lexists(path)
+    with pytest.raises(ValueError, match=re.escape(f"{real}.tensormem-spare is a pipe")):
+        s.discard(str(real))
+    assert real.exists() and target.read_text() == "kept"
+    os.unlink(str(real) + ".tensormem-spare")
+    s.discard(str(real))
+    assert not real.exists()

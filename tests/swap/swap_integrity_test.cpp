@@ -6,10 +6,12 @@
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -543,6 +545,89 @@ class directory_making_engine final : public testing::forwarding_engine {
   std::string path_;
   bool made_ = false;
 };
+
+// discard and remove_files delete swap files, which are regular files. Anything else at the
+// path or at its spare's (a device node, a pipe, a socket, a symbolic link, a folder) was
+// made by no swapper: refused, naming what it is, and nothing is removed (as root,
+// discarding "/dev/null" deleted the machine's /dev/null). A packed slot is kept as well.
+TEST_P(integrity, only_regular_files_are_discarded) {
+  std::string fallback;
+  tensor_swapper s(pool_, {.staging_buffers = 2, .pack_below = 1024}, io::make_engine(GetParam(), 8, fallback));
+  const std::string fifo = dir_.file("fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  const std::string dir = dir_.file("dir");
+  fs::create_directory(dir);
+  const std::string target = dir_.file("target");
+  std::ofstream(target) << "the target";
+  const std::string link = dir_.file("link");
+  fs::create_symlink(target, link);
+  // (what is refused, the path the message names, what it is)
+  std::vector<std::array<std::string, 3>> cases = {
+      {fifo, fifo, "a pipe"}, {dir, dir, "a directory"}, {link, link, "a symbolic link"}};
+  const std::string device = dir_.file("null");  // a node of the null device, where root may make one
+  if (mknod(device.c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0) cases.push_back({device, device, "a device"});
+  // A swap file whose spare is a pipe: neither goes.
+  auto t = pattern(5000, 7);
+  const std::string real = dir_.file("real");
+  ASSERT_EQ(swap_out_one(s, t, real), 0);
+  const std::string spare = tensor_swapper::spare_path(real);
+  fs::remove(spare);
+  ASSERT_EQ(mkfifo(spare.c_str(), 0600), 0);
+  cases.push_back({real, spare, "a pipe"});
+  // A packed tensor at a path where a pipe now stands: its slot stays, and it reads back.
+  auto small = pattern(100, 9);
+  const std::string packed = dir_.file("packed");
+  ASSERT_EQ(swap_out_one(s, small, packed), 0);
+  ASSERT_EQ(mkfifo(packed.c_str(), 0600), 0);
+  cases.push_back({packed, packed, "a pipe"});
+  // A first packed swap-out removes the file an earlier one left at its path, and leaves a
+  // pipe at the spare's path as it is.
+  const std::string stale = dir_.file("stale");
+  ASSERT_EQ(swap_out_one(s, t, stale), 0);  // 5000 bytes: a file of its own
+  const std::string stale_spare = tensor_swapper::spare_path(stale);
+  fs::remove(stale_spare);
+  ASSERT_EQ(mkfifo(stale_spare.c_str(), 0600), 0);
+  ASSERT_EQ(swap_out_one(s, small, stale), 0);  // 100 bytes: packed
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::is_fifo(stale_spare));
+  std::vector<std::byte> stale_back(small.size());
+  EXPECT_EQ(swap_in_one(s, stale_back, stale).error, 0);
+  EXPECT_EQ(stale_back, small);
+  for (const auto& [path, named, kind] : cases) {
+    SCOPED_TRACE(path);
+    struct stat before {};
+    ASSERT_EQ(lstat(path.c_str(), &before), 0);
+    for (const bool static_call : {false, true}) {
+      try {
+        if (static_call) {
+          tensor_swapper::remove_files(path);
+        } else {
+          s.discard(path);
+        }
+        ADD_FAILURE() << "not refused";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find(named + " is " + kind + "; only swap files (regular files) are removed"),
+                  std::string::npos)
+            << e.what();
+      }
+      struct stat after {};
+      ASSERT_EQ(lstat(path.c_str(), &after), 0);
+      EXPECT_EQ(after.st_mode, before.st_mode);
+      EXPECT_EQ(after.st_ino, before.st_ino);
+    }
+  }
+  EXPECT_TRUE(fs::exists(spare));
+  EXPECT_EQ(fs::file_size(target), std::string("the target").size());
+  std::vector<std::byte> back(small.size());
+  EXPECT_EQ(swap_in_one(s, back, packed).error, 0);
+  EXPECT_EQ(back, small);
+  // Once the spare is a regular file again, both go.
+  fs::remove(spare);
+  std::ofstream(spare) << "old version";
+  s.discard(real);
+  EXPECT_FALSE(fs::exists(real));
+  EXPECT_FALSE(fs::exists(spare));
+}
 
 TEST_P(integrity, a_directory_that_appears_during_a_swap_out_is_put_back) {
   for (const bool reuse : {true, false}) {

@@ -192,11 +192,13 @@ class tensor_swapper {
   /// The spare file kept beside `path` when `reuse_files` is on.
   static std::string spare_path(const std::string& path);
   /// Deletes a swap file and its spare (missing ones are ignored); an empty path or one
-  /// holding a NUL byte is std::invalid_argument.
+  /// holding a NUL byte is std::invalid_argument, and so is anything but a regular file at
+  /// either path (a device, a pipe, a socket, a symbolic link, a folder: no swapper made it),
+  /// removing nothing.
   static void remove_files(const std::string& path);
   /// Forgets a path: frees its packed slot and deletes its files (`remove_files`).
-  /// Throws std::invalid_argument while the path is in a transfer not yet waited for, and for an
-  /// empty path or one holding a NUL byte.
+  /// Throws std::invalid_argument while the path is in a transfer not yet waited for, for an
+  /// empty path or one holding a NUL byte, and where `remove_files` would, changing nothing.
   void discard(const std::string& path);
   /// Waits for every ticket; their results are dropped.
   void synchronize();
