@@ -404,9 +404,32 @@ void offloaded_optimizer::rewrite(const std::function<void(const group&, float* 
   if (!steps.empty()) steps_ = std::move(steps);
 }
 
+namespace {
+
+// What a save renames onto `path` replaces what is there: only a regular file (or a symbolic
+// link, itself replaced) may be. A device node (/dev/null, as root), a pipe, a socket or a
+// folder there is refused before anything is written.
+void check_replaceable(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) return;
+  throw std::system_error(S_ISDIR(st.st_mode) ? EISDIR : EINVAL, std::generic_category(),
+                          "cannot save checkpoint " + path + ": it is " + io::kind_of_file(st.st_mode) +
+                              "; a checkpoint replaces only a regular file");
+}
+
+// The temporary file is removed after a failed save where it is a file or a link: anything
+// else there (a pipe someone reads) is not the save's to remove.
+void remove_temporary(const std::string& tmp) noexcept {
+  struct stat st {};
+  if (::lstat(tmp.c_str(), &st) == 0 && (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode))) ::unlink(tmp.c_str());
+}
+
+}  // namespace
+
 void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   const exclusive_call call(*this, "save");
   io::check_path_argument("offloaded_optimizer::save", path);
+  check_replaceable(path);
   const std::string tmp = path + ".tmp";
   const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC, false);
   try {
@@ -435,7 +458,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
       throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);
     }
   } catch (...) {
-    ::unlink(tmp.c_str());  // a failed save (a full disk) leaves no partial file behind
+    remove_temporary(tmp);  // a failed save (a full disk) leaves no partial file behind
     throw;
   }
   // The new checkpoint is in place; it survives a crash once its folder is synced too.

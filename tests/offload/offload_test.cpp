@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 
 #include <algorithm>
 #include <atomic>
@@ -683,7 +684,46 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
     }
   }
   EXPECT_EQ(file_bytes(ck), before);
+  EXPECT_TRUE(std::filesystem::is_fifo(ck + ".tmp"));  // not opened: left as it was
   std::filesystem::remove(ck + ".tmp");
+  // What the save would replace is a regular file or nothing: a pipe, or a node of the null
+  // device (where root may make one; saving to /dev/null replaced the machine's), is refused
+  // before anything is written, and stays.
+  const std::string fifo = (dir.path / "fifo").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  std::vector<std::pair<std::string, std::string>> not_files = {{fifo, "a pipe"}};
+  const std::string null_node = (dir.path / "null").string();
+  if (mknod(null_node.c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0) not_files.emplace_back(null_node, "a device");
+  for (const auto& [target, what] : not_files) {
+    try {
+      o.save(target);
+      ADD_FAILURE() << "saved over " << what;
+    } catch (const std::system_error& e) {
+      EXPECT_EQ(e.code().value(), EINVAL) << e.what();
+      EXPECT_NE(std::string(e.what()).find("cannot save checkpoint " + target + ": it is " + what +
+                                           "; a checkpoint replaces only a regular file"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_FALSE(std::filesystem::exists(target + ".tmp"));
+    EXPECT_EQ(std::filesystem::is_fifo(target), what == "a pipe");
+    EXPECT_EQ(std::filesystem::is_character_file(target), what == "a device");
+  }
+  // A link to that device where the temporary file goes: the device takes the bytes but not
+  // the sync; the link goes, the checkpoint stays.
+  if (not_files.size() == 2) {
+    std::filesystem::create_symlink(null_node, ck + ".tmp");
+    EXPECT_THROW(o.save(ck), std::system_error);
+    EXPECT_FALSE(std::filesystem::is_symlink(ck + ".tmp"));
+    EXPECT_TRUE(std::filesystem::is_character_file(null_node));
+    EXPECT_EQ(file_bytes(ck), before);
+    // The device node itself there: the same failure, and the node is not the save's to remove.
+    ASSERT_EQ(mknod((ck + ".tmp").c_str(), S_IFCHR | 0666, makedev(1, 3)), 0);
+    EXPECT_THROW(o.save(ck), std::system_error);
+    EXPECT_TRUE(std::filesystem::is_character_file(ck + ".tmp"));
+    EXPECT_EQ(file_bytes(ck), before);
+    std::filesystem::remove(ck + ".tmp");
+  }
   o.save(ck);  // O_NONBLOCK is not left on the file: a whole checkpoint, loaded back
   offloaded_optimizer reloaded(numels, small_options(dir));
   reloaded.load(ck);
