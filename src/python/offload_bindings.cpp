@@ -196,12 +196,12 @@ void bind_offload(py::module_& m) {
              }
              const auto p = pointers<float>(params);
              const auto g = pointers<const float>(grads);
-             // The step runs on a thread of its own while this one answers Ctrl-C: the step
-             // is then told to stop, and KeyboardInterrupt comes out once it has (undone, or
-             // finished where it could no longer be undone).
              // From inside a visit or rewrite callback the step is refused on this thread (on
              // another it would wait for the callback, which waits for it).
              if (o.called_from_this_thread()) return to_dict(o.step(p, g, h));
+             // Otherwise it runs on a thread of its own while this one answers Ctrl-C: the
+             // step is then told to stop, and KeyboardInterrupt comes out once it has (undone,
+             // or finished where it could no longer be undone).
              std::atomic<bool> stop{false};
              std::future<offload::step_stats> step = std::async(std::launch::async, [&] {
                return o.step(p, g, h, [&] { return stop.load(std::memory_order_relaxed); });

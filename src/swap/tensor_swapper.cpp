@@ -253,6 +253,13 @@ void tensor_swapper::stop_threads_and_free_staging() noexcept {
 
 namespace {
 
+// What is at `path` ("a pipe", "a device"...) where something other than a regular file is;
+// nullptr where a regular file or nothing is.
+const char* other_than_a_file(const std::string& path) {
+  struct stat st {};
+  return lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) ? io::kind_of_file(st.st_mode) : nullptr;
+}
+
 // Why a swap-out must not replace what is at `path`, or empty when it may: nothing there, or
 // a regular file. The commit exchanges the new file with whatever the path names, so a
 // directory would be moved aside (with everything in it) and a symbolic link replaced.
@@ -725,8 +732,7 @@ void tensor_swapper::close_and_commit(job& j) {
     if (!j.out && j.error == 0) verify_in(j);
     if (j.out && j.error == 0 && j.first_pack) {  // what is not a swap file there is left alone
       for (const std::string& p : {j.path, spare_path(j.path)}) {
-        struct stat st {};
-        if (lstat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode)) unlink(p.c_str());
+        if (other_than_a_file(p) == nullptr) unlink(p.c_str());
       }
     }
     return;
@@ -812,9 +818,8 @@ namespace {
 // device node such as /dev/null, as root) could break the machine. Throws naming it.
 void check_removable(const std::string& path, const std::string& spare) {
   for (const std::string* p : {&path, &spare}) {
-    struct stat st {};
-    if (lstat(p->c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
-      throw std::invalid_argument("tensor_swapper: " + *p + " is " + io::kind_of_file(st.st_mode) +
+    if (const char* kind = other_than_a_file(*p)) {
+      throw std::invalid_argument("tensor_swapper: " + *p + " is " + kind +
                                   "; only swap files (regular files) are removed, and nothing was");
     }
   }

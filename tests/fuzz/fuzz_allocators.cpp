@@ -121,17 +121,26 @@ class driver {
     live_.push_back(*r);
   }
 
-  // A reserve of up to 4,095 blocks, or of more than the node limit (refused); either
-  // way the allocator is as before.
+  // A reserve of up to 4,095 blocks, or of 2^63 or more: refused past the node limit,
+  // unless a fixed capacity cuts the count to the blocks its arena can hold (one per
+  // alignment unit), made where that is a small number. Either way the allocator is as before.
   void reserve(std::uint64_t operand, const allocator_stats& before) {
     if ((operand >> 63U) != 0) {
-      bool refused = false;
-      try {
-        a_.reserve(static_cast<std::size_t>(operand));
-      } catch (const std::length_error&) {
-        refused = true;
+      const auto wanted = static_cast<std::size_t>(operand);
+      const std::size_t capped = a_.blocks_to_reserve(wanted);
+      const std::uint64_t most = capacity_ / alignment_ + (capacity_ % alignment_ != 0 ? 1U : 0U);
+      REQUIRE(capped == (capacity_ == tensormem::core::growing ? wanted : std::min<std::uint64_t>(wanted, most)));
+      if (capped > Allocator::max_reserved_blocks) {
+        bool refused = false;
+        try {
+          a_.reserve(wanted);
+        } catch (const std::length_error&) {
+          refused = true;
+        }
+        REQUIRE(refused);
+      } else if (capped <= 4096) {
+        a_.reserve(wanted);
       }
-      REQUIRE(refused);
     } else {
       a_.reserve(static_cast<std::size_t>(operand % 4096));
     }
