@@ -15,7 +15,8 @@ when every group is written. A failed step (a full folder, an I/O error) raises
 ``OffloadError`` (an OSError with ``errno``, ``filename`` and ``tensor``) and leaves the
 previous state committed; with ``offload_master=True`` (the default) the parameters are put
 back to their values before the step, so the step can be retried. Ctrl-C during a step raises
-``KeyboardInterrupt`` within about one sub-group's time and undoes the step the same way; without
+``KeyboardInterrupt`` once the step is undone the same way (undoing rereads the master copies of
+the sub-groups already updated: about as long as the step had run); without
 the master copy only a step that has changed no parameter yet can be undone, so a later one runs
 to its end first (the core's ``steps`` counts say which happened).
 

@@ -219,8 +219,8 @@ void bind_offload(py::module_& m) {
              return to_dict(step.get());
            }, py::arg("params"), py::arg("grads"), py::arg("hyper"),
            "One step; a gradient address of 0 skips that parameter. Returns the step's statistics. "
-           "Ctrl-C raises KeyboardInterrupt within about one sub-group: with the master copy offloaded "
-           "the step is undone (parameters and state as before it), without it the step is undone only "
+           "Ctrl-C raises KeyboardInterrupt: with the master copy offloaded the step is first undone "
+           "(parameters and state as before it; rereading the updated sub-groups' master copies), without it the step is undone only "
            "if no parameter had changed yet, else it finishes first (`steps` tells which).")
       .def_property_readonly("fields", &offload::offloaded_optimizer::fields)
       // Read under the optimizer's lock, which another thread's step may hold for long.
