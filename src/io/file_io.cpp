@@ -30,6 +30,14 @@ const char* kind_of_file(unsigned mode) noexcept {
                           : "a device";
 }
 
+std::optional<unsigned> mode_at(const std::string& path) noexcept {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return std::nullopt;
+  return static_cast<unsigned>(st.st_mode);
+}
+
+int not_a_file_error(unsigned mode) noexcept { return S_ISDIR(mode) ? EISDIR : EINVAL; }
+
 int keep_opened_file(int fd, const char* path, const char*& refused, bool regular_only) noexcept {
   struct stat st {};
   if (fd < 0) {
@@ -48,7 +56,7 @@ int keep_opened_file(int fd, const char* path, const char*& refused, bool regula
   if (regular_only && !S_ISREG(st.st_mode)) {
     refused = kind_of_file(st.st_mode);
     ::close(fd);
-    errno = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+    errno = not_a_file_error(st.st_mode);
     return -1;
   }
   const int flags = ::fcntl(fd, F_GETFL);

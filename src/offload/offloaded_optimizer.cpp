@@ -410,18 +410,17 @@ namespace {
 // link, itself replaced) may be. A device node (/dev/null, as root), a pipe, a socket or a
 // folder there is refused before anything is written.
 void check_replaceable(const std::string& path) {
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) return;
-  throw std::system_error(S_ISDIR(st.st_mode) ? EISDIR : EINVAL, std::generic_category(),
-                          "cannot save checkpoint " + path + ": it is " + io::kind_of_file(st.st_mode) +
+  const auto mode = io::mode_at(path);
+  if (!mode || S_ISREG(*mode) || S_ISLNK(*mode)) return;
+  throw std::system_error(io::not_a_file_error(*mode), std::generic_category(),
+                          "cannot save checkpoint " + path + ": it is " + io::kind_of_file(*mode) +
                               "; a checkpoint replaces only a regular file");
 }
 
 // The temporary file is removed after a failed save where it is a file or a link: anything
 // else there (a pipe someone reads) is not the save's to remove.
 void remove_temporary(const std::string& tmp) noexcept {
-  struct stat st {};
-  if (::lstat(tmp.c_str(), &st) == 0 && (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode))) ::unlink(tmp.c_str());
+  if (const auto mode = io::mode_at(tmp); mode && (S_ISREG(*mode) || S_ISLNK(*mode))) ::unlink(tmp.c_str());
 }
 
 }  // namespace

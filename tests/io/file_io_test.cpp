@@ -6,6 +6,7 @@
 
 #include <sys/mount.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -335,6 +336,31 @@ TEST(file_io, the_folder_of_a_path_is_synced_or_named_in_the_error) {
                                          (dir.path / "gone").string() + "' of " + missing),
               std::string::npos) << e.what();
   }
+}
+
+// What is at a path itself, a symbolic link not followed: the checks that keep the swapper and
+// the checkpoint's save from removing or replacing anything but a file rest on it.
+TEST(file_io, the_mode_at_a_path_is_that_of_the_path_itself) {
+  scratch_dir dir;
+  const std::string file = (dir.path / "file").string();
+  const std::string link = (dir.path / "link").string();
+  const std::string pipe = (dir.path / "pipe").string();
+  const std::string folder = (dir.path / "folder").string();
+  std::ofstream(file) << "x";
+  ASSERT_EQ(::symlink(file.c_str(), link.c_str()), 0);
+  ASSERT_EQ(::mkfifo(pipe.c_str(), 0600), 0);
+  ASSERT_EQ(::mkdir(folder.c_str(), 0700), 0);
+  EXPECT_FALSE(mode_at((dir.path / "nothing").string()).has_value());
+  EXPECT_FALSE(mode_at(file + "/below").has_value());  // lstat fails (ENOTDIR)
+  ASSERT_TRUE(mode_at(file).has_value());
+  EXPECT_TRUE(S_ISREG(*mode_at(file)));
+  EXPECT_TRUE(S_ISLNK(*mode_at(link)));  // the link itself, not the file it names
+  EXPECT_STREQ(kind_of_file(*mode_at(link)), "a symbolic link");
+  EXPECT_STREQ(kind_of_file(*mode_at(pipe)), "a pipe");
+  EXPECT_STREQ(kind_of_file(*mode_at(folder)), "a directory");
+  EXPECT_EQ(not_a_file_error(*mode_at(folder)), EISDIR);
+  EXPECT_EQ(not_a_file_error(*mode_at(pipe)), EINVAL);
+  EXPECT_EQ(not_a_file_error(*mode_at(link)), EINVAL);
 }
 
 TEST(file_io, a_short_read_fails_its_operation_alone) {

@@ -40,6 +40,14 @@ int open_direct_or_buffered(Open open_as, bool& direct) {
 /// "a symbolic link", "a socket" or "a device".
 const char* kind_of_file(unsigned mode) noexcept;
 
+/// The mode of what is at `path` itself (a symbolic link is not followed), or nullopt where
+/// nothing is there or it cannot be looked at (lstat fails).
+std::optional<unsigned> mode_at(const std::string& path) noexcept;
+
+/// The errno that refuses a file of this mode where a regular file is wanted: EISDIR for a
+/// directory, else EINVAL.
+int not_a_file_error(unsigned mode) noexcept;
+
 /// Keeps `fd`, opened with O_NONBLOCK so that the open could not wait, clearing O_NONBLOCK.
 /// With `regular_only`, anything but a regular file is closed and refused: -1 with errno
 /// EISDIR for a directory, else EINVAL, and `refused` naming what it is. With `fd` < 0 and
