@@ -372,6 +372,19 @@ py::list results_to_python(const std::vector<swap::swap_result>& results) {
   return out;
 }
 
+// Refuses (MemoryError) `count` things of about `bytes_each` bytes where together they pass
+// the memory this process can have (the machine's, or its memory cgroup's limit): made and
+// touched, they would have the kernel's out-of-memory killer end the interpreter.
+void refuse_past_memory(const std::string& who, std::size_t count, const char* things, const char* thing,
+                        std::uint64_t bytes_each) {
+  if (const auto shortfall = memory::memory_shortfall_for(count, bytes_each)) {
+    throw memory::out_of_memory(who + ": " + std::to_string(count) + " " + things + " need about " +
+                                std::to_string(shortfall->need_bytes) + " bytes of memory (about " +
+                                std::to_string(bytes_each) + " a " + thing + "), more than the " +
+                                std::to_string(shortfall->memory_bytes) + " bytes this process can have");
+  }
+}
+
 template <class Allocator>
 void bind_allocator(py::module_& m, const char* name, const char* doc) {
   py::class_<Allocator> cls(m, name, doc);
@@ -395,13 +408,7 @@ void bind_allocator(py::module_& m, const char* name, const char* doc) {
              // kernel's out-of-memory killer end the interpreter, so it is refused first.
              const std::size_t n = a.blocks_to_reserve(static_cast<std::size_t>(std::uint64_t{blocks}));
              if (n <= Allocator::max_reserved_blocks) {
-               if (const auto shortfall = memory::memory_shortfall_for(n, Allocator::reserve_bytes_per_block)) {
-                 throw memory::out_of_memory(std::string(name) + ".reserve: " + std::to_string(n) + " blocks need " +
-                                             std::to_string(shortfall->need_bytes) + " bytes (" +
-                                             std::to_string(Allocator::reserve_bytes_per_block) +
-                                             " a block), more than the " + std::to_string(shortfall->memory_bytes) +
-                                             " bytes this process can have");
-               }
+               refuse_past_memory(std::string(name) + ".reserve", n, "blocks", "block", Allocator::reserve_bytes_per_block);
              }
              a.reserve(n);
            },
@@ -674,13 +681,7 @@ PYBIND11_MODULE(_tensormem, m) {
     }
     // Refused before the buffers are made where planning them would pass the process's
     // memory (the kernel's out-of-memory killer would end the interpreter).
-    const auto n = static_cast<std::size_t>(py::len(lower));
-    if (const auto shortfall = memory::memory_shortfall_for(n, core::plan_bytes_per_buffer)) {
-      throw memory::out_of_memory("plan: " + std::to_string(n) + " buffers need about " +
-                                  std::to_string(shortfall->need_bytes) + " bytes of memory to plan (about " +
-                                  std::to_string(core::plan_bytes_per_buffer) + " a buffer), more than the " +
-                                  std::to_string(shortfall->memory_bytes) + " bytes this process can have");
-    }
+    refuse_past_memory("plan", static_cast<std::size_t>(py::len(lower)), "buffers", "buffer", core::plan_bytes_per_buffer);
     const auto buffers = buffers_from(lower, upper, size);
     core::plan_options o;
     o.time_limit_seconds = time_limit;
