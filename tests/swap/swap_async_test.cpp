@@ -4,20 +4,29 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <linux/userfaultfd.h>
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <optional>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "tensormem/memory/pinned_pool.hpp"
@@ -224,6 +233,138 @@ TEST(async_wait, a_wait_that_gives_up_leaves_the_ticket_to_be_waited_for_again) 
   EXPECT_TRUE(s.synchronize_until(clock::now() + std::chrono::seconds(60)));
   EXPECT_FALSE(s.outstanding(again));
 }
+
+// Anonymous memory whose pages, at their first touch, hold the touching thread until
+// `release` (a userfaultfd in missing mode): a swapper's worker that checksums or copies
+// these bytes stays inside that checksum or copy for as long as a test wants.
+class stalled_memory {
+ public:
+  explicit stalled_memory(std::size_t bytes) : bytes_(bytes) {
+    base_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base_ == MAP_FAILED) {
+      base_ = nullptr;
+      why_ = std::string("mmap: ") + std::strerror(errno);
+      return;
+    }
+    fd_ = static_cast<int>(syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK));
+    uffdio_api api{.api = UFFD_API, .features = 0, .ioctls = 0};
+    uffdio_register reg{};
+    reg.range = {reinterpret_cast<std::uint64_t>(base_), bytes_};
+    reg.mode = UFFDIO_REGISTER_MODE_MISSING;
+    if (fd_ < 0 || ioctl(fd_, UFFDIO_API, &api) != 0 || ioctl(fd_, UFFDIO_REGISTER, &reg) != 0) {
+      why_ = std::string("userfaultfd: ") + std::strerror(errno);
+    }
+  }
+  ~stalled_memory() {
+    if (fd_ >= 0) close(fd_);
+    if (base_ != nullptr) munmap(base_, bytes_);
+  }
+  stalled_memory(const stalled_memory&) = delete;
+  stalled_memory& operator=(const stalled_memory&) = delete;
+  /// Empty where the memory stalls as it should; else why not (no userfaultfd here).
+  const std::string& unusable() const { return why_; }
+  std::byte* data() const { return static_cast<std::byte*>(base_); }
+  /// True once some thread is held by a touch of the memory (within `limit`).
+  bool a_thread_is_held(std::chrono::seconds limit) const {
+    pollfd p{fd_, POLLIN, 0};
+    return poll(&p, 1, static_cast<int>(limit.count() * 1000)) == 1;
+  }
+  /// Fills every page with `content` (bytes_ of it) and lets the held threads go on.
+  void release(const std::vector<std::byte>& content) {
+    if (released_) return;
+    released_ = true;
+    uffdio_copy copy{};
+    copy.dst = reinterpret_cast<std::uint64_t>(base_);
+    copy.src = reinterpret_cast<std::uint64_t>(content.data());
+    copy.len = bytes_;
+    EXPECT_EQ(ioctl(fd_, UFFDIO_COPY, &copy), 0) << std::strerror(errno);
+  }
+
+ private:
+  std::size_t bytes_;
+  void* base_ = nullptr;
+  int fd_ = -1;
+  bool released_ = false;
+  std::string why_;
+};
+
+// The worker checksums and copies a job's blocks with the swapper's lock released: while it
+// is held inside one (its tensor's memory stalled), the callers' done(), unfinished() and a
+// new transfer answer at once. Under the lock, each of them waited for the worker's whole
+// round of checksums (milliseconds a call).
+struct stalled_case {
+  const char* name;
+  bool out;            // a swap-out (checksummed, or staged) or a swap-in (staged, copied)
+  std::size_t offset;  // of the tensor in the stalled pages: 0 is aligned (written straight)
+  bool checksums;
+};
+
+class stalled_worker : public ::testing::TestWithParam<stalled_case> {};
+
+TEST_P(stalled_worker, callers_are_answered_while_the_worker_checksums_or_copies) {
+  const stalled_case c = GetParam();
+  constexpr std::size_t bytes = std::size_t{2} << 20;  // two blocks
+  const std::size_t pages = bytes + 4096;
+  scratch_dir dir;
+  stalled_memory memory(pages);
+  if (!memory.unusable().empty()) GTEST_SKIP() << "no stalled memory here: " << memory.unusable();
+  auto content = pattern(pages, 71);
+  auto other = pattern(bytes, 72);
+  memory::pinned_pool pool({.slab_bytes = std::size_t{16} << 20});
+  tensor_swapper s(pool, {.queue_depth = 8, .block_bytes = std::size_t{1} << 20, .staging_buffers = 2,
+                          .checksums = c.checksums});
+  // Whatever happens below, the held worker is let go before the swapper is destroyed.
+  struct release_at_exit {
+    stalled_memory& m;
+    const std::vector<std::byte>& content;
+    ~release_at_exit() { m.release(content); }
+  } guard{memory, content};
+  const std::string path = dir.file("stalled");
+  const std::string other_path = dir.file("other");
+  const tensor_ref stalled{memory.data() + c.offset, bytes};
+  if (!c.out) {  // what the swap-in reads: the bytes the pages will hold once released
+    const tensor_ref source{content.data() + c.offset, bytes};
+    ASSERT_EQ(s.wait(s.swap_out({&source, 1}, {&path, 1})).at(0).error, 0);
+  }
+  const std::uint64_t ticket = c.out ? s.swap_out({&stalled, 1}, {&path, 1}) : s.swap_in({&path, 1}, {&stalled, 1});
+  ASSERT_TRUE(memory.a_thread_is_held(std::chrono::seconds(60))) << "the worker never touched the tensor";
+  // Each call on a thread of its own: under the lock it would wait until the release below.
+  auto answered = std::async(std::launch::async, [&] {
+    const bool done = s.done(ticket);
+    const std::size_t unfinished = s.unfinished(ticket);
+    const tensor_ref second{other.data(), other.size()};
+    const std::uint64_t queued = s.swap_out({&second, 1}, {&other_path, 1});
+    return std::tuple{done, unfinished, queued};
+  });
+  const bool in_time = answered.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(in_time) << "done(), unfinished() and swap_out() waited for the worker's checksum or copy";
+  memory.release(content);
+  const auto [done, unfinished, queued] = answered.get();
+  EXPECT_FALSE(done);
+  EXPECT_EQ(unfinished, 1U);
+  const auto r = s.wait(ticket);
+  ASSERT_EQ(r.at(0).error, 0) << r.at(0).message;
+  EXPECT_EQ(s.wait(queued).at(0).error, 0);
+  // The bytes went through whole: out, read back; in, the tensor holds the file's bytes.
+  std::vector<std::byte> back(bytes);
+  if (c.out) {
+    const tensor_ref in{back.data(), bytes};
+    ASSERT_EQ(s.wait(s.swap_in({&path, 1}, {&in, 1})).at(0).error, 0);
+  } else {
+    std::memcpy(back.data(), memory.data() + c.offset, bytes);
+  }
+  EXPECT_TRUE(std::equal(back.begin(), back.end(), content.begin() + static_cast<std::ptrdiff_t>(c.offset)));
+  std::vector<std::byte> second_back(bytes);
+  const tensor_ref in{second_back.data(), bytes};
+  ASSERT_EQ(s.wait(s.swap_in({&other_path, 1}, {&in, 1})).at(0).error, 0);
+  EXPECT_EQ(second_back, other);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    swapper, stalled_worker,
+    ::testing::Values(stalled_case{"out_checksummed", true, 0, true}, stalled_case{"out_staged", true, 512, false},
+                      stalled_case{"in_staged", false, 512, true}),
+    [](const ::testing::TestParamInfo<stalled_case>& param) { return std::string(param.param.name); });
 
 TEST_P(async_test, two_thousand_tensors_through_an_open_file_limit_of_256) {
   scratch_dir dir;

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -41,6 +42,7 @@ struct swap_bench_options {
   double overlap_seconds = 0;
   bool no_reuse = false;
   std::uint64_t pack_below = 0;
+  bool poll = false;
 };
 
 // A compute loop: `iterations` rounds of dependent floating-point work on the caller's
@@ -242,6 +244,27 @@ void run_swap_bench(const swap_bench_options& o) {
                {"together_s", together}, {"compute_with_io_s", compute_done},
                {"swap_out_call_s", queue_seconds}, {"ratio", together / (swap_alone + compute_alone)}};
   }
+  nlohmann::json poll = nullptr;
+  if (o.poll) {
+    // How long the caller's done() takes while the swapper works: a swap-out and a swap-in
+    // of every tensor, done() called every 100 us until it says yes, each call timed.
+    std::vector<double> micros;
+    for (const bool out : {true, false}) {
+      const std::uint64_t ticket = out ? swapper.swap_out(tensors, paths) : swapper.swap_in(paths, tensors);
+      for (;;) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const bool finished = swapper.done(ticket);
+        micros.push_back(seconds_since(t0) * 1e6);
+        if (finished) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      check(swapper.wait(ticket));
+    }
+    std::sort(micros.begin(), micros.end());
+    const auto at = [&](double q) { return micros[static_cast<std::size_t>(q * static_cast<double>(micros.size() - 1))]; };
+    poll = {{"polls", micros.size()}, {"median_us", at(0.5)}, {"p99_us", at(0.99)}, {"p999_us", at(0.999)},
+            {"max_us", micros.back()}};
+  }
   if (o.json) {
     nlohmann::json j;
     j["write_gbps"] = total / rewrite_seconds / 1e9;
@@ -257,6 +280,7 @@ void run_swap_bench(const swap_bench_options& o) {
     j["fallback"] = s.fallback;
     j["registered_staging"] = s.registered_staging;
     j["overlap"] = overlap;
+    j["poll"] = poll;
     j["reuse_files"] = !o.no_reuse;
     j["pack_below"] = o.pack_below;
     j["pack_file_bytes"] = s.pack_file_bytes;
@@ -280,6 +304,13 @@ void run_swap_bench(const swap_bench_options& o) {
                              overlap["swap_alone_s"].get<double>(), overlap["compute_alone_s"].get<double>(),
                              overlap["together_s"].get<double>(), overlap["swap_out_call_s"].get<double>(),
                              overlap["ratio"].get<double>());
+  }
+  if (!poll.is_null()) {
+    std::cout << fmt::format("done() while swapping out and in: {} calls, median {:.1f} us, p99 {:.1f} us, "
+                             "p99.9 {:.1f} us, max {:.1f} us\n",
+                             poll["polls"].get<std::size_t>(), poll["median_us"].get<double>(),
+                             poll["p99_us"].get<double>(), poll["p999_us"].get<double>(),
+                             poll["max_us"].get<double>());
   }
 }
 
@@ -309,6 +340,8 @@ void add_swap_bench_command(CLI::App& app) {
   cmd->add_option("--overlap", o->overlap_seconds,
                   "also time a swap-out beside a compute loop of this many seconds; print the overlap ratio")
       ->check(non_negative_seconds(most_overlap_seconds));
+  cmd->add_flag("--poll", o->poll,
+                "also time the caller's done() every 100 us through a swap-out and a swap-in; print its latencies");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] { run_swap_bench(*o); });
 }

@@ -136,8 +136,10 @@ struct swap_stats {
 /// - Swap files are regular files: a swap-in from a pipe, a device or a directory, and a
 ///   swap-out whose spare (`spare_path`) is one, fail that tensor with EINVAL (EISDIR for a
 ///   directory) naming what the file is. No open waits for a pipe's other end.
-/// Thread-safe: any thread may queue and wait (one internal mutex, never held while blocked;
-/// Python bindings release the GIL before taking it). The destructor waits for everything.
+/// Thread-safe: any thread may queue and wait (one internal mutex, never held while blocked,
+/// nor while the worker checksums or copies a block, so that `done`, `unfinished` and new
+/// transfers are answered in microseconds while the disk is busy; Python bindings release
+/// the GIL before taking it). The destructor waits for everything.
 class tensor_swapper {
  public:
   tensor_swapper(memory::pinned_pool& pool, swap_options options = {});
@@ -238,11 +240,13 @@ class tensor_swapper {
   std::optional<std::vector<swap_result>> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket,
                                                       const clock::time_point* deadline);
   bool synchronize_locked(std::unique_lock<std::mutex>& lock, const clock::time_point* deadline);
+  // The worker's steps run under `lock` (mutex_), which they release while they checksum or
+  // copy a block of a job's bytes.
   void run();
-  void queue_ready();
-  void queue_jobs();
+  void queue_ready(std::unique_lock<std::mutex>& lock);
+  void queue_jobs(std::unique_lock<std::mutex>& lock);
   void start_job(std::uint64_t id, job& j);
-  bool queue_more(std::uint64_t id, job& j);
+  bool queue_more(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool& direct, const char*& refused);
   void note_buffered(const std::string& where);
   std::size_t take_staging();
@@ -250,7 +254,7 @@ class tensor_swapper {
   void issue(std::uint64_t id, job& j, std::uint64_t data_offset, void* buffer, std::size_t bytes,
              bool write, std::size_t staging, std::size_t header, void* copy_to,
              std::size_t copy_bytes, std::size_t block);
-  void on_completion(const io::io_completion& c);
+  void on_completion(std::unique_lock<std::mutex>& lock, const io::io_completion& c);
   void finish(std::uint64_t id, job& j);
   void complete(job& j);
   void run_committer();
