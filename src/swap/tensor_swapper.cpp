@@ -30,8 +30,8 @@ namespace {
 constexpr std::size_t header_bytes = 4096;
 constexpr char magic[8] = {'T', 'M', 'S', 'W', 'A', 'P', '0', '2'};
 constexpr std::size_t no_staging = static_cast<std::size_t>(-1);
-constexpr std::size_t key_room = 4000;
-constexpr std::size_t submit_batch = 8;  // requests handed to the engine at once, at most  // bytes of the key kept in the header (its tail)
+constexpr std::size_t key_room = 4000;    // bytes of the key kept in the header (its tail)
+constexpr std::size_t submit_batch = 8;  // requests handed to the engine at once, at most
 
 // The first 4096 bytes of a swap file. header_crc covers all 4096 bytes (with header_crc
 // itself zero), so a flipped bit anywhere in the header is detected whatever the setting.
@@ -303,20 +303,24 @@ int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, c
 
 namespace {
 
-// Runs `work` with `lock` released and returns the seconds it took. The worker checksums and
-// copies blocks of a job's bytes this way: a megabyte takes it tens of microseconds, and
-// under the lock every done(), wait() and new transfer of the callers waited for the
-// worker's whole round (up to a queue depth of blocks: milliseconds). Only the worker
-// touches a job's bytes, checksums and staging buffers until the job is finished, and jobs
-// stay where they are in the map (std::map) while the callers add theirs.
+// Runs `work` with `lock` released (taken again however it ends) and returns the seconds it
+// took. The worker checksums and copies blocks of a job's bytes, and hands requests to the
+// engine, this way: a megabyte's checksum takes it tens of microseconds and a submission up
+// to a few milliseconds (the kernel starts the transfers in it), and under the lock every
+// done(), wait() and new transfer of the callers waited for them (a round of checksums, up
+// to a queue depth of blocks: milliseconds). Only the worker touches the engine, the
+// requests being queued, and a job's bytes, checksums and staging buffers until the job is
+// finished; jobs stay where they are in the map (std::map) while the callers add theirs.
 template <class Work>
 double outside(std::unique_lock<std::mutex>& lock, Work&& work) {
   lock.unlock();
+  const struct relock {
+    std::unique_lock<std::mutex>& held;
+    ~relock() { held.lock(); }
+  } again{lock};
   const auto t0 = std::chrono::steady_clock::now();
   work();
-  const auto t1 = std::chrono::steady_clock::now();
-  lock.lock();
-  return std::chrono::duration<double>(t1 - t0).count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 }  // namespace
@@ -352,7 +356,7 @@ void tensor_swapper::run() {
 void tensor_swapper::queue_ready(std::unique_lock<std::mutex>& lock) {
   queue_jobs(lock);
   if (!batch_.empty()) {
-    engine_->submit(batch_);
+    outside(lock, [this] { engine_->submit(batch_); });
     batch_.clear();
   }
 }
@@ -372,7 +376,7 @@ void tensor_swapper::queue_jobs(std::unique_lock<std::mutex>& lock) {
     // Hand what is queued to the engine every few requests, not at the end of the whole
     // round: the disk gets work while the next files are opened and checksummed.
     if (batch_.size() >= submit_batch) {
-      engine_->submit(batch_);
+      outside(lock, [this] { engine_->submit(batch_); });
       batch_.clear();
     }
     if (!all) return;  // out of staging buffers or budget

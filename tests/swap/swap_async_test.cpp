@@ -288,6 +288,29 @@ class stalled_memory {
   std::string why_;
 };
 
+// While the swapper's worker is held (inside a checksum, a copy or a submission), a caller's
+// done() and unfinished() of `ticket` and a swap-out of `other` to `other_path` are answered:
+// each on a thread of its own, which would wait under the lock until `release` is called.
+// Calls `release` either way; returns the new swap-out's ticket.
+template <class Release>
+std::uint64_t expect_answered_while_held(tensor_swapper& s, std::uint64_t ticket, std::vector<std::byte>& other,
+                                         const std::string& other_path, Release release) {
+  auto answered = std::async(std::launch::async, [&] {
+    const bool done = s.done(ticket);
+    const std::size_t unfinished = s.unfinished(ticket);
+    const tensor_ref second{other.data(), other.size()};
+    const std::uint64_t queued = s.swap_out({&second, 1}, {&other_path, 1});
+    return std::tuple{done, unfinished, queued};
+  });
+  const bool in_time = answered.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  EXPECT_TRUE(in_time) << "done(), unfinished() and swap_out() waited for the held worker";
+  release();
+  const auto [done, unfinished, queued] = answered.get();
+  EXPECT_FALSE(done);
+  EXPECT_EQ(unfinished, 1U);
+  return queued;
+}
+
 // The worker checksums and copies a job's blocks with the swapper's lock released: while it
 // is held inside one (its tensor's memory stalled), the callers' done(), unfinished() and a
 // new transfer answer at once. Under the lock, each of them waited for the worker's whole
@@ -328,20 +351,8 @@ TEST_P(stalled_worker, callers_are_answered_while_the_worker_checksums_or_copies
   }
   const std::uint64_t ticket = c.out ? s.swap_out({&stalled, 1}, {&path, 1}) : s.swap_in({&path, 1}, {&stalled, 1});
   ASSERT_TRUE(memory.a_thread_is_held(std::chrono::seconds(60))) << "the worker never touched the tensor";
-  // Each call on a thread of its own: under the lock it would wait until the release below.
-  auto answered = std::async(std::launch::async, [&] {
-    const bool done = s.done(ticket);
-    const std::size_t unfinished = s.unfinished(ticket);
-    const tensor_ref second{other.data(), other.size()};
-    const std::uint64_t queued = s.swap_out({&second, 1}, {&other_path, 1});
-    return std::tuple{done, unfinished, queued};
-  });
-  const bool in_time = answered.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
-  EXPECT_TRUE(in_time) << "done(), unfinished() and swap_out() waited for the worker's checksum or copy";
-  memory.release(content);
-  const auto [done, unfinished, queued] = answered.get();
-  EXPECT_FALSE(done);
-  EXPECT_EQ(unfinished, 1U);
+  const std::uint64_t queued =
+      expect_answered_while_held(s, ticket, other, other_path, [&] { memory.release(content); });
   const auto r = s.wait(ticket);
   ASSERT_EQ(r.at(0).error, 0) << r.at(0).message;
   EXPECT_EQ(s.wait(queued).at(0).error, 0);
@@ -365,6 +376,69 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(stalled_case{"out_checksummed", true, 0, true}, stalled_case{"out_staged", true, 512, false},
                       stalled_case{"in_staged", false, 512, true}),
     [](const ::testing::TestParamInfo<stalled_case>& param) { return std::string(param.param.name); });
+
+// An engine whose first submission waits at a gate, having said it got there.
+class held_submit_engine final : public testing::forwarding_engine {
+ public:
+  held_submit_engine(std::unique_ptr<io::io_engine> inner, std::shared_ptr<testing::gate> arrived,
+                     std::shared_ptr<testing::gate> go)
+      : forwarding_engine(std::move(inner)), arrived_(std::move(arrived)), go_(std::move(go)) {}
+  void submit(std::span<const io::io_request> requests) override {
+    if (first_) {
+      first_ = false;
+      arrived_->open();
+      go_->pass();
+    }
+    inner_->submit(requests);
+  }
+
+ private:
+  std::shared_ptr<testing::gate> arrived_;
+  std::shared_ptr<testing::gate> go_;
+  bool first_ = true;
+};
+
+// The worker hands requests to the engine with the lock released: a submission can take
+// milliseconds (the kernel starts the transfers in it), and under the lock the callers waited
+// for it. Two blocks are submitted at the end of the worker's round; sixteen, eight at a time
+// as they are queued.
+class held_worker : public ::testing::TestWithParam<std::size_t> {};
+
+TEST_P(held_worker, callers_are_answered_while_the_worker_submits) {
+  scratch_dir dir;
+  auto arrived = std::make_shared<testing::gate>();
+  auto go = std::make_shared<testing::gate>();
+  memory::pinned_pool pool({.slab_bytes = std::size_t{16} << 20});
+  tensor_swapper s(pool, {.queue_depth = 16, .block_bytes = std::size_t{1} << 20, .staging_buffers = 2},
+                   std::make_unique<held_submit_engine>(io::make_thread_engine(16, 2), arrived, go));
+  struct open_at_exit {
+    testing::gate& g;
+    ~open_at_exit() { g.open(); }
+  } guard{*go};
+  // In pinned memory, aligned: its blocks are written straight, none waits for staging.
+  const auto t = pattern(GetParam() << 20, 81);
+  auto* pinned = static_cast<std::byte*>(pool.allocate(t.size(), 4096));
+  std::copy(t.begin(), t.end(), pinned);
+  auto other = pattern(std::size_t{1} << 20, 82);
+  const std::string path = dir.file("held");
+  const std::string other_path = dir.file("other");
+  const tensor_ref ref{pinned, t.size()};
+  const std::uint64_t ticket = s.swap_out({&ref, 1}, {&path, 1});
+  {
+    const testing::hang_guard hang("the worker's first submission", std::chrono::seconds(60));
+    arrived->pass();
+  }
+  const std::uint64_t queued = expect_answered_while_held(s, ticket, other, other_path, [&] { go->open(); });
+  ASSERT_EQ(s.wait(ticket).at(0).error, 0);
+  ASSERT_EQ(s.wait(queued).at(0).error, 0);
+  std::vector<std::byte> back(t.size());
+  const tensor_ref in{back.data(), back.size()};
+  ASSERT_EQ(s.wait(s.swap_in({&path, 1}, {&in, 1})).at(0).error, 0);
+  EXPECT_EQ(back, t);
+  pool.free(pinned);
+}
+
+INSTANTIATE_TEST_SUITE_P(blocks, held_worker, ::testing::Values(std::size_t{2}, std::size_t{16}));
 
 TEST_P(async_test, two_thousand_tensors_through_an_open_file_limit_of_256) {
   scratch_dir dir;
