@@ -272,7 +272,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         tensors) to one file at ``path``, never holding more than the pinned budget. The file is
         written to ``path``.tmp, synced and renamed: an interrupted save leaves the previous
         checkpoint whole, state and hyperparameters together. ``path`` may be a str or a
-        path-like object (``pathlib.Path``)."""
+        path-like object (``pathlib.Path``). Anything but a regular file at ``path`` or at
+        ``path``.tmp (a symbolic link there is not followed) is refused with ``OSError`` before
+        anything is written."""
         path = os.fspath(path)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._core.save(path, json.dumps({"param_groups": groups}).encode())

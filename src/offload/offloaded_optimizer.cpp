@@ -38,19 +38,15 @@ std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / 
 struct file {
   int fd = -1;
   std::string path;
-  // The open never waits (O_NONBLOCK, cleared once open). A checkpoint to read is a regular
-  // file only; one to write may be a device, written as a file would be (/dev/full gives
-  // ENOSPC, as a full disk), but a pipe with no reader there is an error (ENXIO), not a save
-  // that waits for ever.
-  file(const std::string& p, int flags, bool regular_only) : path(p) {
+  // A checkpoint to read, and the temporary file a save writes, are regular files only
+  // (anything else is refused, EINVAL, or EISDIR for a folder). The open never waits
+  // (O_NONBLOCK, cleared once open): a pipe there is refused, not a wait for its other end.
+  file(const std::string& p, int flags) : path(p) {
     const char* refused = nullptr;
-    fd = io::keep_opened_file(::open(p.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0600), p.c_str(), refused,
-                              regular_only);
+    fd = io::keep_opened_file(::open(p.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0600), p.c_str(), refused);
     if (fd < 0) {
       const int e = errno;
-      const std::string why = refused == nullptr ? ""
-                              : regular_only     ? std::string(": it is ") + refused + ", not a regular file"
-                                                 : std::string(" (") + refused + " with no reader)";
+      const std::string why = refused == nullptr ? "" : std::string(": it is ") + refused + ", not a regular file";
       throw std::system_error(e, std::generic_category(), "cannot open checkpoint " + p + why);
     }
   }
@@ -417,10 +413,23 @@ void check_replaceable(const std::string& path) {
                               "; a checkpoint replaces only a regular file");
 }
 
-// The temporary file is removed after a failed save where it is a file or a link: anything
-// else there (a pipe someone reads) is not the save's to remove.
+// The temporary file is the save's own: a regular file it makes at `tmp` (or a stale one of
+// an interrupted save, cut to nothing). Anything else there is refused before it is opened
+// and stays: through a symbolic link the checkpoint would overwrite the link's target (a
+// user's file) and the rename would then put the link at `path`; a device would take the
+// bytes.
+void check_temporary(const std::string& path, const std::string& tmp) {
+  const auto mode = io::mode_at(tmp);
+  if (!mode || S_ISREG(*mode)) return;
+  throw std::system_error(io::not_a_file_error(*mode), std::generic_category(),
+                          "cannot save checkpoint " + path + ": " + tmp + " is " + io::kind_of_file(*mode) +
+                              "; a save writes its temporary file there itself, and nothing was written");
+}
+
+// The temporary file is removed after a failed save where it is a regular file: anything
+// else there now (put there since it was opened) is not the save's to remove.
 void remove_temporary(const std::string& tmp) noexcept {
-  if (const auto mode = io::mode_at(tmp); mode && (S_ISREG(*mode) || S_ISLNK(*mode))) ::unlink(tmp.c_str());
+  if (const auto mode = io::mode_at(tmp); mode && S_ISREG(*mode)) ::unlink(tmp.c_str());
 }
 
 }  // namespace
@@ -430,7 +439,10 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   io::check_path_argument("offloaded_optimizer::save", path);
   check_replaceable(path);
   const std::string tmp = path + ".tmp";
-  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC, false);
+  check_temporary(path, tmp);
+  // O_NOFOLLOW and a regular file only: the check above holds even against a link or a
+  // device put there since.
+  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW);
   try {
     const std::vector<std::uint64_t> words = header_words(*this);
     std::vector<char> head(header_bytes(numels_.size()), 0);
@@ -467,7 +479,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
 std::string offloaded_optimizer::load(const std::string& path) {
   const exclusive_call call(*this, "load");
   io::check_path_argument("offloaded_optimizer::load", path);
-  const file in(path, O_RDONLY, true);
+  const file in(path, O_RDONLY);
   std::vector<char> head(header_bytes(numels_.size()), 0);
   char magic[8];
   in.read_all(magic, 8, 0);

@@ -659,33 +659,54 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   EXPECT_EQ(std::filesystem::file_size(ck), size);
   EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
 
-  // A save that fails (a full disk: the temporary file is /dev/full; a folder where the file
-  // goes) raises, leaves no temporary file and keeps the previous checkpoint.
-  const std::vector<char> before = file_bytes(ck);
-  std::filesystem::create_symlink("/dev/full", ck + ".tmp");
-  try {
-    o.save(ck);
-    ADD_FAILURE() << "a save to a full disk succeeded";
-  } catch (const std::system_error& e) {
-    EXPECT_EQ(e.code().value(), ENOSPC) << e.what();
-  }
-  EXPECT_FALSE(std::filesystem::is_symlink(ck + ".tmp"));
-  EXPECT_EQ(file_bytes(ck), before);
-  // A pipe where the temporary file goes: an error at once, not a save waiting for a reader.
-  ASSERT_EQ(mkfifo((ck + ".tmp").c_str(), 0600), 0);
-  {
-    const swap::testing::hang_guard guard("saving a checkpoint beside a pipe", std::chrono::seconds(20));
+  // The temporary file is the save's own: a symbolic link there (to a user's file, to
+  // /dev/full), a pipe or a folder is refused before anything is opened or written, and stays;
+  // the previous checkpoint keeps its bytes. Through a link, the save overwrote the user's
+  // file with the checkpoint and renamed the link onto ck.
+  std::vector<char> before = file_bytes(ck);
+  const std::string notes = (dir.path / "notes").string();
+  std::ofstream(notes) << "a user's own bytes";
+  const auto refused_beside = [&](const std::string& what, int error) {
+    const swap::testing::hang_guard guard("saving a checkpoint beside " + what, std::chrono::seconds(20));
     try {
       o.save(ck);
-      ADD_FAILURE() << "saved through a pipe";
+      ADD_FAILURE() << "saved beside " << what;
     } catch (const std::system_error& e) {
-      EXPECT_EQ(e.code().value(), ENXIO) << e.what();
-      EXPECT_NE(std::string(e.what()).find(ck + ".tmp (a pipe with no reader)"), std::string::npos) << e.what();
+      EXPECT_EQ(e.code().value(), error) << e.what();
+      EXPECT_NE(std::string(e.what()).find("cannot save checkpoint " + ck + ": " + ck + ".tmp is " + what +
+                                           "; a save writes its temporary file there itself, and nothing was written"),
+                std::string::npos)
+          << e.what();
     }
+    EXPECT_EQ(file_bytes(ck), before);
+  };
+  for (const std::string& target : {notes, std::string("/dev/full")}) {
+    std::filesystem::create_symlink(target, ck + ".tmp");
+    refused_beside("a symbolic link", EINVAL);
+    EXPECT_TRUE(std::filesystem::is_symlink(ck + ".tmp"));
+    std::filesystem::remove(ck + ".tmp");
   }
-  EXPECT_EQ(file_bytes(ck), before);
+  EXPECT_EQ(file_bytes(notes), (std::vector<char>{'a', ' ', 'u', 's', 'e', 'r', '\'', 's', ' ', 'o', 'w', 'n', ' ',
+                                                  'b', 'y', 't', 'e', 's'}));
+  EXPECT_FALSE(std::filesystem::is_symlink(ck));
+  ASSERT_EQ(mkfifo((ck + ".tmp").c_str(), 0600), 0);
+  refused_beside("a pipe", EINVAL);
   EXPECT_TRUE(std::filesystem::is_fifo(ck + ".tmp"));  // not opened: left as it was
   std::filesystem::remove(ck + ".tmp");
+  std::filesystem::create_directory(ck + ".tmp");
+  refused_beside("a directory", EISDIR);
+  EXPECT_TRUE(std::filesystem::is_directory(ck + ".tmp"));
+  std::filesystem::remove(ck + ".tmp");
+  // A stale temporary file of an interrupted save is the save's: cut and written over.
+  std::ofstream(ck + ".tmp") << std::string(100000, 'x');
+  o.save(ck);
+  EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
+  {
+    offloaded_optimizer saved(numels, small_options(dir));
+    saved.load(ck);
+    EXPECT_EQ(all_records(saved), all_records(o));
+  }
+  before = file_bytes(ck);
   // What the save would replace is a regular file or nothing: a pipe, or a node of the null
   // device (where root may make one; saving to /dev/null replaced the machine's), is refused
   // before anything is written, and stays.
@@ -709,19 +730,11 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
     EXPECT_EQ(std::filesystem::is_fifo(target), what == "a pipe");
     EXPECT_EQ(std::filesystem::is_character_file(target), what == "a device");
   }
-  // A link to that device where the temporary file goes: the device takes the bytes but not
-  // the sync; the link goes, the checkpoint stays.
+  // That device's node where the temporary file goes: refused, and not the save's to remove.
   if (not_files.size() == 2) {
-    std::filesystem::create_symlink(null_node, ck + ".tmp");
-    EXPECT_THROW(o.save(ck), std::system_error);
-    EXPECT_FALSE(std::filesystem::is_symlink(ck + ".tmp"));
-    EXPECT_TRUE(std::filesystem::is_character_file(null_node));
-    EXPECT_EQ(file_bytes(ck), before);
-    // The device node itself there: the same failure, and the node is not the save's to remove.
     ASSERT_EQ(mknod((ck + ".tmp").c_str(), S_IFCHR | 0666, makedev(1, 3)), 0);
-    EXPECT_THROW(o.save(ck), std::system_error);
+    refused_beside("a device", EINVAL);
     EXPECT_TRUE(std::filesystem::is_character_file(ck + ".tmp"));
-    EXPECT_EQ(file_bytes(ck), before);
     std::filesystem::remove(ck + ".tmp");
   }
   o.save(ck);  // O_NONBLOCK is not left on the file: a whole checkpoint, loaded back
@@ -734,6 +747,46 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   EXPECT_THROW(o.save(folder), std::system_error);
   EXPECT_FALSE(std::filesystem::exists(folder + ".tmp"));
   EXPECT_TRUE(std::filesystem::is_directory(folder + "/inside"));
+}
+
+// A save that fails for a full disk (a small tmpfs over the checkpoints' folder, in a child's
+// own mount namespace; root only) raises ENOSPC, removes its temporary file and leaves the
+// previous checkpoint whole.
+TEST(offload_checkpoint_disk, a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint) {
+  scratch_dir dir;     // the swap files
+  scratch_dir folder;  // the checkpoints
+  const std::vector<std::uint64_t> sizes = {40000, 3000};
+  const std::vector<param_hyper> hyper(sizes.size());
+  std::uintmax_t bytes = 0;  // of one checkpoint, measured here
+  {
+    offloaded_optimizer o(sizes, small_options(dir));
+    model_params a(sizes);
+    o.initialize(a.cp());
+    o.save((dir.path / "probe").string());
+    bytes = std::filesystem::file_size(dir.path / "probe");
+  }
+  ASSERT_GE(bytes, std::uintmax_t{16} << 10);
+  // Room for one checkpoint and half of another.
+  const std::string size = "size=" + std::to_string((bytes * 3 / 2 + 4095) / 4096 * 4096);
+  const std::string ck = (folder.path / "ck").string();
+  EXPECT_FULL_DISK_CHILD(swap::testing::in_small_tmpfs(folder.path, size.c_str(), [&] {
+    offloaded_optimizer o(sizes, small_options(dir));
+    model_params a(sizes);
+    o.initialize(a.cp());
+    o.save(ck);
+    const std::vector<char> first = file_bytes(ck);
+    o.step(a.p(), a.g(), hyper);
+    int error = 0;
+    try {
+      o.save(ck);
+    } catch (const std::system_error& e) {
+      error = e.code().value();
+    }
+    offloaded_optimizer back(sizes, small_options(dir));
+    back.load(ck);
+    return error == ENOSPC && !std::filesystem::exists(ck + ".tmp") && file_bytes(ck) == first &&
+           back.steps() == std::vector<std::uint64_t>(sizes.size(), 0);
+  }));
 }
 
 // The note is kept with the state; any byte changed, cut or added is refused and the loaded

@@ -4,6 +4,7 @@ import copy
 import errno
 import gc
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -446,9 +447,18 @@ def test_kill_and_resume_from_a_streamed_checkpoint(tmp_path):
     opt.load_checkpoint(tmp_path / "as_path")
     assert opt.param_groups[0]["lr"] == 1e-3
     (tmp_path / "blocked.tmp").mkdir()  # where the state is first written
-    with pytest.raises(OSError):
+    with pytest.raises(IsADirectoryError, match="blocked.tmp is a directory"):
         opt.save_checkpoint(tmp_path / "blocked")
     assert not (tmp_path / "blocked.json.tmp").exists() and not (tmp_path / "blocked").exists()
+    # A symbolic link where the state is first written is not followed: the save wrote the
+    # checkpoint over the link's target (a user's file) and renamed the link onto the path.
+    (tmp_path / "notes.txt").write_text("a user's own bytes")
+    (tmp_path / "linked.tmp").symlink_to(tmp_path / "notes.txt")
+    with pytest.raises(OSError, match="linked.tmp is a symbolic link; a save writes its temporary file there "
+                                      "itself, and nothing was written"):
+        opt.save_checkpoint(tmp_path / "linked")
+    assert (tmp_path / "notes.txt").read_text() == "a user's own bytes"
+    assert (tmp_path / "linked.tmp").is_symlink() and not (tmp_path / "linked").exists()
 
 
 def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
@@ -484,11 +494,19 @@ def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
         assert all(torch.equal(now[k], v) for k, v in other_state.items())
     assert not all(torch.equal(state[k], other_state[k]) for k in state)
 
-    # A save to a full disk (the temporary file is /dev/full): ENOSPC, no partial file, ck kept.
-    os.symlink("/dev/full", tmp_path / "ck.tmp")
-    with pytest.raises(OSError) as info:
-        opt.save_checkpoint(ck)
-    assert info.value.errno == errno.ENOSPC
+    # A save that cannot be written whole (past the largest file this process may write; a
+    # full disk fails it the same way, as the C++ tests show): the error, no partial file, ck
+    # kept.
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(good) // 2, hard))
+    try:
+        with pytest.raises(OSError) as info:
+            opt.save_checkpoint(ck)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert info.value.errno == errno.EFBIG and "cannot write checkpoint" in str(info.value)
     assert not os.path.lexists(tmp_path / "ck.tmp") and ck.read_bytes() == good
 
     # Another grouping of the same parameters: the state loads, the hyperparameters are refused.

@@ -135,6 +135,10 @@ class offloaded_optimizer {
   /// be: the new file is in place then). `note` (any bytes: the
   /// caller's hyperparameters, say) is kept in the same file, so the two are replaced together.
   /// The file ends with a CRC-32C of all it holds. Never holds more than the pinned budget.
+  /// `path` must be a regular file or nothing, and `path`.tmp the same (a stale one of an
+  /// interrupted save is written over): anything else at either, a symbolic link at
+  /// `path`.tmp included, is std::system_error EINVAL (EISDIR for a folder) before anything
+  /// is written, and stays as it was.
   /// For `save` and `load`, an empty path or one holding a NUL byte is std::invalid_argument.
   void save(const std::string& path, std::string_view note = {});
   /// Replaces the state with a checkpoint written by `save` for the same parameters and
