@@ -278,16 +278,16 @@ void tensor_swapper::note_buffered(const std::string& where) {
   if (stats_.fallback.empty()) stats_.fallback = "O_DIRECT refused by the filesystem of " + where + "; buffered I/O";
 }
 
-int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, const char*& refused) {
+int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, const char*& refused) const {
   // Reads leave the access time alone (after every rewrite, relatime would dirty the inode
   // on the next read): O_NOATIME where we own the file (it needs the owner: EPERM else).
   // A swap-out writes its own file beside the path: never through a symbolic link there.
   int flags = out ? O_WRONLY | O_CREAT | O_NOFOLLOW | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
   direct = options_.direct;
   // Only a regular file: a pipe or a device at the path (or at the spare's) would hold the
-  // worker in open(), and every caller behind the swapper's lock, for as long as no one
-  // opened its other end.
-  const int fd = io::open_regular_file(path.c_str(), [&](int extra) {
+  // worker in open(), and every transfer behind it, for as long as no one opened its other
+  // end.
+  return io::open_regular_file(path.c_str(), [&](int extra) {
     int f = open(path.c_str(), flags | extra | O_CLOEXEC, 0644);
     if (f < 0 && errno == EPERM && (flags & O_NOATIME) != 0) {
       flags &= ~O_NOATIME;
@@ -295,8 +295,6 @@ int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, c
     }
     return f;
   }, direct, refused);
-  if (fd >= 0 && options_.direct && !direct) note_buffered(path);
-  return fd;
 }
 
 // ---------------------------------------------------------------- the worker
@@ -366,7 +364,7 @@ void tensor_swapper::queue_jobs(std::unique_lock<std::mutex>& lock) {
     job& j = jobs_.at(ready_jobs_.front());
     if (!j.opened) {
       if (!j.packed && open_files_ >= max_open_files_) return;
-      start_job(ready_jobs_.front(), j);
+      start_job(lock, ready_jobs_.front(), j);
       if (j.done || j.fully_queued()) {
         ready_jobs_.pop_front();
         continue;
@@ -384,7 +382,7 @@ void tensor_swapper::queue_jobs(std::unique_lock<std::mutex>& lock) {
   }
 }
 
-void tensor_swapper::start_job(std::uint64_t id, job& j) {
+void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j) {
   j.opened = true;
   if (j.tensor.data == nullptr && j.tensor.bytes != 0) {
     j.error = EINVAL;
@@ -414,9 +412,13 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
   }
   const std::string& file = j.out ? j.temp_path : j.path;
   const char* refused = nullptr;
-  j.fd = open_file(file, j.out, j.direct, refused);
+  int e = 0;
+  // With the lock released: creating a file can take the file system a millisecond or more.
+  outside(lock, [&] {
+    j.fd = open_file(file, j.out, j.direct, refused);
+    e = errno;
+  });
   if (j.fd < 0) {
-    const int e = errno;
     j.error = e;
     j.message = (j.out ? "cannot create " : "cannot open ") + file + ": " +
                 (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
@@ -425,6 +427,7 @@ void tensor_swapper::start_job(std::uint64_t id, job& j) {
     finish(id, j);
     return;
   }
+  if (options_.direct && !j.direct) note_buffered(file);
   ++open_files_;
   if (!j.out) j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
 }

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <linux/userfaultfd.h>
 #include <poll.h>
+#include <sys/fanotify.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -439,6 +440,84 @@ TEST_P(held_worker, callers_are_answered_while_the_worker_submits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(blocks, held_worker, ::testing::Values(std::size_t{2}, std::size_t{16}));
+
+// Opens of the files in a folder wait until `release` (a fanotify listener that takes the
+// permission events of the folder's files and answers none; root only): a swapper's worker
+// that opens a swap file there stays inside open().
+class held_opens {
+ public:
+  explicit held_opens(const std::string& folder) {
+    fd_ = fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC, O_RDONLY);
+    if (fd_ < 0 || fanotify_mark(fd_, FAN_MARK_ADD, FAN_OPEN_PERM | FAN_EVENT_ON_CHILD, AT_FDCWD, folder.c_str()) != 0) {
+      why_ = std::string("fanotify: ") + std::strerror(errno);
+    }
+  }
+  ~held_opens() { release(); }
+  held_opens(const held_opens&) = delete;
+  held_opens& operator=(const held_opens&) = delete;
+  /// Empty where opens are held as they should be; else why not.
+  const std::string& unusable() const { return why_; }
+  /// True once an open of a file in the folder is held (within `limit`).
+  bool an_open_is_held(std::chrono::seconds limit) {
+    pollfd p{fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(limit.count() * 1000)) != 1) return false;
+    alignas(fanotify_event_metadata) char buffer[4096];
+    ssize_t n = read(fd_, buffer, sizeof buffer);
+    const bool any = n > 0;
+    for (auto* m = reinterpret_cast<fanotify_event_metadata*>(buffer); n > 0 && FAN_EVENT_OK(m, n);
+         m = FAN_EVENT_NEXT(m, n)) {
+      if (m->fd >= 0) close(m->fd);
+    }
+    return any;
+  }
+  /// Lets every held open, and every later one, go on: closing the listener allows them all.
+  void release() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string why_;
+};
+
+// The worker opens a swap file with the lock released: creating a file can take the file
+// system a millisecond or more, and under the lock the callers waited for it.
+class held_open : public ::testing::TestWithParam<bool> {};
+
+TEST_P(held_open, callers_are_answered_while_the_worker_opens_a_file) {
+  const bool out = GetParam();
+  scratch_dir dir;    // the held folder
+  scratch_dir other_dir;
+  memory::pinned_pool pool({.slab_bytes = std::size_t{16} << 20});
+  tensor_swapper s(pool, {.queue_depth = 8, .block_bytes = std::size_t{1} << 20, .staging_buffers = 2});
+  auto t = pattern(std::size_t{1} << 20, 91);
+  auto other = pattern(std::size_t{1} << 20, 92);
+  const std::string path = dir.file("held");
+  const std::string other_path = other_dir.file("other");
+  const tensor_ref ref{t.data(), t.size()};
+  std::vector<std::byte> back(t.size());
+  const tensor_ref in{back.data(), back.size()};
+  if (!out) {
+    ASSERT_EQ(s.wait(s.swap_out({&ref, 1}, {&path, 1})).at(0).error, 0);
+  }
+  held_opens held(dir.path.string());
+  if (!held.unusable().empty()) GTEST_SKIP() << "opens cannot be held here: " << held.unusable();
+  const std::uint64_t ticket = out ? s.swap_out({&ref, 1}, {&path, 1}) : s.swap_in({&path, 1}, {&in, 1});
+  ASSERT_TRUE(held.an_open_is_held(std::chrono::seconds(60))) << "the worker never opened the file";
+  const std::uint64_t queued = expect_answered_while_held(s, ticket, other, other_path, [&] { held.release(); });
+  ASSERT_EQ(s.wait(ticket).at(0).error, 0);
+  ASSERT_EQ(s.wait(queued).at(0).error, 0);
+  if (out) {
+    ASSERT_EQ(s.wait(s.swap_in({&path, 1}, {&in, 1})).at(0).error, 0);
+  }
+  EXPECT_EQ(back, t);
+}
+
+INSTANTIATE_TEST_SUITE_P(swapper, held_open, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& param) {
+                           return std::string(param.param ? "swap_out" : "swap_in");
+                         });
 
 TEST_P(async_test, two_thousand_tensors_through_an_open_file_limit_of_256) {
   scratch_dir dir;

@@ -137,9 +137,10 @@ struct swap_stats {
 ///   swap-out whose spare (`spare_path`) is one, fail that tensor with EINVAL (EISDIR for a
 ///   directory) naming what the file is. No open waits for a pipe's other end.
 /// Thread-safe: any thread may queue and wait (one internal mutex, never held while blocked,
-/// nor while the worker checksums or copies a block, so that `done`, `unfinished` and new
-/// transfers are answered in microseconds while the disk is busy; Python bindings release
-/// the GIL before taking it). The destructor waits for everything.
+/// nor while the worker opens a file, checksums or copies a block or submits requests, so
+/// that `done`, `unfinished` and new transfers are answered in microseconds while the disk is
+/// busy; Python bindings release the GIL before taking it). The destructor waits for
+/// everything.
 class tensor_swapper {
  public:
   tensor_swapper(memory::pinned_pool& pool, swap_options options = {});
@@ -245,9 +246,9 @@ class tensor_swapper {
   void run();
   void queue_ready(std::unique_lock<std::mutex>& lock);
   void queue_jobs(std::unique_lock<std::mutex>& lock);
-  void start_job(std::uint64_t id, job& j);
+  void start_job(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   bool queue_more(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
-  int open_file(const std::string& path, bool out, bool& direct, const char*& refused);
+  int open_file(const std::string& path, bool out, bool& direct, const char*& refused) const;
   void note_buffered(const std::string& where);
   std::size_t take_staging();
   std::size_t take_header();
