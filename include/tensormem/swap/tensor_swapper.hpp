@@ -241,8 +241,8 @@ class tensor_swapper {
   std::optional<std::vector<swap_result>> wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t ticket,
                                                       const clock::time_point* deadline);
   bool synchronize_locked(std::unique_lock<std::mutex>& lock, const clock::time_point* deadline);
-  // The worker's steps run under `lock` (mutex_), which they release while they checksum or
-  // copy a block of a job's bytes.
+  // The worker's steps run under `lock` (mutex_), which they release while they open a file,
+  // checksum or copy a block of a job's bytes, or submit requests to the engine.
   void run();
   void queue_ready(std::unique_lock<std::mutex>& lock);
   void queue_jobs(std::unique_lock<std::mutex>& lock);
