@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -499,6 +500,35 @@ int tensor_swapper::reserve_pack(pack_file& pack, std::uint64_t end) {
   return errno;  // not even the slot fits
 }
 
+namespace {
+
+// A file of the swapper's own in `dir` whose name is unlinked at once, for a file system
+// without O_TMPFILE: created with O_EXCL under a name no other file has (a file, or a link
+// that would lead the writes elsewhere, is passed over and left as it is), then switched to
+// O_DIRECT where `direct` asks and the file system allows (cleared otherwise). -1 with errno
+// when no name is free among the tries or the creation fails.
+int open_unlinked_pack(const std::string& dir, bool& direct) {
+  static std::atomic<std::uint64_t> next_name{0};
+  constexpr int tries = 1000;
+  int fd = -1;
+  for (int n = 0; n < tries && fd < 0; ++n) {
+    const std::string named =
+        dir + "/.tensormem-pack." + std::to_string(getpid()) + "." + std::to_string(next_name++);
+    fd = open(named.c_str(), O_CREAT | O_EXCL | O_NOFOLLOW | O_RDWR | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      unlink(named.c_str());
+    } else if (errno != EEXIST) {
+      return -1;
+    }
+  }
+  if (fd < 0) return -1;  // errno EEXIST
+  const int flags = fcntl(fd, F_GETFL);
+  if (direct && (flags < 0 || fcntl(fd, F_SETFL, flags | O_DIRECT) != 0)) direct = false;
+  return fd;
+}
+
+}  // namespace
+
 // The pack of the path's directory, created on first use: an unnamed file (O_TMPFILE, or a
 // name unlinked at once where the file system has no O_TMPFILE) that vanishes when closed.
 tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std::string& error) {
@@ -510,17 +540,13 @@ tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std
   int fd = io::open_direct_or_buffered(
       [&](int extra) { return open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | extra, 0600); }, direct);
   if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) {
-    const std::string named = dir + "/.tensormem-pack." + std::to_string(getpid()) + "." +
-                              std::to_string(reinterpret_cast<std::uintptr_t>(this)) + "." +
-                              std::to_string(packs_.size());
     direct = options_.direct;
-    fd = io::open_direct_or_buffered(
-        [&](int extra) { return open(named.c_str(), O_CREAT | O_TRUNC | O_RDWR | O_CLOEXEC | extra, 0600); },
-        direct);
-    if (fd >= 0) unlink(named.c_str());
+    fd = open_unlinked_pack(dir, direct);
   }
   if (fd < 0) {
-    error = "cannot create a pack file in " + dir + ": " + std::strerror(errno);
+    const int e = errno;
+    error = "cannot create a pack file in " + dir + ": " + std::strerror(e);
+    errno = e;  // the caller's result
     return nullptr;
   }
   if (options_.direct && !direct) note_buffered(dir);

@@ -15,6 +15,8 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -281,6 +283,102 @@ TEST_P(pack_test, a_full_disk_fails_the_tensor_that_does_not_fit) {
     const tensor_ref back_ref{back.data(), back.size()};
     return ok && swapper.wait(swapper.swap_in({&a_path, 1}, {&back_ref, 1})).at(0).error == 0 && back == a;
   }));
+}
+
+// Where the file system has no unnamed files, the pack is a file of the swapper's own created
+// under a fresh name and unlinked at once. Names already taken, by a link to a user's file, a
+// dangling link or a stale file, are passed over and left as they are: no byte goes through
+// them, and nothing is created where a link points.
+TEST_P(pack_test, without_unnamed_files_the_pack_takes_a_free_name_and_leaves_taken_ones_alone) {
+  const io::engine_kind kind = GetParam();
+  scratch_dir dir;
+  ASSERT_FALSE(dir.path.empty());
+  const auto taken = [&](int n) { return dir.path / (".tensormem-pack." + std::to_string(getpid()) + "." + std::to_string(n)); };
+  const auto read_all = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const int status = testing::without_unnamed_files(dir.path, [&] {
+    const fs::path notes = dir.path / "notes";
+    std::ofstream(notes) << "the user's notes";
+    const fs::path nowhere = dir.path / "nowhere";
+    fs::create_symlink(notes, taken(0));
+    fs::create_symlink(nowhere, taken(1));
+    std::ofstream(taken(2)) << "stale";
+    memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+    tensor_swapper swapper(pool, {.engine = kind, .queue_depth = 8, .block_bytes = std::size_t{64} << 10,
+                                  .staging_buffers = 4, .pack_below = std::size_t{1} << 20});
+    bool ok = true;
+    std::vector<std::vector<std::byte>> bytes;
+    std::vector<tensor_ref> refs;
+    std::vector<std::string> paths;
+    for (std::size_t i = 0; i < 3; ++i) bytes.push_back(pattern(5'000 + 30'000 * i, 20 + i));
+    for (std::size_t i = 0; i < 3; ++i) {
+      refs.push_back({bytes[i].data(), bytes[i].size()});
+      paths.push_back(dir.file("t" + std::to_string(i)));
+    }
+    for (const auto& r : swapper.wait(swapper.swap_out(refs, paths))) ok = ok && r.error == 0;
+    std::vector<std::vector<std::byte>> back;
+    std::vector<tensor_ref> back_refs;
+    for (std::size_t i = 0; i < 3; ++i) back.emplace_back(bytes[i].size());
+    for (std::size_t i = 0; i < 3; ++i) back_refs.push_back({back[i].data(), back[i].size()});
+    for (const auto& r : swapper.wait(swapper.swap_in(paths, back_refs))) ok = ok && r.error == 0;
+    ok = ok && back == bytes && swapper.stats().packed_tensors == 3;
+    if (!ok) std::fprintf(stderr, "the packed tensors did not come back\n");
+    // The pack is open, unlinked; the taken names are as they were; nothing else is there.
+    const int pack = pack_descriptor(dir.path);
+    ok = ok && pack >= 0;
+    // Moved straight (O_DIRECT, set after the creation) where this file system allows it.
+    const int probe = open(notes.c_str(), O_RDONLY | O_DIRECT);
+    const bool direct_here = probe >= 0;
+    if (probe >= 0) close(probe);
+    std::ifstream info("/proc/self/fdinfo/" + std::to_string(pack));
+    std::string key;
+    long flags = -1;
+    while (info >> key && key != "flags:") {
+    }
+    info >> std::oct >> flags;
+    ok = ok && flags >= 0 && ((flags & O_DIRECT) != 0) == direct_here;
+    if (!ok) std::fprintf(stderr, "pack %d, flags %lo, O_DIRECT here: %d\n", pack, flags, direct_here);
+    ok = ok && read_all(notes) == "the user's notes" && fs::read_symlink(taken(0)) == notes;
+    ok = ok && !fs::exists(fs::symlink_status(nowhere)) && fs::read_symlink(taken(1)) == nowhere;
+    ok = ok && read_all(taken(2)) == "stale";
+    std::size_t entries = 0;
+    for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir.path)) ++entries;
+    ok = ok && entries == 4;  // notes and the three taken names; packed tensors have no files
+    if (!ok) std::fprintf(stderr, "the pack went through a taken name\n");
+    return ok;
+  });
+  if (status == 77) GTEST_SKIP() << "cannot install a seccomp filter here";
+  EXPECT_EQ(status, 0);
+}
+
+// No free name among the pack's tries: the swap-out fails with EEXIST and says where, and
+// nothing is created behind the dangling links that took the names.
+TEST_P(pack_test, without_unnamed_files_and_no_free_name_the_swap_out_fails) {
+  const io::engine_kind kind = GetParam();
+  scratch_dir dir;
+  ASSERT_FALSE(dir.path.empty());
+  const int status = testing::without_unnamed_files(dir.path, [&] {
+    for (int n = 0; n < 1000; ++n) {
+      const std::string name = ".tensormem-pack." + std::to_string(getpid()) + "." + std::to_string(n);
+      fs::create_symlink(dir.path / "target", dir.path / name);
+    }
+    memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+    tensor_swapper swapper(pool, {.engine = kind, .queue_depth = 8, .block_bytes = std::size_t{64} << 10,
+                                  .staging_buffers = 4, .pack_below = std::size_t{1} << 20});
+    auto a = pattern(10'000, 30);
+    const tensor_ref a_ref{a.data(), a.size()};
+    const std::string a_path = dir.file("a");
+    const auto r = swapper.wait(swapper.swap_out({&a_ref, 1}, {&a_path, 1}));
+    const std::string want = "cannot create a pack file in " + dir.path.string() + ": ";
+    const bool ok = r.at(0).error == EEXIST && r.at(0).message.starts_with(want) &&
+                    !fs::exists(fs::symlink_status(dir.path / "target")) && !fs::exists(a_path);
+    if (!ok) std::fprintf(stderr, "error %d: %s\n", r.at(0).error, r.at(0).message.c_str());
+    return ok;
+  });
+  if (status == 77) GTEST_SKIP() << "cannot install a seccomp filter here";
+  EXPECT_EQ(status, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, pack_test,

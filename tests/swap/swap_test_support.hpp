@@ -1,12 +1,20 @@
 #pragma once
 // Helpers shared by the swapper and file I/O tests: a scratch directory removed with its
-// contents, reproducible tensor bytes, an engine wrapper, and a full disk in a child process.
+// contents, reproducible tensor bytes, an engine wrapper, and a full disk or a file system
+// without unnamed files in a child process.
 
+#include <fcntl.h>
 #include <grp.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -136,6 +144,58 @@ int in_small_tmpfs(const std::filesystem::path& dir, const char* size, Body body
     const bool ok = body();
     umount(dir.c_str());
     _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
+/// Runs `body` in a child process where every open with O_TMPFILE fails with EOPNOTSUPP, as
+/// on a file system that has no unnamed files (a seccomp filter on open and openat). Returns
+/// 0 when `body` returned true, 1 when false, 77 when the filter could not be installed
+/// here (the caller skips).
+template <class Body>
+int without_unnamed_files(const std::filesystem::path& dir, Body body) {
+#if defined(__x86_64__)
+  constexpr std::uint32_t arch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+  constexpr std::uint32_t arch = AUDIT_ARCH_AARCH64;
+#else
+  constexpr std::uint32_t arch = 0;  // no filter written for this machine
+  if (arch == 0) return 77;
+#endif
+  constexpr std::uint32_t tmpfile_bit = 020000000;  // the kernel's __O_TMPFILE
+  static_assert((O_TMPFILE & tmpfile_bit) != 0);
+  const auto arg_low = [](unsigned i) { return static_cast<std::uint32_t>(offsetof(seccomp_data, args) + 8 * i); };
+  sock_filter program[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, arch, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_openat, 0, 2),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, arg_low(2)),  // openat's flags (the low half)
+      BPF_JUMP(BPF_JMP | BPF_JA, 2, 0, 0),
+#if defined(SYS_open)
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_open, 0, 3),
+#else
+      BPF_JUMP(BPF_JMP | BPF_JA, 3, 0, 0),
+#endif
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, arg_low(1)),  // open's flags
+      BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, tmpfile_bit, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EOPNOTSUPP),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  const sock_fprog filter{static_cast<unsigned short>(std::size(program)), program};
+  const pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter) != 0) {
+      _exit(77);
+    }
+    // The filter works: an unnamed file is refused as such a file system refuses it.
+    const int probe = open(dir.c_str(), O_TMPFILE | O_RDWR, 0600);
+    if (probe >= 0 || errno != EOPNOTSUPP) _exit(77);
+    _exit(body() ? 0 : 1);
   }
   int status = 0;
   waitpid(child, &status, 0);

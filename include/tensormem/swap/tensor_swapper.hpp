@@ -39,10 +39,11 @@ struct swap_options {
   /// up to twice the disk space. `remove_files(path)` deletes both.
   bool reuse_files = true;
   /// Tensors of at most this many bytes (0: none) are packed into one unnamed file per
-  /// directory (O_TMPFILE), kept open by the swapper, at slots that an offset allocator hands
-  /// out and takes back: no file is opened, created or renamed per tensor, and a slot holds
-  /// the bytes alone (size and checksum stay in the swapper's index), so small tensors move
-  /// at the disk's speed. A packed tensor lives in the swapper: the same swapper reads
+  /// directory (O_TMPFILE; where the file system has none, a file created under a name nothing
+  /// else has, never through a link or over a file, and unlinked at once), kept open by the
+  /// swapper, at slots that an offset allocator hands out and takes back: no file is opened,
+  /// created or renamed per tensor, and a slot holds the bytes alone (size and checksum stay
+  /// in the swapper's index), so small tensors move at the disk's speed. A packed tensor lives in the swapper: the same swapper reads
   /// it back by its path; the pack's storage goes away with the swapper (and with the
   /// process, however it ends). No file is created at the path; a file a swap-out of the
   /// path left there before is removed when the path is first packed (it would be stale).
