@@ -155,12 +155,18 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
   bool direct = options_.direct && aligned(reinterpret_cast<std::uintptr_t>(buffer)) && aligned(file_offset) &&
                 aligned(bytes);
   const bool wanted_direct = direct;
-  const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC;
+  const int flags = (write ? O_WRONLY | O_CREAT : O_RDONLY) | O_CLOEXEC | (options_.follow_links ? 0 : O_NOFOLLOW);
   const char* refused = nullptr;
   const int fd = open_regular_file(
       path.c_str(), [&](int extra) { return ::open(path.c_str(), flags | extra, 0600); }, direct, refused);
   if (fd < 0) {
-    const int e = errno;
+    int e = errno;
+    if (e == ELOOP && !options_.follow_links) {  // O_NOFOLLOW met a link at the path itself
+      if (const auto mode = mode_at(path); mode && S_ISLNK(*mode)) {
+        refused = kind_of_file(*mode);
+        e = EINVAL;
+      }
+    }
     throw std::system_error(e, std::generic_category(),
                             std::string("cannot open ") + path + (write ? " for writing" : " for reading") +
                                 (refused != nullptr ? std::string(": it is ") + refused + ", not a regular file" : ""));

@@ -34,9 +34,17 @@ void for_each_stripe(std::size_t id, std::uint64_t padded, std::uint64_t stripe,
   }
 }
 
+// The space's files are its own: a symbolic link where one of them goes is refused, never
+// followed to a file elsewhere.
+io::file_io_options own_files(io::file_io_options options) {
+  options.follow_links = false;
+  return options;
+}
+
 }  // namespace
 
-swap_space::swap_space(swap_space_options options) : options_(std::move(options)), io_(options_.io) {
+swap_space::swap_space(swap_space_options options)
+    : options_(std::move(options)), io_(own_files(options_.io)) {
   if (options_.folders.empty()) throw std::invalid_argument("swap_space: no folders");
   if (options_.stripe_bytes == 0 || options_.stripe_bytes % page != 0) {
     throw std::invalid_argument("swap_space: stripe_bytes must be a positive multiple of 4096, not " +
@@ -126,10 +134,10 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
   // Another space (or an earlier run that was killed) using these files would be clobbered.
   for (unsigned slot = 0; slot < 2; ++slot) {
     for (std::size_t f = 0; f < dirs_.size(); ++f) {
-      std::error_code ec;
       const std::string file = file_path(name, slot, f);
-      if (std::filesystem::exists(file, ec)) {
-        throw offload_error("swap file " + file + " already exists: another swap space uses the name " + name +
+      if (const auto mode = io::mode_at(file)) {  // a link counts, dangling or not
+        throw offload_error("swap file " + file + " already exists (" + io::kind_of_file(*mode) +
+                                "): another swap space uses the name " + name +
                                 " in this folder, or an earlier run left it (remove it)",
                             name, file, EEXIST);
       }

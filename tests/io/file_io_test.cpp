@@ -242,6 +242,61 @@ TEST_P(file_io_test, only_regular_files_are_opened_and_a_pipe_never_blocks) {
   EXPECT_EQ(std::memcmp(back.data, bytes.data(), bytes.size()), 0);
 }
 
+// Without follow_links a link at the path is refused for reading and writing, dangling or
+// not, and nothing is written or created where it points; with it (the default) the link is
+// followed, as a user's path is.
+TEST_P(file_io_test, a_link_is_refused_where_the_files_are_the_callers_own) {
+  scratch_dir dir;
+  const std::string target = dir.file("target");
+  const std::vector<std::byte> before = pattern(4096, 3);
+  write_plain(target, before);
+  const std::string to_target = dir.file("to_target");
+  const std::string dangling = dir.file("dangling");
+  std::filesystem::create_symlink(target, to_target);
+  std::filesystem::create_symlink(dir.file("nowhere"), dangling);
+  file_io_options own = options();
+  own.follow_links = false;
+  async_file_io io(own);
+  aligned_buffer b(4096);
+  std::memset(b.data, 0x5a, 4096);
+  for (const std::string& link : {to_target, dangling}) {
+    for (const bool write : {false, true}) {
+      SCOPED_TRACE(link + (write ? " (write)" : " (read)"));
+      try {
+        if (write) {
+          io.write(b.data, 4096, link, 0);
+        } else {
+          io.read(b.data, 4096, link, 0);
+        }
+        ADD_FAILURE() << "queued";
+      } catch (const std::system_error& e) {
+        EXPECT_EQ(e.code().value(), EINVAL);
+        EXPECT_NE(std::string(e.what()).find("cannot open " + link + (write ? " for writing" : " for reading") +
+                                             ": it is a symbolic link, not a regular file"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  }
+  EXPECT_EQ(io.pending(), 0U);
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(dir.file("nowhere"))));
+  // A regular file is still written and read, and the target kept its bytes.
+  const std::string own_file = dir.file("own");
+  io.write(b.data, 4096, own_file, 0);
+  EXPECT_TRUE(io.wait().errors.empty());
+  aligned_buffer back(4096);
+  io.read(back.data, 4096, target, 0);
+  EXPECT_TRUE(io.wait().errors.empty());
+  EXPECT_EQ(std::memcmp(back.data, before.data(), 4096), 0);
+  // Followed by default.
+  async_file_io follows(options());
+  follows.write(b.data, 4096, to_target, 0);
+  EXPECT_TRUE(follows.wait().errors.empty());
+  io.read(back.data, 4096, target, 0);
+  EXPECT_TRUE(io.wait().errors.empty());
+  EXPECT_EQ(std::memcmp(back.data, b.data, 4096), 0);
+}
+
 // "a\0b" would name the file "a" at the system call: such a path, and an empty one, are
 // refused before any file is opened, and the file the prefix names keeps its bytes.
 TEST_P(file_io_test, empty_paths_and_paths_with_a_nul_byte_are_refused) {

@@ -239,6 +239,35 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
       EXPECT_NE(e.path().find("stale.g1"), std::string::npos);
     }
   }
+  {
+    // A link where a swap file goes, even a dangling one, counts as a file there.
+    const auto nowhere = dir.path / "b" / "nowhere";
+    std::filesystem::create_symlink(nowhere, dir.path / "b" / "rank3" / "linked.g0");
+    try {
+      s.add("linked", 10);
+      FAIL() << "a dangling link was not noticed";
+    } catch (const offload_error& e) {
+      EXPECT_EQ(e.error(), EEXIST);
+      EXPECT_NE(std::string(e.what()).find("linked.g0 already exists (a symbolic link)"), std::string::npos)
+          << e.what();
+    }
+    // One put there after the tensor was added is refused by the write, never followed.
+    const std::size_t late = s.add("late", 10);
+    for (unsigned slot = 0; slot < 2; ++slot) {
+      for (std::size_t f = 0; f < o.folders.size(); ++f) std::filesystem::create_symlink(nowhere, s.path(late, slot, f));
+    }
+    aligned_floats buffer(s.padded_bytes(late) + 4096);
+    try {
+      auto t = s.write(late, buffer.data);
+      s.finish(t);
+      FAIL() << "written through a link";
+    } catch (const offload_error& e) {
+      EXPECT_EQ(e.error(), EINVAL);
+      EXPECT_NE(std::string(e.what()).find("it is a symbolic link, not a regular file"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_FALSE(std::filesystem::exists(std::filesystem::symlink_status(nowhere)));
+  }
   try {
     s.add("big", 200000);  // two generations over three folders pass 100000 in one
     FAIL() << "capacity not enforced";
@@ -247,7 +276,7 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
     EXPECT_EQ(e.error(), ENOSPC);
     EXPECT_NE(std::string(e.what()).find("is full"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(s.size(), 1U);
+  EXPECT_EQ(s.size(), 2U);
   aligned_floats b(s.padded_bytes(id) + 4096);
   EXPECT_THROW(s.read(id, b.data), offload_error);  // nothing committed yet
   EXPECT_THROW(s.commit(id), std::logic_error);      // nothing written

@@ -76,6 +76,9 @@ struct file_io_options {
   unsigned rings = 1;           ///< engines (1 to max_rings), each driven by its own thread; an op's blocks are dealt out in turn
   engine_kind engine = engine_kind::uring;
   bool direct = true;           ///< O_DIRECT where buffer, offset and length are 4096-aligned
+  /// false: the files are the caller's own, and a symbolic link at a path is refused (EINVAL,
+  /// "it is a symbolic link, not a regular file") instead of followed (O_NOFOLLOW).
+  bool follow_links = true;
   /// Makes each ring's engine instead of `engine` (tests wrap engines to inject faults).
   std::function<std::unique_ptr<io_engine>(unsigned queue_depth)> make_engine;
 };
@@ -121,7 +124,8 @@ class async_file_io {
   /// Queues a read of `bytes` at `file_offset` of `path` into `buffer` (which must stay valid
   /// until `wait` returns). Throws std::system_error naming the path when the file cannot be
   /// opened, is not a regular file (a pipe, a device: EINVAL, naming what it is; a directory:
-  /// EISDIR; the open never waits for a pipe's other end), or is shorter than
+  /// EISDIR; a symbolic link without `follow_links`: EINVAL; the open never waits for a
+  /// pipe's other end), or is shorter than
   /// `file_offset + bytes`, std::invalid_argument for an empty path
   /// or one holding a NUL byte (io::check_path_argument); nothing is queued then. With `validate`,
   /// `wait` reads the range again through the page cache and compares. Returns the
