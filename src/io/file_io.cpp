@@ -38,6 +38,12 @@ std::optional<unsigned> mode_at(const std::string& path) noexcept {
 
 int not_a_file_error(unsigned mode) noexcept { return S_ISDIR(mode) ? EISDIR : EINVAL; }
 
+std::optional<not_a_file> not_a_file_at(const std::string& path, bool link_allowed) noexcept {
+  const auto mode = mode_at(path);
+  if (!mode || S_ISREG(*mode) || (link_allowed && S_ISLNK(*mode))) return std::nullopt;
+  return not_a_file{not_a_file_error(*mode), kind_of_file(*mode)};
+}
+
 int keep_opened_file(int fd, const char* path, const char*& refused, bool regular_only) noexcept {
   struct stat st {};
   if (fd < 0) {

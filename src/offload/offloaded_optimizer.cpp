@@ -406,10 +406,10 @@ namespace {
 // link, itself replaced) may be. A device node (/dev/null, as root), a pipe, a socket or a
 // folder there is refused before anything is written.
 void check_replaceable(const std::string& path) {
-  const auto mode = io::mode_at(path);
-  if (!mode || S_ISREG(*mode) || S_ISLNK(*mode)) return;
-  throw std::system_error(io::not_a_file_error(*mode), std::generic_category(),
-                          "cannot save checkpoint " + path + ": it is " + io::kind_of_file(*mode) +
+  const auto there = io::not_a_file_at(path, /*link_allowed=*/true);
+  if (!there) return;
+  throw std::system_error(there->error, std::generic_category(),
+                          "cannot save checkpoint " + path + ": it is " + there->kind +
                               "; a checkpoint replaces only a regular file");
 }
 
@@ -419,10 +419,10 @@ void check_replaceable(const std::string& path) {
 // user's file) and the rename would then put the link at `path`; a device would take the
 // bytes.
 void check_temporary(const std::string& path, const std::string& tmp) {
-  const auto mode = io::mode_at(tmp);
-  if (!mode || S_ISREG(*mode)) return;
-  throw std::system_error(io::not_a_file_error(*mode), std::generic_category(),
-                          "cannot save checkpoint " + path + ": " + tmp + " is " + io::kind_of_file(*mode) +
+  const auto there = io::not_a_file_at(tmp);
+  if (!there) return;
+  throw std::system_error(there->error, std::generic_category(),
+                          "cannot save checkpoint " + path + ": " + tmp + " is " + there->kind +
                               "; a save writes its temporary file there itself, and nothing was written");
 }
 

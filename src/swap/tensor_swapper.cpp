@@ -257,18 +257,18 @@ namespace {
 // What is at `path` ("a pipe", "a device"...) where something other than a regular file is;
 // nullptr where a regular file or nothing is.
 const char* other_than_a_file(const std::string& path) {
-  const auto mode = io::mode_at(path);
-  return mode && !S_ISREG(*mode) ? io::kind_of_file(*mode) : nullptr;
+  const auto there = io::not_a_file_at(path);
+  return there ? there->kind : nullptr;
 }
 
 // Why a swap-out must not replace what is at `path`, or empty when it may: nothing there, or
 // a regular file. The commit exchanges the new file with whatever the path names, so a
 // directory would be moved aside (with everything in it) and a symbolic link replaced.
 std::string not_replaceable(const std::string& path, int& error) {
-  const auto mode = io::mode_at(path);
-  if (!mode || S_ISREG(*mode)) return {};
-  error = io::not_a_file_error(*mode);
-  return path + " is " + io::kind_of_file(*mode) + "; a swap-out replaces only a regular file (or makes a new one)";
+  const auto there = io::not_a_file_at(path);
+  if (!there) return {};
+  error = there->error;
+  return path + " is " + there->kind + "; a swap-out replaces only a regular file (or makes a new one)";
 }
 
 }  // namespace

@@ -416,6 +416,26 @@ TEST(file_io, the_mode_at_a_path_is_that_of_the_path_itself) {
   EXPECT_EQ(not_a_file_error(*mode_at(folder)), EISDIR);
   EXPECT_EQ(not_a_file_error(*mode_at(pipe)), EINVAL);
   EXPECT_EQ(not_a_file_error(*mode_at(link)), EINVAL);
+  // Where a regular file is wanted: nothing and a regular file pass, a link only when allowed.
+  EXPECT_FALSE(not_a_file_at((dir.path / "nothing").string()).has_value());
+  EXPECT_FALSE(not_a_file_at(file).has_value());
+  EXPECT_FALSE(not_a_file_at(link, /*link_allowed=*/true).has_value());
+  const struct {
+    std::string path;
+    int error;
+    const char* kind;
+  } refused[] = {{link, EINVAL, "a symbolic link"}, {pipe, EINVAL, "a pipe"}, {folder, EISDIR, "a directory"},
+                 {"/dev/null", EINVAL, "a device"}};
+  for (const auto& r : refused) {
+    for (const bool link_allowed : {false, true}) {
+      if (link_allowed && r.path == link) continue;
+      SCOPED_TRACE(r.path + (link_allowed ? " (links allowed)" : ""));
+      const auto there = not_a_file_at(r.path, link_allowed);
+      ASSERT_TRUE(there.has_value());
+      EXPECT_EQ(there->error, r.error);
+      EXPECT_STREQ(there->kind, r.kind);
+    }
+  }
 }
 
 TEST(file_io, a_short_read_fails_its_operation_alone) {

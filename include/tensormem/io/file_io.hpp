@@ -48,6 +48,18 @@ std::optional<unsigned> mode_at(const std::string& path) noexcept;
 /// directory, else EINVAL.
 int not_a_file_error(unsigned mode) noexcept;
 
+/// Something other than a regular file where one is wanted: the errno that refuses it
+/// (not_a_file_error) and what it is (kind_of_file), for the caller's message.
+struct not_a_file {
+  int error = 0;
+  const char* kind = nullptr;
+};
+
+/// What refuses `path` where a regular file is wanted: nullopt where nothing is there, a
+/// regular file is, or (with `link_allowed`, for a path a rename replaces) a symbolic link;
+/// else the errno and what is there. A link is not followed.
+std::optional<not_a_file> not_a_file_at(const std::string& path, bool link_allowed = false) noexcept;
+
 /// Keeps `fd`, opened with O_NONBLOCK so that the open could not wait, clearing O_NONBLOCK.
 /// With `regular_only`, anything but a regular file is closed and refused: -1 with errno
 /// EISDIR for a directory, else EINVAL, and `refused` naming what it is. With `fd` < 0 and
