@@ -552,34 +552,21 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
   };
   std::packaged_task<core::plan_result()> task([&] { return core::plan(buffers, o); });
   std::future<core::plan_result> result = task.get_future();
-  bool raised = false;     // a Python exception is set, to be raised
-  std::exception_ptr failure;  // or a C++ one (is_set() giving what is not a bool...)
-  {
+  std::jthread planner(std::move(task));
+  try {
+    wait_answering_signals([&](auto deadline) { return result.wait_until(deadline) == std::future_status::ready; },
+                           [&] {
+                             if (!stop.is_none() && !stop_flag.load() && stop.attr("is_set")().cast<bool>()) {
+                               stop_flag.store(true);
+                             }
+                             hand_on();
+                           });
+  } catch (...) {  // raised once the planner has ended, its plan dropped
+    stop_flag.store(true);
     py::gil_scoped_release release;
-    std::jthread planner(std::move(task));
-    while (result.wait_for(signal_check_interval) != std::future_status::ready) {
-      py::gil_scoped_acquire acquire;
-      if (PyErr_CheckSignals() != 0) {
-        raised = true;
-      } else {
-        try {
-          if (!stop.is_none() && !stop_flag.load() && stop.attr("is_set")().cast<bool>()) stop_flag.store(true);
-          hand_on();
-        } catch (py::error_already_set& e) {
-          e.restore();  // raised below, once the planner has ended
-          raised = true;
-        } catch (...) {
-          failure = std::current_exception();
-        }
-      }
-      if (raised || failure) {
-        stop_flag.store(true);
-        break;
-      }
-    }
-  }  // the planner thread has ended here
-  if (raised) throw py::error_already_set();
-  if (failure) std::rethrow_exception(failure);
+    planner.join();
+    throw;
+  }
   hand_on();  // its last report, so that a progress display ends where the plan did
   return result.get();
 }

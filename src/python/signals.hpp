@@ -12,10 +12,12 @@ inline constexpr std::chrono::milliseconds signal_check_interval{50};
 
 /// Waits for `attempt(deadline)` to return true, in slices of signal_check_interval with the
 /// GIL released, handling signals between slices (on the main thread): Ctrl-C raises
-/// KeyboardInterrupt, and so does whatever a Python signal handler raises. `attempt` must
-/// leave things as they were when it returns false, so that the wait can be taken up again.
-template <class Attempt>
-void wait_answering_signals(Attempt attempt) {
+/// KeyboardInterrupt, and so does whatever a Python signal handler raises. After the signals,
+/// `between()` runs with the GIL (the caller's own Python calls); what it throws ends the
+/// wait too. `attempt` must leave things as they were when it returns false, so that the
+/// wait can be taken up again.
+template <class Attempt, class Between>
+void wait_answering_signals(Attempt attempt, Between between) {
   for (;;) {
     bool done = false;
     {
@@ -24,7 +26,13 @@ void wait_answering_signals(Attempt attempt) {
     }
     if (done) return;
     if (PyErr_CheckSignals() != 0) throw pybind11::error_already_set();
+    between();
   }
+}
+
+template <class Attempt>
+void wait_answering_signals(Attempt attempt) {
+  wait_answering_signals(attempt, [] {});
 }
 
 }  // namespace tensormem::python
