@@ -302,8 +302,7 @@ int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, c
 
 namespace {
 
-// Runs `work` with `lock` released (taken again however it ends) and returns the seconds it
-// took. The worker checksums and copies blocks of a job's bytes, and hands requests to the
+// Runs `work` with `lock` released (taken again however it ends). The worker checksums and copies blocks of a job's bytes, and hands requests to the
 // engine, this way: a megabyte's checksum takes it tens of microseconds and a submission up
 // to a few milliseconds (the kernel starts the transfers in it), and under the lock every
 // done(), wait() and new transfer of the callers waited for them (a round of checksums, up
@@ -311,14 +310,20 @@ namespace {
 // requests being queued, and a job's bytes, checksums and staging buffers until the job is
 // finished; jobs stay where they are in the map (std::map) while the callers add theirs.
 template <class Work>
-double outside(std::unique_lock<std::mutex>& lock, Work&& work) {
+void outside(std::unique_lock<std::mutex>& lock, Work&& work) {
   lock.unlock();
   const struct relock {
     std::unique_lock<std::mutex>& held;
     ~relock() { held.lock(); }
   } again{lock};
-  const auto t0 = std::chrono::steady_clock::now();
   work();
+}
+
+// `outside`, returning the seconds `work` took (the swapper's timers).
+template <class Work>
+double timed_outside(std::unique_lock<std::mutex>& lock, Work&& work) {
+  const auto t0 = std::chrono::steady_clock::now();
+  outside(lock, std::forward<Work>(work));
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
@@ -581,7 +586,7 @@ bool tensor_swapper::queue_more(std::unique_lock<std::mutex>& lock, std::uint64_
     if (!straight && free_staging_.empty()) return false;
     if (with_header && free_headers_.empty()) return false;
     if (j.out && options_.checksums) {
-      timers_["checksum"] += outside(lock, [&] { j.crc = crc32c(data + off, n, j.crc); });
+      timers_["checksum"] += timed_outside(lock, [&] { j.crc = crc32c(data + off, n, j.crc); });
     }
     std::size_t h = no_staging;
     if (with_header) {
@@ -596,7 +601,7 @@ bool tensor_swapper::queue_more(std::unique_lock<std::mutex>& lock, std::uint64_
       const std::size_t s = take_staging();
       const std::size_t padded = round_up(n, io_alignment);
       if (j.out) {
-        timers_["staging_copy"] += outside(lock, [&] {
+        timers_["staging_copy"] += timed_outside(lock, [&] {
           std::memcpy(staging_[s], data + off, n);
           std::memset(staging_[s] + n, 0, padded - n);
         });
@@ -693,13 +698,14 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
       // A data block arrived: into the tensor (copied from staging if it was staged), then
       // checksummed while the other blocks are still in flight.
       if (r.copy_to != nullptr) {
-        timers_["staging_copy"] += outside(lock, [&] { std::memcpy(r.copy_to, staging_[r.staging], r.copy_bytes); });
+        timers_["staging_copy"] +=
+            timed_outside(lock, [&] { std::memcpy(r.copy_to, staging_[r.staging], r.copy_bytes); });
       }
       // (A tensor of one block is checksummed by the committer, off this thread.)
       if (options_.checksums && j.error == 0 && j.block_crc.size() > 1) {
         const std::size_t off = r.block * options_.block_bytes;
         const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
-        timers_["checksum"] += outside(lock, [&] {
+        timers_["checksum"] += timed_outside(lock, [&] {
           j.block_crc[r.block] = crc32c(static_cast<const std::byte*>(j.tensor.data) + off, n);
         });
       }

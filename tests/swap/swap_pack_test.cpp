@@ -293,7 +293,9 @@ TEST_P(pack_test, without_unnamed_files_the_pack_takes_a_free_name_and_leaves_ta
   const io::engine_kind kind = GetParam();
   scratch_dir dir;
   ASSERT_FALSE(dir.path.empty());
-  const auto taken = [&](int n) { return dir.path / (".tensormem-pack." + std::to_string(getpid()) + "." + std::to_string(n)); };
+  const auto taken = [&](int n) {
+    return dir.path / (".tensormem-pack." + std::to_string(getpid()) + "." + std::to_string(n));
+  };
   const auto read_all = [](const fs::path& p) {
     std::ifstream in(p, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(in), {});
