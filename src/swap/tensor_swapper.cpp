@@ -170,6 +170,14 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   if (options_.block_bytes == 0 || options_.block_bytes % io_alignment != 0) {
     throw std::invalid_argument("tensor_swapper: block_bytes must be a positive multiple of 4096");
   }
+  if (options_.queue_depth == 0 || options_.queue_depth > io::max_queue_depth) {
+    throw std::invalid_argument("tensor_swapper: queue_depth must be 1 to " + std::to_string(io::max_queue_depth) +
+                                ", not " + std::to_string(options_.queue_depth));
+  }
+  if (options_.staging_buffers < 2) {
+    throw std::invalid_argument("tensor_swapper: staging_buffers must be at least 2 (a block is staged while another "
+                                "moves), not " + std::to_string(options_.staging_buffers));
+  }
   std::string reason;
   if (!engine_) engine_ = io::make_engine(options_.engine, options_.queue_depth, reason);
   stats_.engine = std::string(io::to_string(engine_->kind()));
@@ -178,7 +186,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   stats_.direct = options_.direct;
   max_open_files_ = open_file_budget();
   max_queued_ = std::max<std::size_t>(2U * std::max(engine_->queue_depth(), 1U), 8);
-  const std::size_t count = std::max<std::size_t>(options_.staging_buffers, 2);
+  const std::size_t count = options_.staging_buffers;
   // Headers have pages of their own (one per request the swapper may have queued), so small
   // tensors do not hold a whole staging buffer each for their 4 KiB header.
   const std::size_t headers = max_queued_;

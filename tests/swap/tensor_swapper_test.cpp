@@ -280,6 +280,38 @@ TEST(swapper, staging_beyond_the_machines_memory_is_refused_before_any_is_taken)
   EXPECT_GT(pool.stats().allocations, 0U);
 }
 
+// Options it cannot work with are refused when it is made, saying which and why, before any
+// staging buffer is taken (a queue depth of 0 ran at 1, and fewer than two staging buffers
+// were two, without a word).
+TEST(swapper, options_it_cannot_work_with_are_refused) {
+  memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+  const struct {
+    swap_options options;
+    std::string message;
+  } cases[] = {
+      {{.queue_depth = 0}, "tensor_swapper: queue_depth must be 1 to 32768, not 0"},
+      {{.queue_depth = io::max_queue_depth + 1}, "tensor_swapper: queue_depth must be 1 to 32768, not 32769"},
+      {{.block_bytes = 0}, "tensor_swapper: block_bytes must be a positive multiple of 4096"},
+      {{.block_bytes = 6000}, "tensor_swapper: block_bytes must be a positive multiple of 4096"},
+      {{.staging_buffers = 0}, "tensor_swapper: staging_buffers must be at least 2 (a block is staged while "
+                               "another moves), not 0"},
+      {{.staging_buffers = 1}, "tensor_swapper: staging_buffers must be at least 2 (a block is staged while "
+                               "another moves), not 1"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message);
+    try {
+      tensor_swapper s(pool, c.options);
+      ADD_FAILURE() << "accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), c.message);
+    }
+    EXPECT_EQ(pool.stats().allocations, 0U);
+  }
+  tensor_swapper edge(pool, {.queue_depth = 1, .block_bytes = 4096, .staging_buffers = 2});
+  EXPECT_EQ(edge.stats().failed, 0U);
+}
+
 // The swapper's three threads (reaper, committer, worker): when one cannot start, those
 // started end, the staging goes back to the pool and the constructor throws (a joinable
 // std::thread destroyed while unwinding ended the process, and the staging stayed taken).

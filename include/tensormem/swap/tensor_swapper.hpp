@@ -28,9 +28,9 @@ inline constexpr std::size_t io_alignment = 4096;
 
 struct swap_options {
   io::engine_kind engine = io::engine_kind::uring;  ///< falls back to threads, reported
-  unsigned queue_depth = 32;                       ///< requests in flight, at most io::max_queue_depth
+  unsigned queue_depth = 32;                       ///< requests in flight, 1 to io::max_queue_depth
   std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per I/O request (multiple of io_alignment)
-  std::size_t staging_buffers = 8;                 ///< pinned buffers of block_bytes each
+  std::size_t staging_buffers = 8;                 ///< pinned buffers of block_bytes each, at least 2
   bool direct = true;      ///< O_DIRECT where the filesystem allows it (reported otherwise)
   bool checksums = true;   ///< CRC-32C written with each tensor and verified on swap-in
   /// Keep the version before the last of each path as `path.tensormem-spare` and write the
