@@ -343,6 +343,18 @@ def test_async_tensor_swapper_deepspeed_api(tmp_path):
     swapper.release_buffers()
 
 
+def test_a_swapper_it_cannot_work_with_is_refused_when_made():
+    pool = tensormem.PinnedPool(slab_bytes=4 << 20)
+    for depth in (0, 32769):
+        with pytest.raises(ValueError, match=f"queue_depth must be 1 to 32768, not {depth}"):
+            tensormem.TensorSwapper(pool, queue_depth=depth)
+    for count in (0, 1):
+        with pytest.raises(ValueError, match=f"staging_buffers must be at least 2 .*, not {count}"):
+            tensormem.TensorSwapper(pool, staging_buffers=count)
+    assert pool.stats()["allocations"] == 0
+    tensormem.TensorSwapper(pool, queue_depth=1, block_bytes=4096, staging_buffers=2)
+
+
 def test_async_tensor_swapper_names_misuse_at_the_call(tmp_path):
     swapper = AsyncTensorSwapper()
     # paths and tensors swapped: named, not "'str' object has no attribute 'device'"
