@@ -16,7 +16,9 @@ side of not losing data:
 - Any CPU tensor works directly (O_DIRECT when its address, offset and size are multiples
   of 4096, the page cache otherwise); other tensors (CUDA, non-contiguous) go through a
   bounce copy, written back by ``wait()`` for reads that succeeded (a failed read leaves
-  its tensor as it was).
+  its tensor as it was; a copy that fails, into a tensor resized meanwhile, is raised after
+  the others are made). Meta and sparse tensors, and reads into a view whose elements share
+  memory (``expand``), are refused with ``ValueError`` before any I/O.
 - ``intra_op_parallelism`` is the number of io_uring rings, each driven by its own thread;
   an operation's ``block_size`` requests are dealt out to them in turn (DeepSpeed splits it
   in equal parts, which must divide evenly; here any size works). ``single_submit`` and
@@ -229,6 +231,13 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         """(the tensor the bytes move through, the tensor to copy it back into or None)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"aio_handle: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"aio_handle: tensors must be dense (strided), not {tensor.layout}")
+        if tensor.device.type == "meta":  # a read would complete and its bytes go nowhere
+            raise ValueError("aio_handle: a tensor on meta has no memory to read into or write from")
+        if read and torch._debug_has_internal_overlap(tensor) == 1:  # copy_ would refuse it after the read
+            raise ValueError("aio_handle: elements of the tensor to read into share memory (an expanded "
+                             "view); read into a tensor of its own")
         if tensor.device.type == "cpu" and tensor.is_contiguous():
             return tensor, None
         if read:
@@ -256,11 +265,17 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         queued = keep[:]
         keep.clear()
         failed = {ticket for _, _, _, ticket in errors}
+        copy_failure = None
         for ticket, staged, destination in queued:
             if destination is not None and ticket not in failed:
-                destination.copy_(staged)
+                try:  # a tensor resized since its read was queued: the others still get their bytes
+                    destination.copy_(staged)
+                except Exception as e:  # noqa: BLE001 - raised below, after every copy
+                    copy_failure = copy_failure or e
         if errors:
             raise AIOError([(path, err, message) for path, err, message, _ in errors], completed)
+        if copy_failure is not None:
+            raise copy_failure
         return completed
 
     def _sync(self, read: bool, buffer, filename, validate, file_offset) -> int:

@@ -199,6 +199,57 @@ def test_a_failed_staged_read_leaves_its_tensor_as_it_was(tmp_path):
     assert torch.equal(kept, before)
 
 
+def test_tensors_without_memory_of_their_own_are_refused_before_any_io(tmp_path):
+    """A meta tensor has no bytes (a read into it completed and its bytes went nowhere), a
+    sparse one no single buffer, and an expanded view shares memory between elements (the
+    copy-back refused it only after the read). Each is refused when queued, on every path
+    in; the file is untouched and nothing is left queued."""
+    h = ds.aio_handle()
+    path = str(tmp_path / "f")
+    data = random_tensor(4096, torch.float32, 5)
+    assert h.sync_pwrite(data, path) == 1
+    before = pathlib_bytes(path)
+    cases = [
+        (torch.zeros(4096, device="meta"), "a tensor on meta has no memory", (True, False)),
+        (torch.zeros(64, 64).to_sparse(), "tensors must be dense \\(strided\\), not torch.sparse_coo", (True, False)),
+        (torch.zeros(1).expand(4096), "elements of the tensor to read into share memory", (True,)),
+    ]
+    for tensor, message, reads in cases:
+        for read in reads:
+            calls = [lambda: h.sync_pread(tensor, path), lambda: h.async_pread(tensor, path),
+                     lambda: h.read(tensor, path, False), lambda: h.pread(tensor, path, False, False),
+                     lambda: ds.aio_read(tensor, path, 1 << 20, 8, False, False, False)]
+            if not read:
+                calls = [lambda: h.sync_pwrite(tensor, path), lambda: h.async_pwrite(tensor, path),
+                         lambda: h.write(tensor, path, False), lambda: h.pwrite(tensor, path, False, False),
+                         lambda: ds.aio_write(tensor, path, 1 << 20, 8, False, False, False)]
+            for call in calls:
+                with pytest.raises(ValueError, match=message):
+                    call()
+    assert h.wait() == 0
+    assert pathlib_bytes(path) == before
+    # An expanded view may be written: its elements are read, not written.
+    assert h.sync_pwrite(torch.ones(1).expand(1024), str(tmp_path / "ones")) == 1
+    assert pathlib_bytes(str(tmp_path / "ones")) == raw_bytes(torch.ones(1024))
+
+
+def test_a_tensor_resized_before_the_wait_does_not_take_the_others_reads_with_it(tmp_path):
+    """Staged reads are copied back at wait(): when one copy fails (its tensor was resized
+    meanwhile), the other reads are still copied back, and then the failure is raised."""
+    h = ds.aio_handle()
+    paths = [str(tmp_path / n) for n in ("a", "b")]
+    data = [random_tensor(64 * 48, torch.float32, 6 + i).view(64, 48) for i in range(2)]
+    for d, p in zip(data, paths):
+        assert h.sync_pwrite(d.t().contiguous(), p) == 1
+    first, second = torch.zeros(64, 48).t(), torch.zeros(64, 48).t()  # staged: not contiguous
+    assert h.async_pread(first, paths[0]) == 0 and h.async_pread(second, paths[1]) == 0
+    first.resize_(0)
+    with pytest.raises(RuntimeError):
+        h.wait()
+    assert torch.equal(second, data[1].t())
+    assert h.wait() == 0
+
+
 def test_validate_passes_on_matching_bytes(tmp_path):
     h = ds.aio_handle()
     t = random_tensor(1 << 20, torch.float32, 4)
