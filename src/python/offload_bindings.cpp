@@ -10,6 +10,7 @@
 #include <cstring>
 #include <future>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tensormem/offload/offloaded_optimizer.hpp"
@@ -53,6 +54,22 @@ std::vector<T*> pointers(const std::vector<std::uintptr_t>& addresses) {
   out.reserve(addresses.size());
   for (const std::uintptr_t a : addresses) out.push_back(reinterpret_cast<T*>(a));
   return out;
+}
+
+// A hyperparameter of a parameter group as the step reads it (a scheduler or the user may
+// have set it to anything since the constructor checked it): TypeError naming it and what it
+// is where it cannot be read as one ("Unable to cast Python instance to C++ type" before).
+template <class T>
+T hyper_value(const py::dict& d, const char* key) {
+  const py::object v = d[key];
+  try {
+    return v.cast<T>();
+  } catch (const py::cast_error&) {
+    const char* want = std::is_same_v<T, bool> ? "True or False" : std::is_same_v<T, double> ? "a number" : "two numbers";
+    throw py::type_error(std::string("param_groups: ") + key + " must be " + want + ", not " +
+                         py::repr(v).cast<std::string>() + " (" + py::str(v.get_type().attr("__name__")).cast<std::string>() +
+                         ")");
+  }
 }
 
 py::dict to_dict(const offload::step_stats& s) {
@@ -181,17 +198,17 @@ void bind_offload(py::module_& m) {
              std::vector<offload::param_hyper> h;
              for (const py::dict& d : hyper) {
                offload::param_hyper x;
-               x.lr = d["lr"].cast<double>();
-               x.weight_decay = d["weight_decay"].cast<double>();
+               x.lr = hyper_value<double>(d, "lr");
+               x.weight_decay = hyper_value<double>(d, "weight_decay");
                if (d.contains("betas")) {
-                 const auto b = d["betas"].cast<std::pair<double, double>>();
+                 const auto b = hyper_value<std::pair<double, double>>(d, "betas");
                  x.beta1 = b.first;
                  x.beta2 = b.second;
                }
-               if (d.contains("eps")) x.eps = d["eps"].cast<double>();
-               if (d.contains("momentum")) x.momentum = d["momentum"].cast<double>();
-               if (d.contains("dampening")) x.dampening = d["dampening"].cast<double>();
-               if (d.contains("nesterov")) x.nesterov = d["nesterov"].cast<bool>();
+               if (d.contains("eps")) x.eps = hyper_value<double>(d, "eps");
+               if (d.contains("momentum")) x.momentum = hyper_value<double>(d, "momentum");
+               if (d.contains("dampening")) x.dampening = hyper_value<double>(d, "dampening");
+               if (d.contains("nesterov")) x.nesterov = hyper_value<bool>(d, "nesterov");
                h.push_back(x);
              }
              const auto p = pointers<float>(params);

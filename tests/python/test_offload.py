@@ -614,6 +614,29 @@ def test_misuse_is_refused(tmp_path):
     assert e.value.errno == errno.ENOSPC
 
 
+def test_a_hyperparameter_set_to_what_is_not_a_number_is_named_and_the_step_changes_nothing(tmp_path):
+    params = list(mlp().parameters())
+    opt = OffloadedAdamW(params, swap_dirs=[str(tmp_path)])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    for key, value, message in [("lr", "0.1", "lr must be a number, not '0.1' \\(str\\)"),
+                                ("weight_decay", None, "weight_decay must be a number, not None"),
+                                ("betas", (0.9,), "betas must be two numbers, not \\(0.9,\\) \\(tuple\\)"),
+                                ("eps", [1e-8], "eps must be a number, not \\[1e-08\\] \\(list\\)")]:
+        kept = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        with pytest.raises(TypeError, match="param_groups: " + message):
+            opt.step()
+        opt.param_groups[0][key] = kept
+        assert all(torch.equal(p, b) for p, b in zip(params, before)), key
+    # A 0-d tensor or a numpy number is still read as one.
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+    opt.param_groups[0]["eps"] = np.float32(1e-8)
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda p, q: setattr(p, "data", torch.zeros(16)), r"parameter 0 is now 16 elements of torch.float32"),
     (lambda p, q: setattr(p, "data", torch.zeros(1 << 12, dtype=torch.float64)), "torch.float64"),
