@@ -76,6 +76,8 @@ class Graph:
     ops: Dict[str, int] = field(default_factory=dict)
     out_spec: object = None  # pytree structure of the call's result
     metas: Dict[str, list] = field(default_factory=dict)  # op node -> metadata per output
+    # input position -> the value that is not a tensor (a number, None...) the trace took as it was
+    constant_inputs: Dict[int, object] = field(default_factory=dict)
 
     @property
     def activation_bytes(self) -> int:
@@ -284,7 +286,20 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
         raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
     g = _analyse(gm, len(state), param_bytes, training)
     g.out_spec = structure[-1]
+    g.constant_inputs = {k: v for k, v in enumerate(tree_flatten(list(example_inputs))[0])
+                         if not isinstance(v, torch.Tensor)}
     return g
+
+
+def _same_constant(given, traced) -> bool:
+    """Whether an input that is not a tensor equals the value the trace took (its type too:
+    1 and 1.0 and True may trace differently)."""
+    if given is traced:
+        return True
+    try:
+        return type(given) is type(traced) and bool(given == traced)
+    except Exception:  # noqa: BLE001 - no truth value: not the same
+        return False
 
 
 def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training: bool) -> Graph:
@@ -691,6 +706,14 @@ def _planned_run(plan: ModulePlan, inputs):
                 else:
                     k = placeholder_index - g.n_state
                     x = inputs[k]
+                    if k in g.constant_inputs:  # not a tensor: the graph holds the traced value
+                        if not _same_constant(x, g.constant_inputs[k]):
+                            raise ValueError(f"ModulePlan.run: input {k} is {x!r}; the plan was made for "
+                                             f"{g.constant_inputs[k]!r}, which the trace took as a constant: "
+                                             f"plan again for another value")
+                        env[node.name] = x
+                        placeholder_index += 1
+                        continue
                     if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(meta.shape) or x.dtype != meta.dtype:
                         got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
                         raise ValueError(f"ModulePlan.run: input {k} is {got}; the plan was made for "

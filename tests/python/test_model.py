@@ -262,6 +262,35 @@ def test_a_swin_transformer_indexes_constants_and_strides_into_its_slots(trainin
     planned_equals_eager(module, x, training)
 
 
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, n: int, scale=None):
+        y = self.lin(x) * n
+        return y if scale is None else y * scale
+
+
+def test_inputs_that_are_not_tensors_are_constants_of_the_plan():
+    """A number or None among the inputs is taken by the trace as it is: the planned run
+    takes that same value and refuses another, of another type or a tensor in its place
+    (it used to fail with an AttributeError on the input's missing tensor metadata)."""
+    module = _Scaled().eval()
+    x = torch.randn(4, 8)
+    plan = plan_module(module, x, 3, None, time_limit=1)
+    with torch.no_grad():
+        assert torch.allclose(plan.run(x, 3, None), module(x, 3))
+        plan_with_scale = plan_module(module, x, 2, 0.5, time_limit=1)
+        assert torch.allclose(plan_with_scale.run(x, 2, 0.5), module(x, 2, 0.5))
+    for args, shown in [((x, 4, None), "input 1 is 4; the plan was made for 3"),
+                        ((x, 3.0, None), "input 1 is 3.0; the plan was made for 3"),
+                        ((x, 3, 2.0), "input 2 is 2.0; the plan was made for None"),
+                        ((x, torch.tensor(3), None), "input 1 is tensor\\(3\\); the plan was made for 3")]:
+        with pytest.raises(ValueError, match=shown + ", which the trace took as a constant"):
+            plan.run(*args)
+
+
 def test_integer_indexing_is_planned_and_a_boolean_mask_is_refused():
     class Gather(torch.nn.Module):
         def __init__(self):
