@@ -260,6 +260,9 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
     state = {**params, **{k: v for k, v in module.named_buffers()}}
     param_bytes = sum(v.numel() * v.element_size() for v in state.values())
     grad_params = [k for k, v in params.items() if v.requires_grad]
+    if training and not grad_params:  # the backward pass would have nothing to differentiate
+        raise UnsupportedGraph(f"cannot plan a training step of {type(module).__name__}: it has no parameter that "
+                               f"requires a gradient ({len(params)} parameters); plan it with training=False")
 
     def loss_of(out):
         return loss_fn(out) if loss_fn is not None else _default_loss(module, out)

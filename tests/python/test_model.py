@@ -291,6 +291,15 @@ def test_inputs_that_are_not_tensors_are_constants_of_the_plan():
             plan.run(*args)
 
 
+def test_a_training_step_without_a_parameter_to_train_is_refused_by_name():
+    frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+    for module, count in [(torch.nn.ReLU(), 0), (frozen, 2)]:
+        with pytest.raises(UnsupportedGraph, match=f"training step of {type(module).__name__}: it has no parameter "
+                                                   f"that requires a gradient \\({count} parameters\\)"):
+            plan_module(module, torch.randn(4, 8), training=True, time_limit=1)
+    assert plan_module(frozen, torch.randn(4, 8), time_limit=1).arena_bytes > 0
+
+
 def test_integer_indexing_is_planned_and_a_boolean_mask_is_refused():
     class Gather(torch.nn.Module):
         def __init__(self):
