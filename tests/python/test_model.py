@@ -471,7 +471,11 @@ def test_training_sums_every_tensor_of_a_dict_output_and_refuses_an_output_witho
             h = torch.relu(self.body(x))
             return {"out": self.out(h), "aux": [self.aux(h), h.mean()]}
 
-    class Nothing(torch.nn.Module):
+    class Nothing(torch.nn.Module):  # a parameter to train, and an output with no tensor
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
         def forward(self, x):
             return {"count": 3}
 
