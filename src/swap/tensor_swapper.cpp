@@ -310,13 +310,14 @@ int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, c
 
 namespace {
 
-// Runs `work` with `lock` released (taken again however it ends). The worker checksums and copies blocks of a job's bytes, and hands requests to the
-// engine, this way: a megabyte's checksum takes it tens of microseconds and a submission up
-// to a few milliseconds (the kernel starts the transfers in it), and under the lock every
-// done(), wait() and new transfer of the callers waited for them (a round of checksums, up
-// to a queue depth of blocks: milliseconds). Only the worker touches the engine, the
-// requests being queued, and a job's bytes, checksums and staging buffers until the job is
-// finished; jobs stay where they are in the map (std::map) while the callers add theirs.
+// Runs `work` with `lock` released (taken again however it ends). The worker checksums and copies
+// blocks of a job's bytes, and hands requests to the engine, this way: a megabyte's checksum takes
+// it tens of microseconds and a submission up to a few milliseconds (the kernel starts the
+// transfers in it), and under the lock every done(), wait() and new transfer of the callers waited
+// for them (a round of checksums, up to a queue depth of blocks: milliseconds). Only the worker
+// touches the engine, the requests being queued, and a job's bytes, checksums and staging buffers
+// until the job is finished; jobs stay where they are in the map (std::map) while the callers add
+// theirs.
 template <class Work>
 void outside(std::unique_lock<std::mutex>& lock, Work&& work) {
   lock.unlock();

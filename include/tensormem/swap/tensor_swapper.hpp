@@ -43,10 +43,11 @@ struct swap_options {
   /// else has, never through a link or over a file, and unlinked at once), kept open by the
   /// swapper, at slots that an offset allocator hands out and takes back: no file is opened,
   /// created or renamed per tensor, and a slot holds the bytes alone (size and checksum stay
-  /// in the swapper's index), so small tensors move at the disk's speed. A packed tensor lives in the swapper: the same swapper reads
-  /// it back by its path; the pack's storage goes away with the swapper (and with the
-  /// process, however it ends). No file is created at the path; a file a swap-out of the
-  /// path left there before is removed when the path is first packed (it would be stale).
+  /// in the swapper's index), so small tensors move at the disk's speed. A packed tensor
+  /// lives in the swapper: the same swapper reads it back by its path; the pack's storage
+  /// goes away with the swapper (and with the process, however it ends). No file is created
+  /// at the path; a file a swap-out of the path left there before is removed when the path is
+  /// first packed (it would be stale).
   std::size_t pack_below = 0;
 };
 
