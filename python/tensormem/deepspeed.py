@@ -252,7 +252,10 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
             ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
         else:
             ticket = io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
-        return ticket, staged, destination
+        # The storage is held with the tensor: a tensor given other memory before the wait
+        # (`t.set_(...)`, `p.data = ...`) would otherwise free the memory the I/O uses.
+        storage = staged.untyped_storage() if hasattr(staged, "untyped_storage") else staged.storage()
+        return ticket, staged, destination, storage
 
     @staticmethod
     def _finish(io, keep: list) -> int:
@@ -266,7 +269,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         keep.clear()
         failed = {ticket for _, _, _, ticket in errors}
         copy_failure = None
-        for ticket, staged, destination in queued:
+        for ticket, staged, destination, _ in queued:
             if destination is not None and ticket not in failed:
                 try:  # a tensor resized since its read was queued: the others still get their bytes
                     destination.copy_(staged)

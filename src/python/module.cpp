@@ -14,6 +14,7 @@
 #include <future>
 #include <functional>
 #include <map>
+#include <set>
 #include <optional>
 #include <memory>
 #include <mutex>
@@ -214,12 +215,28 @@ void pinned_releasebuffer(PyObject* self, Py_buffer*) {
 
 /// The memory of one tensor of a ticket, held for as long as this object lives: a Python
 /// buffer (numpy array, bytearray, memoryview...) as an open contiguous view, which also keeps
-/// its exporter from resizing or freeing it, or a CPU torch tensor (any dtype) by reference.
+/// its exporter from resizing or freeing it, or a CPU torch tensor (any dtype) by reference,
+/// with its storage: a tensor given other memory before the transfer ends (`t.set_(...)`,
+/// `p.data = ...`) would otherwise free the memory the transfer reads or writes.
 struct held_view {
   std::optional<py::buffer_info> info;
   py::object tensor;
+  py::object storage;
   swap::tensor_ref ref;
 };
+
+/// Why a swap-in into a torch tensor cannot be trusted although the swapper finished it, or
+/// empty: the tensor was given other memory before the wait (its bytes went to the memory it
+/// had, kept alive meanwhile). Resizing a tensor in place before the wait is not detected:
+/// PyTorch frees the memory the transfer uses, as the docstring says.
+std::string moved_since(const held_view& v) {
+  if (!v.tensor || v.ref.bytes == 0) return {};  // a buffer, not a torch tensor
+  if (v.tensor.attr("data_ptr")().cast<std::uintptr_t>() != reinterpret_cast<std::uintptr_t>(v.ref.data)) {
+    return "the tensor was given other memory (set_, .data =) before the wait; the file's bytes went to the "
+           "memory it had, and it does not hold them";
+  }
+  return {};
+}
 
 /// True if a buffer's struct format (PEP 3118) has an item that is a Python object ('O'):
 /// such bytes are pointers that own references, not data. Field names (":name:") are skipped.
@@ -263,6 +280,8 @@ held_view hold(const py::handle& object, bool writable) {
   if (!object.attr("is_contiguous")().cast<bool>()) throw std::invalid_argument("tensor is not contiguous");
   const auto bytes = object.attr("numel")().cast<std::size_t>() * object.attr("element_size")().cast<std::size_t>();
   h.tensor = py::reinterpret_borrow<py::object>(object);
+  // PyTorch 2.x has untyped_storage(); 1.x has storage() alone (2.x warns that it is deprecated).
+  h.storage = py::hasattr(object, "untyped_storage") ? object.attr("untyped_storage")() : object.attr("storage")();
   h.ref = {reinterpret_cast<void*>(object.attr("data_ptr")().cast<std::uintptr_t>()), bytes};
   return h;
 }
@@ -295,6 +314,7 @@ class py_swapper {
       ticket = out ? swapper_->swap_out(refs, paths, keys) : swapper_->swap_in(paths, refs, keys);
     }
     held_[ticket] = std::move(views);
+    if (!out) swap_ins_.insert(ticket);
     return ticket;
   }
   std::vector<swap::swap_result> wait(std::uint64_t ticket) {
@@ -323,7 +343,20 @@ class py_swapper {
       release_collected();  // another thread's synchronize may have collected it
       throw;
     }
+    // A swap-in whose tensor was given other memory meanwhile fails its result, so that no
+    // tensor seems to hold bytes that went to the memory it had.
+    if (const auto it = held_.find(ticket); it != held_.end() && swap_ins_.contains(ticket)) {
+      for (std::size_t i = 0; i < it->second.size() && i < r->size(); ++i) {
+        swap::swap_result& result = (*r)[i];
+        if (result.error != 0) continue;
+        if (std::string why = moved_since(it->second[i]); !why.empty()) {
+          result.error = EFAULT;
+          result.message = "swap-in of " + result.path + ": " + why;
+        }
+      }
+    }
     held_.erase(ticket);  // GIL held again: the views can be released
+    swap_ins_.erase(ticket);
     return std::move(*r);
   }
   void synchronize() {
@@ -351,12 +384,16 @@ class py_swapper {
       py::gil_scoped_release release;
       std::erase_if(tickets, [this](std::uint64_t ticket) { return swapper_->outstanding(ticket); });
     }
-    for (const std::uint64_t ticket : tickets) held_.erase(ticket);
+    for (const std::uint64_t ticket : tickets) {
+      held_.erase(ticket);
+      swap_ins_.erase(ticket);
+    }
   }
 
   std::shared_ptr<memory::pinned_pool> pool_;
   std::unique_ptr<swap::tensor_swapper> swapper_;
   std::map<std::uint64_t, std::vector<held_view>> held_;  // touched only with the GIL held
+  std::set<std::uint64_t> swap_ins_;                      // the tickets of held_ that are swap-ins
 };
 
 py::list results_to_python(const std::vector<swap::swap_result>& results) {
@@ -921,8 +958,9 @@ PYBIND11_MODULE(_tensormem, m) {
            }, py::arg("tensors"), py::arg("paths"), py::arg("keys") = std::vector<std::string>{},
            "Queues the writes; returns a ticket. tensors: contiguous buffers (numpy arrays...) or CPU "
            "torch tensors. The buffers are held (not resizable) until wait(), torch tensors by reference "
-           "(do not resize them before it); none may change before it. keys: the identity recorded per "
-           "file (default: the path).")
+           "with their storage: one given other memory before wait() (set_, .data =) keeps the memory the "
+           "transfer uses alive (a swap-in into it then fails, EFAULT); do not resize one in place before "
+           "wait(). None may change before it. keys: the identity recorded per file (default: the path).")
       .def("swap_in", [](py_swapper& s, const std::vector<std::string>& paths,
                          const std::vector<py::object>& tensors, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, false);

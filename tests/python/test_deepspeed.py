@@ -250,6 +250,28 @@ def test_a_tensor_resized_before_the_wait_does_not_take_the_others_reads_with_it
     assert h.wait() == 0
 
 
+def test_a_tensor_given_other_memory_before_the_wait_keeps_its_old_memory_alive(tmp_path):
+    """The handle holds each queued tensor's storage: `t.set_(...)` or `p.data = ...` before
+    wait() used to free the memory the I/O threads were reading or writing. A write then
+    writes the bytes the tensor had."""
+    h = ds.aio_handle(block_size=4096, queue_depth=1)
+    n = 8 << 20  # 32 MiB of float32: 8,192 requests of 4 KiB, one at a time
+    data = random_tensor(n, torch.float32, 9)
+    t = data.clone()
+    path = str(tmp_path / "f")
+    assert h.async_pwrite(t, path) == 0
+    t.set_(torch.empty(0))
+    reuse = [torch.full((1 << 18,), 7.0) for _ in range(64)]  # memory handed out again meanwhile
+    assert h.wait() == 1
+    assert pathlib_bytes(path) == raw_bytes(data)
+    assert all(bool((r == 7.0).all()) for r in reuse)
+    p = torch.nn.Parameter(torch.zeros(n))
+    assert h.async_pread(p, path) == 0
+    p.data = torch.full((4,), 3.0)
+    assert h.wait() == 1
+    assert torch.equal(p.data, torch.full((4,), 3.0))
+
+
 def test_validate_passes_on_matching_bytes(tmp_path):
     h = ds.aio_handle()
     t = random_tensor(1 << 20, torch.float32, 4)

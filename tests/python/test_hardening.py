@@ -416,6 +416,46 @@ def test_model_sizes_past_two_to_the_64_and_bad_weight_alignments_are_refused():
 
 # ----------------------------------------------------------------------------- asynchronous
 
+def test_a_torch_tensor_given_other_memory_before_the_wait_keeps_its_old_memory_alive(tmp_path):
+    """The swapper holds a torch tensor's storage, not the tensor alone: `t.set_(...)` or
+    `p.data = ...` before wait() used to free the memory the transfer was reading or writing
+    (EFAULT from the kernel at best; bytes written into memory PyTorch had handed out again,
+    or read from it into the file). Now a swap-out writes the bytes the tensor had, and a
+    swap-in into a tensor given other memory fails its result with EFAULT and says why (the
+    memory it had got the bytes and is let go with the ticket). Slow transfers (4 KiB requests, one at a time) make the
+    change come while the transfer is in flight."""
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(), queue_depth=1, block_bytes=4096, direct=False)
+    n = 8 << 20  # 32 MiB of float32
+    src = torch.randn(n)
+    assert s.wait(s.swap_out([src], [str(tmp_path / "src")]))[0]["error"] == 0
+
+    # swap-out, then the tensor takes other memory: the file holds what it had
+    out = src.clone()
+    ticket = s.swap_out([out], [str(tmp_path / "out")])
+    out.set_(torch.empty(0))
+    gc.collect()
+    reuse = [torch.full((1 << 18,), 7.0) for _ in range(64)]  # memory handed out again meanwhile
+    assert s.wait(ticket)[0]["error"] == 0
+    back = torch.zeros(n)
+    assert s.wait(s.swap_in([str(tmp_path / "out")], [back]))[0]["error"] == 0
+    assert torch.equal(back, src)
+    assert all(bool((r == 7.0).all()) for r in reuse)
+
+    # swap-in, then `p.data = ...`: refused at the wait, the new memory untouched
+    p = torch.nn.Parameter(torch.zeros(n))
+    ticket = s.swap_in([str(tmp_path / "src")], [p])
+    p.data = torch.full((4,), 3.0)
+    gc.collect()
+    r = s.wait(ticket)[0]
+    assert r["error"] == errno.EFAULT
+    assert "given other memory (set_, .data =) before the wait" in r["message"]
+    assert torch.equal(p.data, torch.full((4,), 3.0))
+
+    # an untouched tensor is still read back as before
+    t = torch.zeros(n)
+    assert s.wait(s.swap_in([str(tmp_path / "src")], [t]))[0]["error"] == 0 and torch.equal(t, src)
+
+
 def test_swap_out_progresses_while_python_sleeps(tmp_path):
     pool = tensormem.PinnedPool(slab_bytes=32 << 20)
     s = tensormem.TensorSwapper(pool, staging_buffers=4)
