@@ -11,6 +11,7 @@ so it cannot point into memory that is handed out again.
 
 from __future__ import annotations
 
+import errno
 import operator
 import time
 import weakref
@@ -230,6 +231,18 @@ class ContiguousMemoryAllocator:
                     param.data = tensor.data.narrow(0, 0, count).view(shape)
 
 
+def _fail_moved_swap_ins(results: List[dict], arrays, tensors) -> None:
+    """A swap-in whose tensor was given other memory before the wait (``t.set_(...)``,
+    ``p.data = ...``) wrote the file's bytes into the memory the tensor had (kept alive by
+    its array meanwhile): its result fails with EFAULT, so that no tensor seems to hold bytes
+    it does not."""
+    for r, a, t in zip(results, arrays, tensors):
+        if r["error"] == 0 and a.size and t.data_ptr() != a.ctypes.data:
+            r["error"] = errno.EFAULT
+            r["message"] = (f"swap-in of {r['path']}: the tensor was given other memory (set_, .data =) before "
+                            "the wait; the file's bytes went to the memory it had, and it does not hold them")
+
+
 class AsyncTensorSwapper:
     """DeepSpeed's ``AsyncTensorSwapper`` with swap-in, on tensormem's io_uring swapper.
 
@@ -260,7 +273,8 @@ class AsyncTensorSwapper:
         self._engine = engine
         self._staging = 8
         self._swapper: Optional[_tensormem.TensorSwapper] = None
-        self._pending: List[tuple] = []  # (ticket, tensors kept alive until their I/O ends)
+        # (ticket, arrays kept alive until their I/O ends, the swap-in's tensors or None)
+        self._pending: List[tuple] = []
         self._collected: List[dict] = []  # results of tickets a synchronize collected before Ctrl-C
         self._timers: Dict[str, float] = {"swap_out": 0.0, "swap_in": 0.0, "wait": 0.0}
         self.results: List[dict] = []
@@ -299,14 +313,15 @@ class AsyncTensorSwapper:
         start = time.perf_counter()
         arrays = [self._as_array(t) for t in tensor_list]
         ticket = self._ensure().swap_out(arrays, [str(p) for p in path_list])
-        self._pending.append((ticket, arrays))
+        self._pending.append((ticket, arrays, None))
         self._timers["swap_out"] += time.perf_counter() - start
 
     def swap_in_tensors(self, path_list: Sequence[str], tensor_list: Sequence[torch.Tensor]) -> None:
         start = time.perf_counter()
-        arrays = [self._as_array(t) for t in tensor_list]
+        tensors = list(tensor_list)
+        arrays = [self._as_array(t) for t in tensors]
         ticket = self._ensure().swap_in([str(p) for p in path_list], arrays)
-        self._pending.append((ticket, arrays))
+        self._pending.append((ticket, arrays, tensors))
         self._timers["swap_in"] += time.perf_counter() - start
 
     def synchronize(self) -> List[dict]:
@@ -319,8 +334,11 @@ class AsyncTensorSwapper:
             # Ctrl-C (KeyboardInterrupt) may end any wait: tickets collected before it are
             # kept with their results, the rest stay pending, and the next call goes on.
             while self._pending:
-                ticket, _arrays = self._pending[0]
-                self._collected.extend(self._ensure().wait(ticket))
+                ticket, arrays, tensors = self._pending[0]
+                results = self._ensure().wait(ticket)
+                if tensors is not None:
+                    _fail_moved_swap_ins(results, arrays, tensors)
+                self._collected.extend(results)
                 self._pending.pop(0)
         finally:
             self._timers["wait"] += time.perf_counter() - start

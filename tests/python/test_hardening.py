@@ -455,6 +455,19 @@ def test_a_torch_tensor_given_other_memory_before_the_wait_keeps_its_old_memory_
     t = torch.zeros(n)
     assert s.wait(s.swap_in([str(tmp_path / "src")], [t]))[0]["error"] == 0 and torch.equal(t, src)
 
+    # tensormem.torch.AsyncTensorSwapper: the same refusal at synchronize(), its other
+    # tensors read back
+    a = tensormem.torch.AsyncTensorSwapper(queue_depth=1, block_bytes=4096, engine="threads")
+    moved, kept = torch.zeros(n), torch.zeros(n)
+    assert s.wait(s.swap_out([src], [str(tmp_path / "src2")]))[0]["error"] == 0
+    a.swap_in_tensors([str(tmp_path / "src"), str(tmp_path / "src2")], [moved, kept])
+    moved.data = torch.full((4,), 3.0)
+    with pytest.raises(OSError, match="the tensor was given other memory") as e:
+        a.synchronize()
+    assert e.value.errno == errno.EFAULT
+    assert [r["error"] for r in a.results] == [errno.EFAULT, 0]
+    assert torch.equal(kept, src) and torch.equal(moved, torch.full((4,), 3.0))
+
 
 def test_swap_out_progresses_while_python_sleeps(tmp_path):
     pool = tensormem.PinnedPool(slab_bytes=32 << 20)
