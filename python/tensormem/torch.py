@@ -11,7 +11,6 @@ so it cannot point into memory that is handed out again.
 
 from __future__ import annotations
 
-import errno
 import operator
 import time
 import weakref
@@ -231,18 +230,6 @@ class ContiguousMemoryAllocator:
                     param.data = tensor.data.narrow(0, 0, count).view(shape)
 
 
-def _fail_moved_swap_ins(results: List[dict], arrays, tensors) -> None:
-    """A swap-in whose tensor was given other memory before the wait (``t.set_(...)``,
-    ``p.data = ...``) wrote the file's bytes into the memory the tensor had (kept alive by
-    its array meanwhile): its result fails with EFAULT, so that no tensor seems to hold bytes
-    it does not."""
-    for r, a, t in zip(results, arrays, tensors):
-        if r["error"] == 0 and a.size and t.data_ptr() != a.ctypes.data:
-            r["error"] = errno.EFAULT
-            r["message"] = (f"swap-in of {r['path']}: the tensor was given other memory (set_, .data =) before "
-                            "the wait; the file's bytes went to the memory it had, and it does not hold them")
-
-
 class AsyncTensorSwapper:
     """DeepSpeed's ``AsyncTensorSwapper`` with swap-in, on tensormem's io_uring swapper.
 
@@ -273,8 +260,7 @@ class AsyncTensorSwapper:
         self._engine = engine
         self._staging = 8
         self._swapper: Optional[_tensormem.TensorSwapper] = None
-        # (ticket, arrays kept alive until their I/O ends, the swap-in's tensors or None)
-        self._pending: List[tuple] = []
+        self._pending: List[int] = []  # tickets not yet waited for (TensorSwapper holds their tensors)
         self._collected: List[dict] = []  # results of tickets a synchronize collected before Ctrl-C
         self._timers: Dict[str, float] = {"swap_out": 0.0, "swap_in": 0.0, "wait": 0.0}
         self.results: List[dict] = []
@@ -299,7 +285,7 @@ class AsyncTensorSwapper:
         return list(self._timers)
 
     @staticmethod
-    def _as_array(tensor: torch.Tensor) -> np.ndarray:
+    def _checked(tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected torch tensors, not {type(tensor).__name__} "
                             "(swap_out_tensors takes tensors then paths, swap_in_tensors paths then tensors)")
@@ -307,21 +293,20 @@ class AsyncTensorSwapper:
             raise ValueError(f"tensors must be dense (strided), not {tensor.layout}")
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("tensors must be contiguous CPU tensors")
-        return tensor.detach().view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
+        # The tensor itself: TensorSwapper holds it with its storage until the wait, and fails a
+        # swap-in into one given other memory meanwhile.
+        return tensor
 
     def swap_out_tensors(self, tensor_list: Sequence[torch.Tensor], path_list: Sequence[str]) -> None:
         start = time.perf_counter()
-        arrays = [self._as_array(t) for t in tensor_list]
-        ticket = self._ensure().swap_out(arrays, [str(p) for p in path_list])
-        self._pending.append((ticket, arrays, None))
+        tensors = [self._checked(t) for t in tensor_list]
+        self._pending.append(self._ensure().swap_out(tensors, [str(p) for p in path_list]))
         self._timers["swap_out"] += time.perf_counter() - start
 
     def swap_in_tensors(self, path_list: Sequence[str], tensor_list: Sequence[torch.Tensor]) -> None:
         start = time.perf_counter()
-        tensors = list(tensor_list)
-        arrays = [self._as_array(t) for t in tensors]
-        ticket = self._ensure().swap_in([str(p) for p in path_list], arrays)
-        self._pending.append((ticket, arrays, tensors))
+        tensors = [self._checked(t) for t in tensor_list]
+        self._pending.append(self._ensure().swap_in([str(p) for p in path_list], tensors))
         self._timers["swap_in"] += time.perf_counter() - start
 
     def synchronize(self) -> List[dict]:
@@ -334,11 +319,7 @@ class AsyncTensorSwapper:
             # Ctrl-C (KeyboardInterrupt) may end any wait: tickets collected before it are
             # kept with their results, the rest stay pending, and the next call goes on.
             while self._pending:
-                ticket, arrays, tensors = self._pending[0]
-                results = self._ensure().wait(ticket)
-                if tensors is not None:
-                    _fail_moved_swap_ins(results, arrays, tensors)
-                self._collected.extend(results)
+                self._collected.extend(self._ensure().wait(self._pending[0]))
                 self._pending.pop(0)
         finally:
             self._timers["wait"] += time.perf_counter() - start
