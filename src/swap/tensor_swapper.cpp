@@ -368,10 +368,14 @@ void tensor_swapper::run() {
 // Queues what can be queued, then hands it to the engine in one submission.
 void tensor_swapper::queue_ready(std::unique_lock<std::mutex>& lock) {
   queue_jobs(lock);
-  if (!batch_.empty()) {
-    outside(lock, [this] { engine_->submit(batch_); });
-    batch_.clear();
-  }
+  if (!batch_.empty()) submit_batch_outside(lock);
+}
+
+// Hands the queued requests to the engine with the lock released (only the worker touches
+// batch_ and the engine), then empties the batch.
+void tensor_swapper::submit_batch_outside(std::unique_lock<std::mutex>& lock) {
+  outside(lock, [this] { engine_->submit(batch_); });
+  batch_.clear();
 }
 
 void tensor_swapper::queue_jobs(std::unique_lock<std::mutex>& lock) {
@@ -388,10 +392,7 @@ void tensor_swapper::queue_jobs(std::unique_lock<std::mutex>& lock) {
     const bool all = queue_more(lock, ready_jobs_.front(), j);
     // Hand what is queued to the engine every few requests, not at the end of the whole
     // round: the disk gets work while the next files are opened and checksummed.
-    if (batch_.size() >= submit_batch) {
-      outside(lock, [this] { engine_->submit(batch_); });
-      batch_.clear();
-    }
+    if (batch_.size() >= submit_batch) submit_batch_outside(lock);
     if (!all) return;  // out of staging buffers or budget
     ready_jobs_.pop_front();
   }

@@ -248,6 +248,7 @@ class tensor_swapper {
   void run();
   void queue_ready(std::unique_lock<std::mutex>& lock);
   void queue_jobs(std::unique_lock<std::mutex>& lock);
+  void submit_batch_outside(std::unique_lock<std::mutex>& lock);
   void start_job(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   bool queue_more(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool& direct, const char*& refused) const;
