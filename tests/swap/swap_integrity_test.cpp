@@ -82,6 +82,42 @@ TEST_P(integrity, a_flipped_header_bit_is_caught_whatever_the_file_says) {
   EXPECT_EQ(swap_in_one(s, back, path).error, EBADMSG);
 }
 
+// A tensor of several blocks is checksummed block by block as the blocks arrive, in any
+// order, and the blocks' checksums are combined: a flipped bit in the first block, a middle
+// one or the short last one is caught, and so is a swap of two blocks' bytes in the file.
+TEST_P(integrity, a_flipped_data_bit_in_any_block_of_a_large_tensor_is_caught) {
+  constexpr std::size_t block = std::size_t{64} << 10;
+  tensor_swapper s(pool_, {.engine = GetParam(), .block_bytes = block, .staging_buffers = 2});
+  auto t = pattern(4 * block + 5000, 6);
+  const std::string path = dir_.file("t");
+  std::vector<std::byte> back(t.size());
+  for (const std::size_t at : {std::size_t{17}, 2 * block + 100, 4 * block + 4999}) {
+    ASSERT_EQ(swap_out_one(s, t, path), 0);
+    flip_bit(path, 4096 + at, 5);
+    const swap_result r = swap_in_one(s, back, path);
+    EXPECT_EQ(r.error, EBADMSG) << "byte " << at << ": " << r.message;
+    EXPECT_NE(r.message.find("checksum mismatch"), std::string::npos) << r.message;
+  }
+  // Blocks 1 and 2 exchanged: every block's bytes are intact, their order is not.
+  ASSERT_EQ(swap_out_one(s, t, path), 0);
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    std::vector<char> one(block);
+    std::vector<char> two(block);
+    f.seekg(static_cast<std::streamoff>(4096 + block));
+    f.read(one.data(), static_cast<std::streamsize>(block));
+    f.read(two.data(), static_cast<std::streamsize>(block));
+    f.seekp(static_cast<std::streamoff>(4096 + block));
+    f.write(two.data(), static_cast<std::streamsize>(block));
+    f.write(one.data(), static_cast<std::streamsize>(block));
+  }
+  EXPECT_EQ(swap_in_one(s, back, path).error, EBADMSG);
+  // The file written again reads back whole.
+  ASSERT_EQ(swap_out_one(s, t, path), 0);
+  ASSERT_EQ(swap_in_one(s, back, path).error, 0);
+  EXPECT_EQ(back, t);
+}
+
 TEST_P(integrity, data_without_a_checksum_is_refused_when_checksums_are_on) {
   tensor_swapper unchecked(pool_, {.engine = GetParam(), .staging_buffers = 2, .checksums = false});
   tensor_swapper checked(pool_, {.engine = GetParam(), .staging_buffers = 2, .checksums = true});
