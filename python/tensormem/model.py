@@ -76,8 +76,11 @@ class Graph:
     ops: Dict[str, int] = field(default_factory=dict)
     out_spec: object = None  # pytree structure of the call's result
     metas: Dict[str, list] = field(default_factory=dict)  # op node -> metadata per output
-    # input position -> the value that is not a tensor (a number, None...) the trace took as it was
+    # leaf of the flattened inputs -> the value that is not a tensor (a number, None...) the
+    # trace took as it was (a numpy array, as a copy made when traced)
     constant_inputs: Dict[int, object] = field(default_factory=dict)
+    in_spec: object = None  # pytree structure of the call's inputs (tuples, lists, dicts)
+    input_names: List[str] = field(default_factory=list)  # of each leaf: "1", "1[0]", "0['x']"
 
     @property
     def activation_bytes(self) -> int:
@@ -289,14 +292,42 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
         raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
     g = _analyse(gm, len(state), param_bytes, training)
     g.out_spec = structure[-1]
-    g.constant_inputs = {k: v for k, v in enumerate(tree_flatten(list(example_inputs))[0])
+    leaves, g.in_spec = tree_flatten(list(example_inputs))
+    g.input_names = _leaf_names(list(example_inputs), len(leaves))
+    g.constant_inputs = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in enumerate(leaves)
                          if not isinstance(v, torch.Tensor)}
     return g
 
 
+def _leaf_names(inputs: list, count: int) -> List[str]:
+    """The name of each leaf of ``tree_flatten(inputs)``, in its order: the input's position,
+    then an index or key per level ("1", "1[0]", "0['x']"). Plain numbers where the inputs
+    hold containers this does not know (``count`` leaves)."""
+    names: List[str] = []
+
+    def walk(v, name):
+        if isinstance(v, (list, tuple)):
+            for i, item in enumerate(v):
+                walk(item, f"{name}[{i}]")
+        elif isinstance(v, dict):
+            for key, item in v.items():
+                walk(item, f"{name}[{key!r}]")
+        else:
+            names.append(name)
+
+    for i, v in enumerate(inputs):
+        walk(v, str(i))
+    return names if len(names) == count else [str(k) for k in range(count)]
+
+
 def _same_constant(given, traced) -> bool:
     """Whether an input that is not a tensor equals the value the trace took (its type too:
-    1 and 1.0 and True may trace differently)."""
+    1 and 1.0 and True may trace differently). A numpy array is compared by dtype, shape and
+    contents with the copy made when traced: the graph may hold numbers the trace read from
+    it, so the same array changed in place since is another value."""
+    if isinstance(traced, np.ndarray):
+        return (isinstance(given, np.ndarray) and given.dtype == traced.dtype and given.shape == traced.shape
+                and bool(np.array_equal(given, traced, equal_nan=given.dtype.kind in "fc")))
     if given is traced:
         return True
     try:
@@ -580,7 +611,14 @@ class ModulePlan:
 
     def run(self, *inputs):
         """Runs the traced graph with every activation in one arena tensor at its planned
-        offset; returns the graph's outputs (copies, so the arena can be reused)."""
+        offset; returns the graph's outputs (copies, so the arena can be reused).
+
+        Takes the inputs as ``plan_module`` took them: tensors of the traced shapes and
+        dtypes, nested in the same tuples, lists and dicts. An input that is not a tensor is a
+        constant of the plan: the same value and type (a numpy array: the same dtype, shape
+        and contents as when traced). Anything else raises ``ValueError`` naming the input
+        (``1['scale']``: the key "scale" of the second input). Other objects are compared
+        with ``==``; what changes inside them after the trace is not seen."""
         return _planned_run(self, inputs)
 
 
@@ -654,9 +692,16 @@ def _planned_run(plan: ModulePlan, inputs):
         if meta is not None and (tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype):
             raise ValueError(f"ModulePlan.run: the module's {name} is now {tuple(t.shape)} {t.dtype}; the plan "
                              f"was made for {tuple(meta.shape)} {meta.dtype}; plan it again")
-    if len(inputs) != len(placeholders) - g.n_state:
-        raise ValueError(f"ModulePlan.run: {len(inputs)} inputs given, the traced call had "
-                         f"{len(placeholders) - g.n_state}")
+    traced_inputs = len(g.in_spec.children_specs) if g.in_spec is not None else len(placeholders) - g.n_state
+    if len(inputs) != traced_inputs:
+        raise ValueError(f"ModulePlan.run: {len(inputs)} inputs given, the traced call had {traced_inputs}")
+    # The graph takes the inputs' leaves: tuples, lists and dicts are taken apart as the trace did.
+    leaves, spec = tree_flatten(list(inputs))
+    if g.in_spec is not None and spec != g.in_spec:
+        raise ValueError(f"ModulePlan.run: the inputs are nested otherwise than in the traced call (tuples, lists, "
+                         f"dicts and their keys): given {', '.join(_leaf_names(list(inputs), len(leaves)))}; "
+                         f"the plan was made for {', '.join(g.input_names)}")
+    inputs = leaves
     misplaced = _misaligned_buffer(plan)
     if misplaced is not None:
         b, element, widest = misplaced
@@ -709,9 +754,10 @@ def _planned_run(plan: ModulePlan, inputs):
                 else:
                     k = placeholder_index - g.n_state
                     x = inputs[k]
+                    name = g.input_names[k] if k < len(g.input_names) else str(k)
                     if k in g.constant_inputs:  # not a tensor: the graph holds the traced value
                         if not _same_constant(x, g.constant_inputs[k]):
-                            raise ValueError(f"ModulePlan.run: input {k} is {x!r}; the plan was made for "
+                            raise ValueError(f"ModulePlan.run: input {name} is {x!r}; the plan was made for "
                                              f"{g.constant_inputs[k]!r}, which the trace took as a constant: "
                                              f"plan again for another value")
                         env[node.name] = x
@@ -719,7 +765,7 @@ def _planned_run(plan: ModulePlan, inputs):
                         continue
                     if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(meta.shape) or x.dtype != meta.dtype:
                         got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-                        raise ValueError(f"ModulePlan.run: input {k} is {got}; the plan was made for "
+                        raise ValueError(f"ModulePlan.run: input {name} is {got}; the plan was made for "
                                          f"{tuple(meta.shape)} {meta.dtype}")
                     dst = slot(g.node_buffers[node.name][0], meta)
                     dst.copy_(x.detach())

@@ -291,6 +291,78 @@ def test_inputs_that_are_not_tensors_are_constants_of_the_plan():
             plan.run(*args)
 
 
+class _Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, pair, batch):
+        return self.lin(pair[0]) * pair[1] + batch["x"] * batch["scale"]
+
+
+def test_nested_inputs_run_as_they_were_traced():
+    """Tuples, lists and dicts among the inputs: the trace takes them apart, and the planned
+    run takes them as they were given (it used to count the leaves, so that only a call with
+    every leaf spread out ran). Another nesting or another key is refused naming the leaves,
+    and a changed number inside a dict by its path."""
+    module = _Nested().eval()
+    pair = (torch.randn(4, 8), torch.randn(4, 8))
+    batch = {"x": torch.randn(4, 8), "scale": 2.0}
+    plan = plan_module(module, pair, batch, time_limit=1)
+    with torch.no_grad():
+        assert torch.allclose(plan.run(pair, batch), module(pair, batch))
+        other = ([torch.randn(4, 8), torch.randn(4, 8)], {"x": torch.randn(4, 8), "scale": 2.0})
+        with pytest.raises(ValueError, match="nested otherwise"):
+            plan.run(*other)  # a list where a tuple was traced
+        other = (tuple(other[0]), other[1])
+        assert torch.allclose(plan.run(*other), module(*other))
+    with pytest.raises(ValueError, match="3 inputs given, the traced call had 2"):
+        plan.run(*pair, batch)
+    with pytest.raises(ValueError, match=r"given 0\[0\], 0\[1\], 1\['y'\], 1\['scale'\]; the plan was made "
+                                         r"for 0\[0\], 0\[1\], 1\['x'\], 1\['scale'\]"):
+        plan.run(pair, {"y": batch["x"], "scale": 2.0})
+    with pytest.raises(ValueError, match=r"input 1\['scale'\] is 3.0; the plan was made for 2.0"):
+        plan.run(pair, {"x": batch["x"], "scale": 3.0})
+    with pytest.raises(ValueError, match=r"input 0\[1\] is \(4, 7\)"):
+        plan.run((pair[0], torch.randn(4, 7)), batch)
+
+
+class _FromArray(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, weights):
+        return self.lin(x) * float(weights.sum())  # a number read from the array when traced
+
+
+def test_a_numpy_input_is_a_constant_compared_by_contents():
+    """A numpy array among the inputs is a constant of the plan, compared by dtype, shape and
+    contents with a copy made when traced: an equal array runs (it used to be refused, having
+    no single truth value), and the same array changed in place is refused (it used to run
+    with the number the trace had read from it: a silently wrong result)."""
+    np = pytest.importorskip("numpy")
+    module = _FromArray().eval()
+    x = torch.randn(4, 8)
+    weights = np.ones(3, dtype=np.float32)
+    plan = plan_module(module, x, weights, time_limit=1)
+    with torch.no_grad():
+        assert torch.allclose(plan.run(x, weights), module(x, weights))
+        equal = weights.copy()
+        assert torch.allclose(plan.run(x, equal), module(x, equal))
+        nan_plan = plan_module(module, x, np.array([1.0, np.nan]), time_limit=1)
+        assert torch.equal(torch.isnan(nan_plan.run(x, np.array([1.0, np.nan]))), torch.ones(4, 8, dtype=torch.bool))
+    weights[1] = 5.0
+    with pytest.raises(ValueError, match=r"input 1 is array\(\[1., 5., 1.\].*made for array\(\[1., 1., 1.\]"):
+        plan.run(x, weights)
+    for other in [np.ones(3, dtype=np.float64), np.ones(4, dtype=np.float32), np.ones((1, 3), dtype=np.float32)]:
+        with pytest.raises(ValueError, match="which the trace took as a constant"):
+            plan.run(x, other)
+    with pytest.raises(ValueError, match=r"nested otherwise.*given 0, 1\[0\], 1\[1\], 1\[2\]; the plan was made "
+                                         r"for 0, 1$"):
+        plan.run(x, [1.0, 1.0, 1.0])
+
+
 def test_a_training_step_without_a_parameter_to_train_is_refused_by_name():
     frozen = torch.nn.Linear(8, 8).requires_grad_(False)
     for module, count in [(torch.nn.ReLU(), 0), (frozen, 2)]:
