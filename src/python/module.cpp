@@ -859,6 +859,35 @@ PYBIND11_MODULE(_tensormem, m) {
         return d;
       });
 
+  // Registered before PinnedPool, whose allocate() signature names it.
+  auto pinned_class = py::class_<pinned_buffer, std::shared_ptr<pinned_buffer>>(m, "PinnedBuffer", py::buffer_protocol());
+  {
+    // pybind11's buffer procedures cannot count exports: ours replace them.
+    auto* type = reinterpret_cast<PyTypeObject*>(pinned_class.ptr());
+    type->tp_as_buffer->bf_getbuffer = pinned_getbuffer;
+    type->tp_as_buffer->bf_releasebuffer = pinned_releasebuffer;
+  }
+  pinned_class
+      .def("__dlpack__", [](py::object self, py::object) {
+             auto buffer = self.cast<std::shared_ptr<pinned_buffer>>();
+             if (!buffer->live) throw py::buffer_error("PinnedBuffer was freed");
+             ++buffer->exports;
+             return to_dlpack(memory_view{buffer->data, buffer->bytes, py::none()}, self,
+                              [buffer] { --buffer->exports; });
+           }, py::arg("stream") = py::none())
+      .def("__dlpack_device__", [](const pinned_buffer&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
+      .def("free", &pinned_buffer::free,
+           "Returns the memory to the pool now; BufferError while views of it are alive, or when "
+           "already freed.")
+      .def_property_readonly("exports", [](const pinned_buffer& b) { return b.exports; })
+      .def_property_readonly("freed", [](const pinned_buffer& b) { return !b.live; })
+      .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.live ? b.bytes : std::size_t{0}; },
+                             "Bytes of the buffer; 0 once freed.")
+      .def_property_readonly("address", [](const pinned_buffer& b) {
+             if (!b.live) throw py::buffer_error("PinnedBuffer was freed: it has no address");
+             return reinterpret_cast<std::uintptr_t>(b.data);
+           }, "Address of the first byte; BufferError once freed (the pool may have handed it out again).");
+
   py::class_<memory::pinned_pool, std::shared_ptr<memory::pinned_pool>>(m, "PinnedPool",
                                                                        "Page-locked host memory, pooled.")
       .def(py::init([](whole<std::size_t> slab_bytes, bool allow_unlocked_fallback, bool register_with_cuda) {
@@ -890,34 +919,6 @@ PYBIND11_MODULE(_tensormem, m) {
         d["registered_bytes"] = s.registered_bytes;
         return d;
       });
-
-  auto pinned_class = py::class_<pinned_buffer, std::shared_ptr<pinned_buffer>>(m, "PinnedBuffer", py::buffer_protocol());
-  {
-    // pybind11's buffer procedures cannot count exports: ours replace them.
-    auto* type = reinterpret_cast<PyTypeObject*>(pinned_class.ptr());
-    type->tp_as_buffer->bf_getbuffer = pinned_getbuffer;
-    type->tp_as_buffer->bf_releasebuffer = pinned_releasebuffer;
-  }
-  pinned_class
-      .def("__dlpack__", [](py::object self, py::object) {
-             auto buffer = self.cast<std::shared_ptr<pinned_buffer>>();
-             if (!buffer->live) throw py::buffer_error("PinnedBuffer was freed");
-             ++buffer->exports;
-             return to_dlpack(memory_view{buffer->data, buffer->bytes, py::none()}, self,
-                              [buffer] { --buffer->exports; });
-           }, py::arg("stream") = py::none())
-      .def("__dlpack_device__", [](const pinned_buffer&) { return py::make_tuple(static_cast<int>(kDLCPU), 0); })
-      .def("free", &pinned_buffer::free,
-           "Returns the memory to the pool now; BufferError while views of it are alive, or when "
-           "already freed.")
-      .def_property_readonly("exports", [](const pinned_buffer& b) { return b.exports; })
-      .def_property_readonly("freed", [](const pinned_buffer& b) { return !b.live; })
-      .def_property_readonly("nbytes", [](const pinned_buffer& b) { return b.live ? b.bytes : std::size_t{0}; },
-                             "Bytes of the buffer; 0 once freed.")
-      .def_property_readonly("address", [](const pinned_buffer& b) {
-             if (!b.live) throw py::buffer_error("PinnedBuffer was freed: it has no address");
-             return reinterpret_cast<std::uintptr_t>(b.data);
-           }, "Address of the first byte; BufferError once freed (the pool may have handed it out again).");
 
   m.attr("PYBIND11_VERSION") = python::pybind11_version();  // the pybind11 this module was built with
   m.def("numpy_abi_problem", &python::numpy_abi_problem,

@@ -464,6 +464,23 @@ def test_type_stubs_match_the_module():
         assert missing == [], f"{node.name} has members the stub does not declare: {missing}"
 
 
+def test_every_signature_names_python_types_only():
+    """help() and the signatures pybind11 writes name the module's own classes: a C++ name
+    ("(anonymous namespace)::pinned_buffer") means a class was registered after a function
+    that returns or takes it (PinnedPool.allocate did)."""
+    from tensormem import _tensormem
+    leaks = []
+    for name in dir(_tensormem):
+        obj = getattr(_tensormem, name)
+        members = [(name, obj)] + [(f"{name}.{m}", getattr(obj, m)) for m in dir(obj) if isinstance(obj, type)]
+        for qualified, member in members:
+            doc = member.__doc__ if callable(member) else None
+            if isinstance(doc, str) and ("::" in doc or "anonymous namespace" in doc):
+                leaks.append(f"{qualified}: {doc.splitlines()[0][:160]}")
+    assert leaks == []
+    assert tensormem.PinnedPool.allocate.__doc__.splitlines()[0].endswith("-> tensormem._tensormem.PinnedBuffer")
+
+
 def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path):
     lower, upper, size = [0, 1], [2, 3], [256, 512]
     p = tensormem.plan(lower, upper, size, time_limit=0)
