@@ -519,27 +519,28 @@ namespace {
 
 // A file of the swapper's own in `dir` whose name is unlinked at once, for a file system
 // without O_TMPFILE: created with O_EXCL under a name no other file has (a file, or a link
-// that would lead the writes elsewhere, is passed over and left as it is), then switched to
-// O_DIRECT where `direct` asks and the file system allows (cleared otherwise). -1 with errno
-// when no name is free among the tries or the creation fails.
-int open_unlinked_pack(const std::string& dir, bool& direct) {
+// that would lead the writes elsewhere, is passed over and left as it is). -1 with errno when
+// no name is free among the tries or the creation fails.
+int open_unlinked_pack(const std::string& dir) {
   static std::atomic<std::uint64_t> next_name{0};
   constexpr int tries = 1000;
-  int fd = -1;
-  for (int n = 0; n < tries && fd < 0; ++n) {
+  for (int n = 0; n < tries; ++n) {
     const std::string named =
         dir + "/.tensormem-pack." + std::to_string(getpid()) + "." + std::to_string(next_name++);
-    fd = open(named.c_str(), O_CREAT | O_EXCL | O_NOFOLLOW | O_RDWR | O_CLOEXEC, 0600);
+    const int fd = open(named.c_str(), O_CREAT | O_EXCL | O_NOFOLLOW | O_RDWR | O_CLOEXEC, 0600);
     if (fd >= 0) {
       unlink(named.c_str());
-    } else if (errno != EEXIST) {
-      return -1;
+      return fd;
     }
+    if (errno != EEXIST) return -1;
   }
-  if (fd < 0) return -1;  // errno EEXIST
+  return -1;  // errno EEXIST
+}
+
+// Turns O_DIRECT on for an open file; false where its file system refuses it.
+bool set_direct(int fd) {
   const int flags = fcntl(fd, F_GETFL);
-  if (direct && (flags < 0 || fcntl(fd, F_SETFL, flags | O_DIRECT) != 0)) direct = false;
-  return fd;
+  return flags >= 0 && fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
 }
 
 }  // namespace
@@ -551,19 +552,17 @@ tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std
   if (dir.empty()) dir = ".";
   if (const auto it = packs_.find(dir); it != packs_.end()) return it->second.get();
   auto pack = std::make_unique<pack_file>();
-  bool direct = options_.direct;
-  int fd = io::open_direct_or_buffered(
-      [&](int extra) { return open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC | extra, 0600); }, direct);
-  if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) {
-    direct = options_.direct;
-    fd = open_unlinked_pack(dir, direct);
-  }
+  // Opened buffered, then O_DIRECT set where the file system allows it: an O_DIRECT open that
+  // failed after creating a named file would take that name from its own retry.
+  int fd = open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR)) fd = open_unlinked_pack(dir);
   if (fd < 0) {
     const int e = errno;
     error = "cannot create a pack file in " + dir + ": " + std::strerror(e);
     errno = e;  // the caller's result
     return nullptr;
   }
+  const bool direct = options_.direct && set_direct(fd);
   if (options_.direct && !direct) note_buffered(dir);
   pack->fd = fd;
   pack->direct = direct;

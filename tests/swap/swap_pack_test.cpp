@@ -161,6 +161,53 @@ int pack_descriptor(const fs::path& dir) {
   return -1;
 }
 
+// The status flags of open file `fd` (/proc/self/fdinfo), -1 where they cannot be read.
+long status_flags(int fd) {
+  std::ifstream info("/proc/self/fdinfo/" + std::to_string(fd));
+  std::string key;
+  long flags = -1;
+  while (info >> key && key != "flags:") {
+  }
+  info >> std::oct >> flags;
+  return flags;
+}
+
+// Whether files in `dir`'s file system open with O_DIRECT (tried on a file made there).
+bool direct_allowed_in(const fs::path& dir) {
+  const fs::path probe = dir / ".direct-probe";
+  std::ofstream(probe) << "x";
+  const int fd = open(probe.c_str(), O_RDONLY | O_DIRECT);
+  if (fd >= 0) close(fd);
+  fs::remove(probe);
+  return fd >= 0;
+}
+
+// The pack moves its bytes straight (O_DIRECT) where the swapper asks for it and the file
+// system allows it, through the page cache otherwise.
+TEST_P(pack_test, the_pack_is_moved_straight_where_asked_and_allowed) {
+  for (const bool direct : {true, false}) {
+    scratch_dir dir;
+    ASSERT_FALSE(dir.path.empty());
+    memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+    swap_options o = options(std::size_t{1} << 20);
+    o.direct = direct;
+    tensor_swapper swapper(pool, o);
+    auto a = pattern(10'000, 3);
+    const tensor_ref refs[] = {{a.data(), a.size()}};
+    const std::string paths[] = {dir.file("a")};
+    ASSERT_EQ(swapper.wait(swapper.swap_out(refs, paths)).at(0).error, 0);
+    const int pack = pack_descriptor(dir.path);
+    ASSERT_GE(pack, 0) << "no pack file open for " << dir.path;
+    const long flags = status_flags(pack);
+    ASSERT_GE(flags, 0);
+    EXPECT_EQ((flags & O_DIRECT) != 0, direct && direct_allowed_in(dir.path)) << "direct asked: " << direct;
+    std::vector<std::byte> back(a.size());
+    const tensor_ref back_refs[] = {{back.data(), back.size()}};
+    ASSERT_EQ(swapper.wait(swapper.swap_in(paths, back_refs)).at(0).error, 0);
+    EXPECT_EQ(back, a);
+  }
+}
+
 TEST_P(pack_test, corruption_mismatch_discard_and_misuse_are_reported) {
   scratch_dir dir;
   ASSERT_FALSE(dir.path.empty());
@@ -331,15 +378,8 @@ TEST_P(pack_test, without_unnamed_files_the_pack_takes_a_free_name_and_leaves_ta
     const int pack = pack_descriptor(dir.path);
     ok = ok && pack >= 0;
     // Moved straight (O_DIRECT, set after the creation) where this file system allows it.
-    const int probe = open(notes.c_str(), O_RDONLY | O_DIRECT);
-    const bool direct_here = probe >= 0;
-    if (probe >= 0) close(probe);
-    std::ifstream info("/proc/self/fdinfo/" + std::to_string(pack));
-    std::string key;
-    long flags = -1;
-    while (info >> key && key != "flags:") {
-    }
-    info >> std::oct >> flags;
+    const bool direct_here = direct_allowed_in(dir.path);
+    const long flags = status_flags(pack);
     ok = ok && flags >= 0 && ((flags & O_DIRECT) != 0) == direct_here;
     if (!ok) std::fprintf(stderr, "pack %d, flags %lo, O_DIRECT here: %d\n", pack, flags, direct_here);
     ok = ok && read_all(notes) == "the user's notes" && fs::read_symlink(taken(0)) == notes;
