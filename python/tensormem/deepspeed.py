@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.utils.dlpack
 
-from . import _tensormem
+from . import _storage_hold, _tensormem
 from .torch import AllocatorAssertion, ArenaFull, ContiguousMemoryAllocator  # noqa: F401
 
 __all__ = [
@@ -248,14 +248,16 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         staged, destination = self._staged(tensor, read)
         nbytes = staged.numel() * staged.element_size()
         path = os.fspath(filename)
+        # The storage is held with the tensor from before the I/O starts: a tensor given other
+        # memory before the wait (`t.set_(...)`, `p.data = ...`) would otherwise free the memory
+        # the I/O uses; and its size, so that a resize_ that would free it raises instead.
+        storage = staged.untyped_storage() if hasattr(staged, "untyped_storage") else staged.storage()
+        held = (storage, _storage_hold.hold(storage))
         if read:
             ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
         else:
             ticket = io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
-        # The storage is held with the tensor: a tensor given other memory before the wait
-        # (`t.set_(...)`, `p.data = ...`) would otherwise free the memory the I/O uses.
-        storage = staged.untyped_storage() if hasattr(staged, "untyped_storage") else staged.storage()
-        return ticket, staged, destination, storage
+        return ticket, staged, destination, held
 
     @staticmethod
     def _finish(io, keep: list) -> int:

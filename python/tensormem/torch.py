@@ -26,6 +26,16 @@ from .offload import (OffloadError, OffloadedAdam, OffloadedAdamW, OffloadedSGD,
                       ZeroOffloadedOptimizer)
 from .model import (Buffer, Capture, Graph, ModulePlan, UnsupportedGraph, activation_lower_bound,  # noqa: F401
                     capture, plan_module, savings, trace)
+from . import _storage_hold
+
+
+def size_hold_problem() -> str:
+    """Empty when a tensor that a transfer uses (``TensorSwapper``, ``AsyncTensorSwapper``,
+    ``tensormem.deepspeed.aio_handle``, until the wait) cannot be resized in place to more
+    bytes than its storage has: ``resize_`` then raises RuntimeError instead of freeing the
+    memory the transfer reads or writes. Otherwise why not (tensormem's PyTorch extension is
+    missing or built for another PyTorch); the first transfer of a torch tensor warns it."""
+    return _storage_hold.problem()
 
 
 class AllocatorAssertion(AssertionError, ValueError):

@@ -222,13 +222,16 @@ struct held_view {
   std::optional<py::buffer_info> info;
   py::object tensor;
   py::object storage;
+  // A torch tensor's storage size held (tensormem._storage_hold): a resize_ that would free
+  // its memory raises instead; None where the PyTorch extension is not there (warned once).
+  py::object size_hold;
   swap::tensor_ref ref;
 };
 
 /// Why a swap-in into a torch tensor cannot be trusted although the swapper finished it, or
 /// empty: the tensor was given other memory before the wait (its bytes went to the memory it
-/// had, kept alive meanwhile). Resizing a tensor in place before the wait is not detected:
-/// PyTorch frees the memory the transfer uses, as the docstring says.
+/// had, kept alive meanwhile). Resizing it in place to more bytes is refused meanwhile by the
+/// size hold (where the PyTorch extension is built).
 std::string moved_since(const held_view& v) {
   if (!v.tensor || v.ref.bytes == 0) return {};  // a buffer, not a torch tensor
   if (v.tensor.attr("data_ptr")().cast<std::uintptr_t>() != reinterpret_cast<std::uintptr_t>(v.ref.data)) {
@@ -282,6 +285,7 @@ held_view hold(const py::handle& object, bool writable) {
   h.tensor = py::reinterpret_borrow<py::object>(object);
   // PyTorch 2.x has untyped_storage(); 1.x has storage() alone (2.x warns that it is deprecated).
   h.storage = py::hasattr(object, "untyped_storage") ? object.attr("untyped_storage")() : object.attr("storage")();
+  h.size_hold = py::module_::import("tensormem._storage_hold").attr("hold")(h.storage);
   h.ref = {reinterpret_cast<void*>(object.attr("data_ptr")().cast<std::uintptr_t>()), bytes};
   return h;
 }
@@ -960,8 +964,9 @@ PYBIND11_MODULE(_tensormem, m) {
            "Queues the writes; returns a ticket. tensors: contiguous buffers (numpy arrays...) or CPU "
            "torch tensors. The buffers are held (not resizable) until wait(), torch tensors by reference "
            "with their storage: one given other memory before wait() (set_, .data =) keeps the memory the "
-           "transfer uses alive (a swap-in into it then fails, EFAULT); do not resize one in place before "
-           "wait(). None may change before it. keys: the identity recorded per file (default: the path).")
+           "transfer uses alive (a swap-in into it then fails, EFAULT), and a resize_ that would free that memory "
+           "raises RuntimeError (where tensormem.torch.size_hold_problem() is empty; else it is warned once, "
+           "and must not be done). None may change before it. keys: the identity recorded per file (default: the path).")
       .def("swap_in", [](py_swapper& s, const std::vector<std::string>& paths,
                          const std::vector<py::object>& tensors, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, false);

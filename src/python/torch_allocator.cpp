@@ -1,5 +1,6 @@
 // PyTorch's own hook for CPU memory (c10::SetCPUAllocator): a wrapping allocator that records
-// every allocation and free of CPU tensor memory while a capture runs. Built as its own
+// every allocation and free of CPU tensor memory while a capture runs; and holds on the size
+// of a storage whose memory a transfer uses (StorageImpl's resizable flag). Built as its own
 // module (tensormem._tensormem_torch) against the libc10 of the PyTorch its interpreter
 // imports (python/CMakeLists.txt), so that `import tensormem` never needs libtorch.
 
@@ -7,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
 
 #include <cstdint>
 #include <mutex>
@@ -126,6 +128,60 @@ class recording_allocator final : public allocator_interface<c10::Allocator> {
   c10::Allocator* inner_ = nullptr;
 };
 
+// Storages whose size is held: how many holds each has, and whether it was resizable before
+// the first. A storage that is not resizable refuses `resize_` to more bytes than it has, of
+// a tensor on it or of the storage itself, with a RuntimeError; growing a resizable one
+// frees its memory. Touched with the GIL held; the mutex keeps it consistent regardless.
+class size_holds {
+ public:
+  static size_holds& instance() {
+    static auto* h = new size_holds();  // never destroyed: holds may be released at exit
+    return *h;
+  }
+  void hold(c10::StorageImpl* s) {
+    const std::lock_guard lock(mutex_);
+    auto [it, first] = held_.try_emplace(s, 0, s->resizable());
+    ++it->second.first;
+    s->set_resizable(false);
+  }
+  void release(c10::StorageImpl* s) {
+    const std::lock_guard lock(mutex_);
+    const auto it = held_.find(s);
+    if (it == held_.end() || --it->second.first != 0) return;
+    s->set_resizable(it->second.second);
+    held_.erase(it);
+  }
+  std::size_t count(c10::StorageImpl* s) {
+    const std::lock_guard lock(mutex_);
+    const auto it = held_.find(s);
+    return it == held_.end() ? 0 : it->second.first;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<c10::StorageImpl*, std::pair<std::size_t, bool>> held_;
+};
+
+// One hold on a storage's size, for as long as this object lives; it keeps the storage (the
+// Python object, and through it the StorageImpl) alive too.
+class storage_size_hold {
+ public:
+  explicit storage_size_hold(py::object storage)
+      : storage_(std::move(storage)),
+        impl_(reinterpret_cast<c10::StorageImpl*>(storage_.attr("_cdata").cast<std::uintptr_t>())) {
+    if (impl_ == nullptr) throw std::invalid_argument("StorageSizeHold: the storage has no StorageImpl");
+    size_holds::instance().hold(impl_);
+  }
+  storage_size_hold(const storage_size_hold&) = delete;
+  storage_size_hold& operator=(const storage_size_hold&) = delete;
+  ~storage_size_hold() { size_holds::instance().release(impl_); }
+  std::size_t holds() const { return size_holds::instance().count(impl_); }
+
+ private:
+  py::object storage_;
+  c10::StorageImpl* impl_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_tensormem_torch, m) {
@@ -135,6 +191,12 @@ PYBIND11_MODULE(_tensormem_torch, m) {
   m.def("stop_capture", [] { return recording_allocator::instance().stop(); },
         "Stops recording; returns [(id, bytes, is_allocation)] in order (frees carry 0 bytes).");
   m.def("capturing", [] { return recording_allocator::instance().active(); });
+  py::class_<storage_size_hold>(m, "StorageSizeHold",
+                                "Holds a torch storage's size while it lives: resize_ to more bytes than the "
+                                "storage has raises RuntimeError instead of freeing memory a transfer uses. "
+                                "Holds on one storage nest; the last one gone restores its resizable flag.")
+      .def(py::init<py::object>(), py::arg("storage"))
+      .def_property_readonly("holds", &storage_size_hold::holds, "Holds on this storage now.");
   // torch.__version__ of the PyTorch whose c10 this module was built against (defined by
   // python/CMakeLists.txt, which builds the module only against a PyTorch it asked).
   m.attr("TORCH_VERSION") = TENSORMEM_TORCH_VERSION;

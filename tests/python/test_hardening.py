@@ -469,6 +469,108 @@ def test_a_torch_tensor_given_other_memory_before_the_wait_keeps_its_old_memory_
     assert torch.equal(kept, src) and torch.equal(moved, torch.full((4,), 3.0))
 
 
+def _refused_growth(t: torch.Tensor):
+    """Tries to resize ``t`` in place to twice its elements (PyTorch would take new memory and
+    free the old), expects the refusal, and puts the shape back: PyTorch sets the new sizes
+    before it resizes the storage, so a refused resize leaves them over the old memory."""
+    shape = t.shape
+    with pytest.raises(RuntimeError, match="not resizable"):
+        t.resize_(2 * t.numel())
+    t.resize_(shape)
+
+
+def _grow(t: torch.Tensor):
+    t.resize_(2 * t.numel())
+
+
+@pytest.mark.skipif(bool(tensormem.torch.size_hold_problem()), reason=tensormem.torch.size_hold_problem())
+def test_a_torch_tensor_in_flight_cannot_be_resized_in_place(tmp_path):
+    """`t.resize_()` to more bytes than its storage has frees the memory a transfer of `t` in
+    flight reads or writes (holding the storage cannot stop PyTorch from swapping its
+    memory). Until the wait, every swapper now holds the storage's size: such a resize raises
+    RuntimeError (PyTorch leaves the new sizes over the old memory: resizing back mends
+    it) and the transfer completes with the tensor's memory; a resize within the storage is
+    let through; after the wait the tensor resizes again. Holds on one storage
+    nest (a tensor and a view of it in two tickets), and a storage that was not resizable
+    (numpy's) stays so."""
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(), queue_depth=1, block_bytes=4096, direct=False)
+    n = 8 << 20
+    src = torch.randn(n)
+    path = str(tmp_path / "src")
+
+    out = src.clone()
+    ticket = s.swap_out([out], [path])
+    _refused_growth(out)
+    out.resize_(10)  # within the storage: no memory moves
+    out.resize_(n)
+    assert s.wait(ticket)[0]["error"] == 0
+    back = torch.zeros(n)
+    ticket = s.swap_in([path], [back])
+    _refused_growth(back)
+    assert s.wait(ticket)[0]["error"] == 0 and torch.equal(back, src)
+    _grow(back)  # the wait let go of it
+    assert back.numel() == 2 * n
+
+    # nested holds: a tensor and a view of its storage in two tickets
+    whole, part = src.clone(), None
+    part = whole[: n // 2]
+    first = s.swap_out([whole], [str(tmp_path / "whole")])
+    second = s.swap_out([part], [str(tmp_path / "part")])
+    s.wait(first)
+    _refused_growth(whole)
+    s.wait(second)
+    _grow(whole)
+
+    # a storage that was not resizable stays so
+    from_numpy = torch.from_numpy(np.zeros(1 << 20, dtype=np.uint8))
+    s.wait(s.swap_out([from_numpy], [str(tmp_path / "np")]))
+    _refused_growth(from_numpy)
+
+    # tensormem.torch.AsyncTensorSwapper and DeepSpeed's aio_handle hold it too
+    a = tensormem.torch.AsyncTensorSwapper(queue_depth=1, block_bytes=4096, engine="threads")
+    t = torch.zeros(n)
+    a.swap_in_tensors([path], [t])
+    _refused_growth(t)
+    a.synchronize()
+    assert torch.equal(t, src)
+    _grow(t)
+    from tensormem.deepspeed import aio_handle
+    h = aio_handle(block_size=4096, queue_depth=1)
+    t = torch.zeros(n)
+    h.async_pread(t, str(tmp_path / "whole"), 4096)  # past the swapper's header page
+    _refused_growth(t)
+    assert h.wait() == 1
+    _grow(t)
+
+
+def test_without_the_pytorch_extension_a_transfer_of_a_torch_tensor_warns_once(tmp_path):
+    """Where tensormem's PyTorch extension cannot be imported, nothing holds a tensor's size:
+    size_hold_problem() says why, and the first transfer of a torch tensor warns it (a
+    RuntimeWarning), the next ones not; the transfers themselves work."""
+    code = textwrap.dedent(f"""
+        import sys, warnings
+        sys.modules["tensormem._tensormem_torch"] = None  # import raises ImportError
+        import torch, tensormem, tensormem.torch
+        problem = tensormem.torch.size_hold_problem()
+        assert "not built" in problem and "not refused" in problem, problem
+        s = tensormem.TensorSwapper(tensormem.PinnedPool())
+        t = torch.arange(1000.0)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(3):
+                assert s.wait(s.swap_out([t], [{str(tmp_path)!r} + "/t%d" % i]))[0]["error"] == 0
+        messages = [str(w.message) for w in seen if w.category is RuntimeWarning]
+        assert messages == [problem], messages
+        back = torch.zeros(1000)
+        assert s.wait(s.swap_in([{str(tmp_path)!r} + "/t0"], [back]))[0]["error"] == 0
+        assert torch.equal(back, t)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
 def test_swap_out_progresses_while_python_sleeps(tmp_path):
     pool = tensormem.PinnedPool(slab_bytes=32 << 20)
     s = tensormem.TensorSwapper(pool, staging_buffers=4)
