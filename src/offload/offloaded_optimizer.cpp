@@ -41,13 +41,14 @@ struct file {
   // A checkpoint to read, and the temporary file a save writes, are regular files only
   // (anything else is refused, EINVAL, or EISDIR for a folder). The open never waits
   // (O_NONBLOCK, cleared once open): a pipe there is refused, not a wait for its other end.
-  file(const std::string& p, int flags) : path(p) {
+  // `what` begins the message of a failed open (default: "cannot open checkpoint PATH").
+  file(const std::string& p, int flags, const std::string& what = {}) : path(p) {
     const char* refused = nullptr;
     fd = io::keep_opened_file(::open(p.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0600), p.c_str(), refused);
     if (fd < 0) {
       const int e = errno;
       const std::string why = refused == nullptr ? "" : std::string(": it is ") + refused + ", not a regular file";
-      throw std::system_error(e, std::generic_category(), "cannot open checkpoint " + p + why);
+      throw std::system_error(e, std::generic_category(), (what.empty() ? "cannot open checkpoint " + p : what) + why);
     }
   }
   ~file() {
@@ -442,7 +443,8 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   check_temporary(path, tmp);
   // O_NOFOLLOW and a regular file only: the check above holds even against a link or a
   // device put there since.
-  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW);
+  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW,
+                 "cannot save checkpoint " + path + ": cannot create its temporary file " + tmp);
   try {
     const std::vector<std::uint64_t> words = header_words(*this);
     std::vector<char> head(header_bytes(numels_.size()), 0);

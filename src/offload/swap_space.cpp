@@ -57,8 +57,12 @@ swap_space::swap_space(swap_space_options options)
   for (const std::string& folder : options_.folders) {
     io::check_path_argument("swap_space: folder", folder);
     std::error_code ec;
-    if (!std::filesystem::is_directory(folder, ec)) {
-      throw std::system_error(ENOENT, std::generic_category(), "swap folder " + folder + " is not a directory");
+    if (const auto status = std::filesystem::status(folder, ec); !std::filesystem::is_directory(status)) {
+      // (ENOTDIR where something else is there, ENOENT where nothing is, or the cause of a
+      // failed look, EACCES or ELOOP.)
+      const bool other = std::filesystem::exists(status);
+      const int e = other ? ENOTDIR : ec && ec != std::errc::no_such_file_or_directory ? ec.value() : ENOENT;
+      throw std::system_error(e, std::generic_category(), "swap folder " + folder);
     }
     std::filesystem::path dir = std::filesystem::path(folder) / ("rank" + std::to_string(options_.rank));
     if (std::find(dirs_.begin(), dirs_.end(), dir) != dirs_.end()) {

@@ -206,8 +206,20 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
     bad.stripe_bytes = 1000;
     EXPECT_THROW(swap_space{bad}, std::invalid_argument);
     bad = o;
-    bad.folders.push_back((dir.path / "missing").string());
-    EXPECT_THROW(swap_space{bad}, std::system_error);
+    // Nothing there, a file there: each refused with its own errno.
+    const std::string file_there = (dir.path / "a-file").string();
+    std::ofstream(file_there) << "x";
+    for (const auto& [folder, error] : {std::pair{(dir.path / "missing").string(), ENOENT}, std::pair{file_there, ENOTDIR}}) {
+      bad.folders.push_back(folder);
+      try {
+        swap_space refused{bad};
+        ADD_FAILURE() << "made a swap space in " << folder;
+      } catch (const std::system_error& e) {
+        EXPECT_EQ(e.code().value(), error) << e.what();
+        EXPECT_NE(std::string(e.what()).find("swap folder " + folder), std::string::npos) << e.what();
+      }
+      bad = o;
+    }
     bad = o;
     bad.folders.push_back(o.folders[0]);
     EXPECT_THROW(swap_space{bad}, std::invalid_argument);
@@ -687,6 +699,18 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   }
   EXPECT_EQ(std::filesystem::file_size(ck), size);
   EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
+  // A folder that is not there: the save says so by the checkpoint's name.
+  const std::string nowhere = (dir.path / "missing" / "ck").string();
+  try {
+    o.save(nowhere);
+    ADD_FAILURE() << "saved into a missing folder";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), ENOENT);
+    EXPECT_NE(std::string(e.what()).find("cannot save checkpoint " + nowhere + ": cannot create its temporary file " +
+                                         nowhere + ".tmp"),
+              std::string::npos)
+        << e.what();
+  }
 
   // The temporary file is the save's own: a symbolic link there (to a user's file, to
   // /dev/full), a pipe or a folder is refused before anything is opened or written, and stays;

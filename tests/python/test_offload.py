@@ -600,8 +600,12 @@ def test_misuse_is_refused(tmp_path):
             OffloadedAdamW(mlp().parameters(), swap_dirs=d, **bad)
     with pytest.raises(TypeError):
         OffloadedAdamW(mlp().parameters(), swap_dirs=d, pinned_budget=2.5 * (1 << 20))  # was truncated
-    with pytest.raises(OSError, match="not a directory"):
+    with pytest.raises(FileNotFoundError, match="swap folder .*missing: No such file or directory"):
         OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path / "missing")])
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="swap folder .*a-file: Not a directory"):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path / "a-file")])
+    (tmp_path / "a-file").unlink()
     with pytest.raises(ValueError, match="at least one folder"):
         OffloadedAdamW(mlp().parameters(), swap_dirs=[])
     with pytest.raises(ValueError, match="amsgrad"):
