@@ -436,7 +436,8 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   });
   if (j.fd < 0) {
     j.error = e;
-    j.message = (j.out ? "cannot create " : "cannot open ") + file + ": " +
+    // A swap-out creates a file beside its path: the message names both.
+    j.message = (j.out ? "swap-out of " + j.path + ": cannot create " : std::string("cannot open ")) + file + ": " +
                 (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
                                     : std::string(std::strerror(e))) +
                 (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");

@@ -463,6 +463,15 @@ TEST_P(integrity, a_swap_file_that_is_not_a_regular_file_is_refused_without_bloc
         << r.message;
   }
   EXPECT_TRUE(fs::is_fifo(tensor_swapper::spare_path(path)));
+  // A folder that is not there: the message names the tensor's path and the file it made.
+  const std::string nowhere[] = {dir_.file("missing") + "/t"};
+  const swap_result missing = s.wait(s.swap_out(other_refs, nowhere))[0];
+  EXPECT_EQ(missing.error, ENOENT);
+  EXPECT_EQ(missing.message.rfind("swap-out of " + nowhere[0] + ": cannot create " +
+                                      tensor_swapper::spare_path(nowhere[0]) + ": No such file or directory",
+                                  0),
+            0U)
+      << missing.message;
   std::vector<std::byte> back(t.size());
   EXPECT_EQ(swap_in_one(s, back, path).error, 0);
   EXPECT_EQ(back, t);
