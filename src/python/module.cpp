@@ -864,7 +864,8 @@ PYBIND11_MODULE(_tensormem, m) {
       });
 
   // Registered before PinnedPool, whose allocate() signature names it.
-  auto pinned_class = py::class_<pinned_buffer, std::shared_ptr<pinned_buffer>>(m, "PinnedBuffer", py::buffer_protocol());
+  auto pinned_class =
+      py::class_<pinned_buffer, std::shared_ptr<pinned_buffer>>(m, "PinnedBuffer", py::buffer_protocol());
   {
     // pybind11's buffer procedures cannot count exports: ours replace them.
     auto* type = reinterpret_cast<PyTypeObject*>(pinned_class.ptr());
@@ -966,7 +967,8 @@ PYBIND11_MODULE(_tensormem, m) {
            "with their storage: one given other memory before wait() (set_, .data =) keeps the memory the "
            "transfer uses alive (a swap-in into it then fails, EFAULT), and a resize_ that would free that memory "
            "raises RuntimeError (where tensormem.torch.size_hold_problem() is empty; else it is warned once, "
-           "and must not be done). None may change before it. keys: the identity recorded per file (default: the path).")
+           "and must not be done). None may change before it. keys: the identity recorded per file (default: "
+           "the path).")
       .def("swap_in", [](py_swapper& s, const std::vector<std::string>& paths,
                          const std::vector<py::object>& tensors, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, false);

@@ -209,7 +209,8 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
     // Nothing there, a file there: each refused with its own errno.
     const std::string file_there = (dir.path / "a-file").string();
     std::ofstream(file_there) << "x";
-    for (const auto& [folder, error] : {std::pair{(dir.path / "missing").string(), ENOENT}, std::pair{file_there, ENOTDIR}}) {
+    const std::pair<std::string, int> cases[] = {{(dir.path / "missing").string(), ENOENT}, {file_there, ENOTDIR}};
+    for (const auto& [folder, error] : cases) {
       bad.folders.push_back(folder);
       try {
         swap_space refused{bad};
