@@ -166,10 +166,7 @@ class size_holds {
 // Python object, and through it the StorageImpl) alive too.
 class storage_size_hold {
  public:
-  explicit storage_size_hold(py::object storage)
-      : storage_(std::move(storage)),
-        impl_(reinterpret_cast<c10::StorageImpl*>(storage_.attr("_cdata").cast<std::uintptr_t>())) {
-    if (impl_ == nullptr) throw std::invalid_argument("StorageSizeHold: the storage has no StorageImpl");
+  explicit storage_size_hold(py::object storage) : storage_(std::move(storage)), impl_(storage_impl(storage_)) {
     size_holds::instance().hold(impl_);
   }
   storage_size_hold(const storage_size_hold&) = delete;
@@ -178,6 +175,22 @@ class storage_size_hold {
   std::size_t holds() const { return size_holds::instance().count(impl_); }
 
  private:
+  // The StorageImpl of a torch storage (untyped, or typed as PyTorch 1.x's storage() gives),
+  // whose `_cdata` is its address. Anything else is refused: a tensor's `_cdata` is the
+  // address of a TensorImpl.
+  static c10::StorageImpl* storage_impl(const py::object& storage) {
+    const py::module_ torch = py::module_::import("torch");
+    const bool is_storage =
+        py::isinstance(storage, torch.attr("UntypedStorage")) || py::isinstance(storage, torch.attr("TypedStorage"));
+    if (!is_storage) {
+      throw py::type_error("StorageSizeHold: expected a torch storage (UntypedStorage or TypedStorage), not " +
+                           py::str(py::type::of(storage).attr("__name__")).cast<std::string>());
+    }
+    auto* impl = reinterpret_cast<c10::StorageImpl*>(storage.attr("_cdata").cast<std::uintptr_t>());
+    if (impl == nullptr) throw std::invalid_argument("StorageSizeHold: the storage has no StorageImpl");
+    return impl;
+  }
+
   py::object storage_;
   c10::StorageImpl* impl_;
 };

@@ -543,6 +543,29 @@ def test_a_torch_tensor_in_flight_cannot_be_resized_in_place(tmp_path):
     _grow(t)
 
 
+@pytest.mark.skipif(bool(tensormem.torch.size_hold_problem()), reason=tensormem.torch.size_hold_problem())
+def test_a_size_hold_takes_a_storage_and_nothing_else():
+    """StorageSizeHold reads the StorageImpl's address from a storage's `_cdata`; a tensor's
+    `_cdata` is a TensorImpl's address, and writing a flag there would corrupt it: a tensor,
+    or anything else that is not a torch storage, is refused with a TypeError. Holds on one
+    storage count up and down, and the last one gone lets the storage grow again."""
+    from tensormem import _tensormem_torch
+    t = torch.zeros(16)
+    for wrong in (t, object(), np.zeros(4)):
+        with pytest.raises(TypeError, match="expected a torch storage"):
+            _tensormem_torch.StorageSizeHold(wrong)
+    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    first = _tensormem_torch.StorageSizeHold(storage)
+    second = _tensormem_torch.StorageSizeHold(t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage())
+    assert first.holds == 2 and second.holds == 2
+    del second
+    assert first.holds == 1
+    _refused_growth(t)
+    del first
+    _grow(t)
+    assert t.numel() == 32
+
+
 def test_without_the_pytorch_extension_a_transfer_of_a_torch_tensor_warns_once(tmp_path):
     """Where tensormem's PyTorch extension cannot be imported, nothing holds a tensor's size:
     size_hold_problem() says why, and the first transfer of a torch tensor warns it (a
