@@ -429,10 +429,13 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   const std::string& file = j.out ? j.temp_path : j.path;
   const char* refused = nullptr;
   int e = 0;
+  off_t size = -1;  // of a file to read
   // With the lock released: creating a file can take the file system a millisecond or more.
   outside(lock, [&] {
     j.fd = open_file(file, j.out, j.direct, refused);
     e = errno;
+    struct stat st {};
+    if (j.fd >= 0 && !j.out && fstat(j.fd, &st) == 0) size = st.st_size;
   });
   if (j.fd < 0) {
     j.error = e;
@@ -447,6 +450,13 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   if (options_.direct && !j.direct) note_buffered(file);
   ++open_files_;
   if (!j.out) j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
+  // Shorter than a header: not a swap file at all (a short read of it would look like an
+  // I/O error). queue_more then queues nothing and finishes the job; the committer closes it.
+  if (size >= 0 && size < static_cast<off_t>(header_bytes)) {
+    j.error = EBADMSG;
+    j.message = j.path + " is not a tensormem swap file: " + std::to_string(size) + " bytes, less than a swap " +
+                "file's " + std::to_string(header_bytes) + "-byte header";
+  }
 }
 
 // A packed job: a swap-out takes a new slot in its directory's pack (the current version

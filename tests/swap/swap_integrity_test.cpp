@@ -118,6 +118,33 @@ TEST_P(integrity, a_flipped_data_bit_in_any_block_of_a_large_tensor_is_caught) {
   EXPECT_EQ(back, t);
 }
 
+// A file shorter than a swap file's header is no swap file: refused as such (it used to
+// fail as a short read, EIO, which reads as a disk error), its tensor untouched, and the
+// swapper goes on (its file slot is given back).
+TEST_P(integrity, a_file_shorter_than_a_header_is_not_a_swap_file) {
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  const std::string small = dir_.file("notes.csv");
+  std::ofstream(small) << "id,lower,upper,size\na,0,2,100\n";
+  const std::string empty = dir_.file("empty");
+  std::ofstream{empty};
+  auto t = pattern(5000, 8);
+  const auto before = t;
+  ASSERT_EQ(fs::file_size(small), 30U);
+  for (const std::string& path : {small, empty}) {
+    const swap_result r = swap_in_one(s, t, path);
+    EXPECT_EQ(r.error, EBADMSG) << r.message;
+    EXPECT_EQ(r.message, path + " is not a tensormem swap file: " + std::to_string(fs::file_size(path)) +
+                             " bytes, less than a swap file's 4096-byte header");
+  }
+  EXPECT_EQ(t, before);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(swap_out_one(s, t, dir_.file("t")), 0);
+    std::vector<std::byte> back(t.size());
+    ASSERT_EQ(swap_in_one(s, back, dir_.file("t")).error, 0);
+    EXPECT_EQ(back, t);
+  }
+}
+
 TEST_P(integrity, data_without_a_checksum_is_refused_when_checksums_are_on) {
   tensor_swapper unchecked(pool_, {.engine = GetParam(), .staging_buffers = 2, .checksums = false});
   tensor_swapper checked(pool_, {.engine = GetParam(), .staging_buffers = 2, .checksums = true});
