@@ -28,30 +28,24 @@ def _resolve() -> None:
     global _factory, _problem
     if _problem is not None:
         return
-    try:
-        import torch
-        from . import _tensormem_torch
-    except ImportError as e:
-        _problem = (f"tensormem's PyTorch extension is not built ({e}): a tensor resized in place while a "
-                    f"transfer uses it is not refused")
+    from .model import torch_extension
+    extension, why = torch_extension()
+    if extension is None:
+        _problem = f"{why}: a tensor resized in place while a transfer uses it is not refused"
         return
-    if _tensormem_torch.TORCH_VERSION != torch.__version__:  # another c10 layout: do not touch it
-        _problem = (f"tensormem's PyTorch extension was built for PyTorch {_tensormem_torch.TORCH_VERSION}, "
-                    f"this is {torch.__version__}: a tensor resized in place while a transfer uses it is not "
-                    f"refused (rebuild tensormem)")
-        return
-    _factory = _tensormem_torch.StorageSizeHold
+    _factory = extension.StorageSizeHold
     _problem = ""
 
 
 def hold(storage):
-    """A hold on ``storage``'s size (released when the returned object goes), or None where
-    none can be taken: said once as a RuntimeWarning."""
+    """What keeps ``storage`` alive until it is dropped, and holds its size meanwhile: a
+    StorageSizeHold, or the storage itself where none can be taken (said once as a
+    RuntimeWarning)."""
     global _warned
     _resolve()
     if _factory is None:
         if not _warned:
             _warned = True
             warnings.warn(_problem, RuntimeWarning, stacklevel=3)
-        return None
+        return storage
     return _factory(storage)

@@ -252,7 +252,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         # memory before the wait (`t.set_(...)`, `p.data = ...`) would otherwise free the memory
         # the I/O uses; and its size, so that a resize_ that would free it raises instead.
         storage = staged.untyped_storage() if hasattr(staged, "untyped_storage") else staged.storage()
-        held = (storage, _storage_hold.hold(storage))
+        held = _storage_hold.hold(storage)
         if read:
             ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
         else:

@@ -1099,20 +1099,28 @@ class Capture:
                             for i, (lo, up, sz) in enumerate(zip(self.lower, self.upper, self.size))))
 
 
-def _hook():
+def torch_extension():
+    """(tensormem._tensormem_torch, "") where that extension is built for the PyTorch imported
+    now, else (None, why not). c10's interfaces and the C++ ABI change between releases: an
+    extension built for another release must not be used."""
     try:
         from . import _tensormem_torch
     except ImportError as e:
-        raise RuntimeError("tensormem was built without PyTorch's allocator hook (it is built against the c10 "
-                           "headers of the PyTorch its interpreter imports: a PyPI wheel ships them, Debian's "
-                           "libtorch-dev provides them for python3-torch)") from e
+        return None, (f"tensormem's PyTorch extension is not built ({e}; it is built against the c10 headers "
+                      f"of the PyTorch its interpreter imports: a PyPI wheel ships them, Debian's libtorch-dev "
+                      f"provides them for python3-torch)")
     built_for = _tensormem_torch.TORCH_VERSION
     if built_for != torch.__version__:
-        # c10's allocator interface and the C++ ABI change between releases: using the hook of
-        # another release would be undefined behaviour.
-        raise RuntimeError(f"tensormem's allocator hook was built against PyTorch {built_for}, but this is "
-                           f"PyTorch {torch.__version__}: rebuild tensormem with this PyTorch installed")
-    return _tensormem_torch
+        return None, (f"tensormem's PyTorch extension was built against PyTorch {built_for}, but this is "
+                      f"PyTorch {torch.__version__}: rebuild tensormem with this PyTorch installed")
+    return _tensormem_torch, ""
+
+
+def _hook():
+    extension, why = torch_extension()
+    if extension is None:
+        raise RuntimeError(f"PyTorch's allocator hook cannot be used: {why}")
+    return extension
 
 
 def capture(fn: Callable, *args, **kwargs) -> Tuple[object, Capture]:

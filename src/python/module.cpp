@@ -221,10 +221,9 @@ void pinned_releasebuffer(PyObject* self, Py_buffer*) {
 struct held_view {
   std::optional<py::buffer_info> info;
   py::object tensor;
+  // A torch tensor's storage, kept alive and its size held (tensormem._storage_hold.hold): a
+  // resize_ that would free its memory raises instead (where the PyTorch extension is built).
   py::object storage;
-  // A torch tensor's storage size held (tensormem._storage_hold): a resize_ that would free
-  // its memory raises instead; None where the PyTorch extension is not there (warned once).
-  py::object size_hold;
   swap::tensor_ref ref;
 };
 
@@ -284,8 +283,9 @@ held_view hold(const py::handle& object, bool writable) {
   const auto bytes = object.attr("numel")().cast<std::size_t>() * object.attr("element_size")().cast<std::size_t>();
   h.tensor = py::reinterpret_borrow<py::object>(object);
   // PyTorch 2.x has untyped_storage(); 1.x has storage() alone (2.x warns that it is deprecated).
-  h.storage = py::hasattr(object, "untyped_storage") ? object.attr("untyped_storage")() : object.attr("storage")();
-  h.size_hold = py::module_::import("tensormem._storage_hold").attr("hold")(h.storage);
+  h.storage = py::module_::import("tensormem._storage_hold")
+                  .attr("hold")(py::hasattr(object, "untyped_storage") ? object.attr("untyped_storage")()
+                                                                        : object.attr("storage")());
   h.ref = {reinterpret_cast<void*>(object.attr("data_ptr")().cast<std::uintptr_t>()), bytes};
   return h;
 }
