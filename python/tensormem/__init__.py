@@ -3,7 +3,8 @@
 The compiled core lives in ``tensormem._tensormem``; ``tensormem.torch`` adds the PyTorch
 front ends (a DeepSpeed-compatible ContiguousMemoryAllocator and AsyncTensorSwapper).
 Errors map to Python exceptions: MemoryError (out of memory, lock limit), ValueError (misuse,
-malformed traces), OSError (system errors, with errno).
+malformed traces), OSError (system errors, with errno), ForkedChildError (a RuntimeError: an
+object that runs threads of its own, used in a child process forked after it was made).
 """
 
 from ._tensormem import (  # noqa: F401
@@ -14,6 +15,7 @@ from ._tensormem import (  # noqa: F401
     Allocation,
     BestFitAllocator,
     ContiguousArena,
+    ForkedChildError,
     MemoryView,
     OperatorGraph,
     PinnedBuffer,
@@ -37,7 +39,7 @@ from ._tensormem import (  # noqa: F401
 
 __all__ = [
     "GROWING", "MAX_QUEUE_DEPTH", "SWAP_BLOCK_ALIGNMENT", "IO_ENGINES", "Allocation", "BestFitAllocator",
-    "ContiguousArena", "MemoryView", "OperatorGraph",
+    "ContiguousArena", "ForkedChildError", "MemoryView", "OperatorGraph",
     "derive_lifetimes", "make_transformer_step", "PinnedBuffer", "PinnedPool", "TensorSwapper", "TlsfAllocator",
     "__version__", "cgroup_memory_available_bytes", "cgroup_memory_limit_bytes", "cuda_built", "cuda_unavailable_reason", "lower_bound", "physical_memory_bytes", "plan",
     "read_trace", "validate", "write_plan_picture",

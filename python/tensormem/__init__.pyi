@@ -8,6 +8,10 @@ SWAP_BLOCK_ALIGNMENT: int  # swapper block sizes (block_bytes) are multiples of 
 IO_ENGINES: Tuple[str, ...]  # the names an `engine` argument takes ("uring", "threads")
 __version__: str
 
+class ForkedChildError(RuntimeError):
+    """A call on an object that runs threads of its own (TensorSwapper, AsyncFileIO, an offloaded
+    optimizer), in a child process forked after the object was made."""
+
 class Allocation:
     offset: int
     bytes: int

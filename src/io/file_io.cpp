@@ -112,7 +112,7 @@ async_file_io::async_file_io(file_io_options options) : options_(options) {
     rings_.push_back(std::move(r));
   }
   try {
-    for (auto& r : rings_) r->thread = std::thread([this, ring = r.get()] { run(*ring); });
+    for (auto& r : rings_) *r->thread = std::thread([this, ring = r.get()] { run(*ring); });
   } catch (...) {
     stop_rings();  // those started so far: a joinable thread destroyed would end the process
     throw;
@@ -122,17 +122,19 @@ async_file_io::async_file_io(file_io_options options) : options_(options) {
 void async_file_io::stop_rings() noexcept {
   {
     std::unique_lock lock(mutex_);
-    done_.wait(lock, [this] { return unfinished_ops_ == 0; });
+    done_->wait(lock, [this] { return unfinished_ops_ == 0; });
     stop_ = true;
   }
-  for (auto& r : rings_) r->work.notify_all();
+  for (auto& r : rings_) r->work->notify_all();
   for (auto& r : rings_) {
-    if (r->thread.joinable()) r->thread.join();
+    if (r->thread->joinable()) r->thread->join();
   }
 }
 
 async_file_io::~async_file_io() {
-  stop_rings();
+  // In a forked child the ring threads do not exist and the lock may be a parent thread's:
+  // nothing is waited for; the child's copies of the descriptors are closed.
+  if (!made_.forked()) stop_rings();
   for (auto& [id, o] : ops_) {
     if (o.fd >= 0) ::close(o.fd);
   }
@@ -151,6 +153,7 @@ std::uint64_t async_file_io::write(const void* buffer, std::size_t bytes, const 
 
 std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
                           std::uint64_t file_offset, bool validate) {
+  made_.require_same_process(who);
   check_path_argument("async_file_io", path);
   if (bytes != 0 && buffer == nullptr) throw std::invalid_argument("async_file_io: null buffer for " + path);
   if (file_offset > UINT64_MAX - bytes || file_offset + bytes > static_cast<std::uint64_t>(INT64_MAX)) {
@@ -222,7 +225,7 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
   }
   lock.unlock();
   for (std::size_t i = 0; i < rings_.size(); ++i) {
-    if (woken[i]) rings_[i]->work.notify_one();
+    if (woken[i]) rings_[i]->work->notify_one();
   }
   return id;
 }
@@ -243,7 +246,7 @@ void async_file_io::run(ring& r) {
     }
     if (r.engine->outstanding() == 0) {
       if (stop_) return;
-      r.work.wait(lock, [&] { return stop_ || !r.queued.empty(); });
+      r.work->wait(lock, [&] { return stop_ || !r.queued.empty(); });
       continue;
     }
     lock.unlock();
@@ -279,7 +282,7 @@ void async_file_io::finish(op& o) {
     (o.write ? stats_.bytes_written : stats_.bytes_read) += o.bytes;
   }
   --unfinished_ops_;
-  done_.notify_all();
+  done_->notify_all();
 }
 
 async_file_io::wait_result async_file_io::wait() {
@@ -287,11 +290,12 @@ async_file_io::wait_result async_file_io::wait() {
 }
 
 std::optional<async_file_io::wait_result> async_file_io::wait_until(std::chrono::steady_clock::time_point deadline) {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   const auto finished_all = [this] { return unfinished_ops_ == 0; };
   if (deadline == std::chrono::steady_clock::time_point::max()) {
-    done_.wait(lock, finished_all);
-  } else if (!done_.wait_until(lock, deadline, finished_all)) {
+    done_->wait(lock, finished_all);
+  } else if (!done_->wait_until(lock, deadline, finished_all)) {
     return std::nullopt;
   }
   std::map<std::uint64_t, op> finished;
@@ -307,6 +311,7 @@ std::optional<async_file_io::wait_result> async_file_io::wait_until(std::chrono:
 }
 
 file_io_error async_file_io::wait_for(std::uint64_t ticket) {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   const auto unknown = [&] {
     return std::invalid_argument("async_file_io::wait_for: unknown or already collected operation " +
@@ -314,7 +319,7 @@ file_io_error async_file_io::wait_for(std::uint64_t ticket) {
   };
   if (ops_.find(ticket) == ops_.end()) throw unknown();
   // A concurrent wait() may collect the operation meanwhile: look it up again after each wake.
-  done_.wait(lock, [&] {
+  done_->wait(lock, [&] {
     const auto it = ops_.find(ticket);
     return it == ops_.end() || it->second.finished;
   });
@@ -351,11 +356,13 @@ void async_file_io::check_validation(op& o) {
 }
 
 std::size_t async_file_io::pending() const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return ops_.size();
 }
 
 file_io_stats async_file_io::stats() const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return stats_;
 }

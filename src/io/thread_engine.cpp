@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "segments.hpp"
+#include "tensormem/io/fork_guard.hpp"
 #include "tensormem/io/io_engine.hpp"
 
 namespace tensormem::io {
@@ -41,33 +42,44 @@ class thread_engine final : public io_engine {
       : depth_(queue_depth == 0 ? 1 : queue_depth) {
     threads = std::clamp(threads, 1U, depth_);
     try {
-      for (unsigned t = 0; t < threads; ++t) workers_.emplace_back([this] { work(); });
+      for (unsigned t = 0; t < threads; ++t) workers_->emplace_back([this] { work(); });
     } catch (...) {
       stop();  // the workers started so far: a joinable thread destroyed would end the process
       throw;
     }
   }
 
-  ~thread_engine() override { stop(); }
+  // In a forked child the workers do not exist and the lock may be held by one of the
+  // parent's: nothing is waited for (the owner's requests were the parent's).
+  ~thread_engine() override {
+    if (!made_.forked()) stop();
+  }
 
   void submit(std::span<const io_request> requests) override {
+    made_.require_same_process("a thread-pool I/O engine");
     {
       const std::lock_guard lock(mutex_);
       queue_.insert(queue_.end(), requests.begin(), requests.end());
     }
     outstanding_ += requests.size();
-    work_ready_.notify_all();
+    work_ready_->notify_all();
   }
 
   std::vector<io_completion> wait(std::size_t min_completions) override {
+    made_.require_same_process("a thread-pool I/O engine");
     min_completions = std::min(min_completions, outstanding_);
     std::unique_lock lock(mutex_);
-    done_ready_.wait(lock, [&] { return done_.size() >= min_completions; });
+    done_ready_->wait(lock, [&] { return done_.size() >= min_completions; });
     std::vector<io_completion> out(done_.begin(), done_.end());
     done_.clear();
     lock.unlock();
     outstanding_ -= out.size();
     return out;
+  }
+
+  bool register_buffers(std::span<const std::span<std::byte>> /*regions*/) override {
+    made_.require_same_process("a thread-pool I/O engine");
+    return false;  // pread and pwrite map nothing ahead
   }
 
   std::size_t outstanding() const noexcept override { return outstanding_; }
@@ -78,7 +90,7 @@ class thread_engine final : public io_engine {
   void work() {
     std::unique_lock lock(mutex_);
     while (true) {
-      work_ready_.wait(lock, [&] { return (!queue_.empty() && busy_ < depth_) || (stopping_ && queue_.empty()); });
+      work_ready_->wait(lock, [&] { return (!queue_.empty() && busy_ < depth_) || (stopping_ && queue_.empty()); });
       if (queue_.empty()) return;  // stopping, nothing left
       const io_request r = queue_.front();
       queue_.pop_front();
@@ -88,8 +100,8 @@ class thread_engine final : public io_engine {
       lock.lock();
       --busy_;
       done_.push_back({r.user_data, result, r.total()});
-      done_ready_.notify_all();
-      work_ready_.notify_one();
+      done_ready_->notify_all();
+      work_ready_->notify_one();
     }
   }
 
@@ -98,15 +110,16 @@ class thread_engine final : public io_engine {
       const std::lock_guard lock(mutex_);
       stopping_ = true;  // workers finish the queue first
     }
-    work_ready_.notify_all();
-    for (auto& w : workers_) w.join();
+    work_ready_->notify_all();
+    for (auto& w : *workers_) w.join();
   }
 
+  detail::fork_guard made_;
   unsigned depth_;
-  std::vector<std::thread> workers_;
+  detail::unless_forked<std::vector<std::thread>> workers_;
   std::mutex mutex_;
-  std::condition_variable work_ready_;
-  std::condition_variable done_ready_;
+  detail::unless_forked<std::condition_variable> work_ready_;
+  detail::unless_forked<std::condition_variable> done_ready_;
   std::deque<io_request> queue_;
   std::vector<io_completion> done_;
   unsigned busy_ = 0;

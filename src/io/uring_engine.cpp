@@ -9,6 +9,7 @@
 #include <deque>
 #include <system_error>
 
+#include "tensormem/io/fork_guard.hpp"
 #include "tensormem/io/io_engine.hpp"
 #include "segments.hpp"
 #include "uring_faults.hpp"
@@ -33,18 +34,24 @@ class uring_engine final : public io_engine {
 
   ~uring_engine() override {
     // The kernel may still write into our buffers: wait for what it holds. reap() ends
-    // every wait, by a completion or by failing the ring (in_flight_ drops to 0).
-    while (in_flight_ != 0) reap(1);
+    // every wait, by a completion or by failing the ring (in_flight_ drops to 0). In a forked
+    // child the ring's queues are the parent's (a shared mapping): reaping would take the
+    // parent's completions, so the child only unmaps its view and closes its descriptor.
+    if (!made_.forked()) {
+      while (in_flight_ != 0) reap(1);
+    }
     io_uring_queue_exit(&ring_);
   }
 
   void submit(std::span<const io_request> requests) override {
+    made_.require_same_process("an io_uring engine");
     for (const io_request& r : requests) pending_.push_back({r, 0});
     outstanding_ += requests.size();
     pump();
   }
 
   std::vector<io_completion> wait(std::size_t min_completions) override {
+    made_.require_same_process("an io_uring engine");
     min_completions = std::min(min_completions, outstanding_);
     while (ready_.size() < min_completions) {
       pump();
@@ -63,6 +70,7 @@ class uring_engine final : public io_engine {
   }
 
   bool register_buffers(std::span<const std::span<std::byte>> regions) override {
+    made_.require_same_process("an io_uring engine");
     if (outstanding_ != 0 || !registered_.empty() || regions.empty()) return false;
     std::vector<iovec> iov;
     for (const auto& r : regions) iov.push_back({r.data(), r.size()});
@@ -248,6 +256,7 @@ class uring_engine final : public io_engine {
            std::find(unsubmitted_.begin(), unsubmitted_.end(), slot) == unsubmitted_.end();
   }
 
+  detail::fork_guard made_;
   unsigned depth_;
   io_uring ring_{};
   std::vector<op> slots_;

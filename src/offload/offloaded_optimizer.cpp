@@ -168,6 +168,7 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
 offloaded_optimizer::~offloaded_optimizer() = default;
 
 offloaded_optimizer::exclusive_call::exclusive_call(const offloaded_optimizer& o, const char* what) : o_(o) {
+  o.made_.require_same_process(who);
   if (o.called_from_this_thread()) {
     throw std::logic_error(std::string("offloaded_optimizer::") + what +
                            " called from inside the callback of visit or rewrite on the same optimizer: it would "
@@ -183,12 +184,14 @@ offloaded_optimizer::exclusive_call::~exclusive_call() {
 }
 
 std::vector<std::uint64_t> offloaded_optimizer::steps() const {
+  made_.require_same_process(who);
   if (called_from_this_thread()) return steps_;
   const std::lock_guard lock(calls_);
   return steps_;
 }
 
 bool offloaded_optimizer::initialized() const {
+  made_.require_same_process(who);
   if (called_from_this_thread()) return initialized_;
   const std::lock_guard lock(calls_);
   return initialized_;

@@ -51,17 +51,20 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
     const std::lock_guard lock(mutex_);
     pump();
   }
-  collector_ = std::thread([this] { collect_writes(); });
+  *collector_ = std::thread([this] { collect_writes(); });
 }
 
 prefetch_pipeline::~prefetch_pipeline() {
+  // In a forked child the collector does not exist and the lock may be a parent thread's:
+  // nothing is waited for or given back.
+  if (made_.forked()) return;
   {
     std::unique_lock lock(mutex_);
-    changed_.wait(lock, [this] { return writes_.empty(); });
+    changed_->wait(lock, [this] { return writes_.empty(); });
     stop_ = true;
   }
-  changed_.notify_all();
-  collector_.join();
+  changed_->notify_all();
+  collector_->join();
   // Reads still in flight (the caller stopped early) must end before their buffers go back.
   for (item& it : items_) {
     if (it.s == state::reading && !it.error) {
@@ -91,6 +94,7 @@ void prefetch_pipeline::pump() {
 }
 
 std::byte* prefetch_pipeline::acquire(std::size_t i) {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   if (i != next_acquire_ || i >= items_.size()) {
     throw std::logic_error("prefetch_pipeline: position " + std::to_string(i) + " acquired out of order (next is " +
@@ -103,7 +107,7 @@ std::byte* prefetch_pipeline::acquire(std::size_t i) {
       throw std::logic_error("prefetch_pipeline: every staging buffer is held by the caller; release one before "
                              "acquiring position " + std::to_string(i));
     }
-    changed_.wait(lock, [&] { return it.s != state::waiting; });
+    changed_->wait(lock, [&] { return it.s != state::waiting; });
   }
   ++next_acquire_;
   swap_space::transfer io = std::move(it.io);
@@ -125,7 +129,7 @@ std::byte* prefetch_pipeline::acquire(std::size_t i) {
     free_.push_back(it.buffer);
     it.buffer = nullptr;
     pump();
-    changed_.notify_all();
+    changed_->notify_all();
     std::rethrow_exception(failed);
   }
   stats_.bytes_read += space_.padded_bytes(it.tensor);
@@ -134,6 +138,7 @@ std::byte* prefetch_pipeline::acquire(std::size_t i) {
 }
 
 void prefetch_pipeline::release(std::size_t i, bool dirty) {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   if (i >= items_.size() || items_[i].s != state::acquired) {
     throw std::logic_error("prefetch_pipeline: position " + std::to_string(i) + " is not acquired");
@@ -148,7 +153,7 @@ void prefetch_pipeline::release(std::size_t i, bool dirty) {
       it.buffer = nullptr;
       pump();
       if (!write_error_) write_error_ = std::current_exception();
-      changed_.notify_all();
+      changed_->notify_all();
       return;  // reported by finish
     }
     it.s = state::writing;
@@ -159,14 +164,14 @@ void prefetch_pipeline::release(std::size_t i, bool dirty) {
     it.buffer = nullptr;
     pump();
   }
-  changed_.notify_all();
+  changed_->notify_all();
 }
 
 // The background thread: waits for the oldest write-back, recycles its buffer, starts reads.
 void prefetch_pipeline::collect_writes() {
   std::unique_lock lock(mutex_);
   for (;;) {
-    changed_.wait(lock, [this] { return stop_ || !writes_.empty(); });
+    changed_->wait(lock, [this] { return stop_ || !writes_.empty(); });
     if (writes_.empty()) return;  // stop_
     item& it = items_[writes_.front()];
     swap_space::transfer io = std::move(it.io);
@@ -189,24 +194,27 @@ void prefetch_pipeline::collect_writes() {
     it.buffer = nullptr;
     writes_.pop_front();
     pump();
-    changed_.notify_all();
+    changed_->notify_all();
   }
 }
 
 void prefetch_pipeline::finish() {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   const auto start = std::chrono::steady_clock::now();
-  changed_.wait(lock, [this] { return writes_.empty(); });
+  changed_->wait(lock, [this] { return writes_.empty(); });
   stats_.finish_wait_seconds += seconds_since(start);
   if (write_error_) std::rethrow_exception(std::exchange(write_error_, nullptr));
 }
 
 std::vector<std::size_t> prefetch_pipeline::written() const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return written_;
 }
 
 pipeline_stats prefetch_pipeline::stats() const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return stats_;
 }

@@ -76,6 +76,9 @@ swap_space::swap_space(swap_space_options options)
 }
 
 swap_space::~swap_space() {
+  // In a forked child the files are the parent's, and so are the transfers: none is waited
+  // for and no file is removed.
+  if (made_.forked()) return;
   io_.wait();
   if (!options_.remove_files) return;
   std::error_code ec;
@@ -87,6 +90,7 @@ swap_space::~swap_space() {
 }
 
 std::string swap_space::path(std::size_t id, unsigned slot, std::size_t folder) const {
+  made_.require_same_process(who);
   std::string name;
   {
     const std::lock_guard lock(mutex_);
@@ -125,6 +129,7 @@ const swap_space::entry& swap_space::at(std::size_t id) const {
 }
 
 std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
+  made_.require_same_process(who);
   if (!portable_name(name)) {
     throw std::invalid_argument("swap_space: tensor name '" + name + "' must be letters, digits, '.', '_' or '-'");
   }
@@ -171,22 +176,27 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
 }
 
 std::size_t swap_space::size() const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return entries_.size();
 }
 const std::string& swap_space::name(std::size_t id) const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return at(id).name;
 }
 std::uint64_t swap_space::bytes(std::size_t id) const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return at(id).bytes;
 }
 std::uint64_t swap_space::padded_bytes(std::size_t id) const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return at(id).padded;
 }
 bool swap_space::committed(std::size_t id) const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return at(id).committed >= 0;
 }
@@ -214,6 +224,7 @@ void swap_space::check_free_space(const entry& e, unsigned slot) const {
 // Picks the generation (reads: the committed one; writes: the other, its folders' free
 // space checked when its files are new) and queues the stripes.
 swap_space::transfer swap_space::start(std::size_t id, std::byte* buffer, bool write) {
+  made_.require_same_process(who);
   if (reinterpret_cast<std::uintptr_t>(buffer) % page != 0) {
     throw std::invalid_argument("swap_space: buffers must be 4096-aligned");
   }
@@ -249,6 +260,7 @@ swap_space::transfer swap_space::write(std::size_t id, const void* buffer) {
 }
 
 void swap_space::finish(transfer& t) {
+  made_.require_same_process(who);
   io::file_io_error first;
   for (const std::uint64_t ticket : t.tickets) {
     io::file_io_error e = io_.wait_for(ticket);
@@ -274,6 +286,7 @@ void swap_space::finish(transfer& t) {
 }
 
 void swap_space::commit(std::size_t id) {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   entry& e = entries_.at(id);
   if (e.written < 0) throw std::logic_error("swap_space: tensor " + e.name + " has no finished write to commit");
@@ -282,6 +295,7 @@ void swap_space::commit(std::size_t id) {
 }
 
 swap_space_stats swap_space::stats() const {
+  made_.require_same_process(who);
   swap_space_stats s;
   s.io = io_.stats();
   const std::lock_guard lock(mutex_);

@@ -34,6 +34,7 @@
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/memory/cuda_resources.hpp"
 #include "tensormem/io/file_io.hpp"
+#include "tensormem/io/fork_guard.hpp"
 #include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
@@ -620,6 +621,8 @@ PYBIND11_MODULE(_tensormem, m) {
   m.doc() = "tensormem: tensor memory planning, arenas, pinned memory and swapping";
   m.attr("__version__") = TENSORMEM_VERSION;
 
+  // A call in a child forked after its object was made (the object's threads stayed behind).
+  py::register_exception<io::forked_child_error>(m, "ForkedChildError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

@@ -220,9 +220,9 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   regions.emplace_back(header_slab_, headers * header_bytes);
   stats_.registered_staging = engine_->register_buffers(regions);
   try {
-    reaper_ = std::thread([this] { run_reaper(); });
-    committer_ = std::thread([this] { run_committer(); });
-    worker_ = std::thread([this] { run(); });
+    *reaper_ = std::thread([this] { run_reaper(); });
+    *committer_ = std::thread([this] { run_committer(); });
+    *worker_ = std::thread([this] { run(); });
   } catch (...) {
     // No thread to start (EAGAIN): end those started and give the staging back, as the
     // destructor would (a joinable thread destroyed would end the process).
@@ -232,6 +232,10 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
 }
 
 tensor_swapper::~tensor_swapper() {
+  // In a forked child the threads do not exist and the lock may be a parent thread's: the
+  // transfers are the parent's, and so are the files (a swap-out's file beside its path is
+  // neither committed nor removed here). Nothing is waited for or given back to the pool.
+  if (made_.forked()) return;
   synchronize();
   stop_threads_and_free_staging();
 }
@@ -241,20 +245,20 @@ void tensor_swapper::stop_threads_and_free_staging() noexcept {
     const std::lock_guard lock(mutex_);
     stop_ = true;
   }
-  work_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  work_cv_->notify_all();
+  if (worker_->joinable()) worker_->join();
   {
     const std::lock_guard lock(mutex_);
     commit_stop_ = true;
   }
-  commit_cv_.notify_all();
-  if (committer_.joinable()) committer_.join();
+  commit_cv_->notify_all();
+  if (committer_->joinable()) committer_->join();
   {
     const std::lock_guard lock(reap_mutex_);
     reap_stop_ = true;
   }
-  reap_cv_.notify_all();
-  if (reaper_.joinable()) reaper_.join();  // every displaced file is gone before this returns
+  reap_cv_->notify_all();
+  if (reaper_->joinable()) reaper_->join();  // every displaced file is gone before this returns
   engine_.reset();  // unregisters the staging buffers before they go back to the pool
   for (std::size_t i = 0; i < data_staging_; ++i) pool_.free(staging_[i]);
   pool_.free(header_slab_);
@@ -350,7 +354,7 @@ void tensor_swapper::run() {
       if (stop_ && ready_jobs_.empty()) return;
       // Nothing in flight: wait for a job that can start (a file may be opened, or its file
       // is open already); the committer wakes us when it closes one.
-      work_cv_.wait(lock, [this] {
+      work_cv_->wait(lock, [this] {
         if (stop_) return true;
         if (ready_jobs_.empty()) return false;
         const job& next = jobs_.at(ready_jobs_.front());
@@ -743,7 +747,7 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
 void tensor_swapper::finish(std::uint64_t id, job& j) {
   if (j.fd >= 0) {  // a file of its own, or its pack's
     commit_queue_.push_back(id);
-    commit_cv_.notify_one();
+    commit_cv_->notify_one();
     return;
   }
   complete(j);
@@ -752,7 +756,7 @@ void tensor_swapper::finish(std::uint64_t id, job& j) {
 void tensor_swapper::complete(job& j) {
   j.done = true;
   j.finished = clock::now();
-  if (--tickets_.at(j.ticket).unfinished == 0) done_cv_.notify_all();
+  if (--tickets_.at(j.ticket).unfinished == 0) done_cv_->notify_all();
 }
 
 // The committer: takes finished jobs in batches and does their file work without the lock
@@ -762,7 +766,7 @@ void tensor_swapper::run_committer() {
   std::unique_lock lock(mutex_);
   std::vector<job*> batch;
   for (;;) {
-    commit_cv_.wait(lock, [this] { return commit_stop_ || !commit_queue_.empty(); });
+    commit_cv_->wait(lock, [this] { return commit_stop_ || !commit_queue_.empty(); });
     if (commit_queue_.empty()) return;  // stopping, and nothing left
     batch.clear();
     for (const std::uint64_t id : commit_queue_) batch.push_back(&jobs_.at(id));
@@ -774,7 +778,7 @@ void tensor_swapper::run_committer() {
       commit_locked(*j);
       complete(*j);
     }
-    work_cv_.notify_one();  // file slots are free again
+    work_cv_->notify_one();  // file slots are free again
   }
 }
 
@@ -920,13 +924,13 @@ void tensor_swapper::reap(const std::string& path) {
     const std::lock_guard lock(reap_mutex_);
     reap_queue_.push_back(path);
   }
-  reap_cv_.notify_one();
+  reap_cv_->notify_one();
 }
 
 void tensor_swapper::run_reaper() {
   std::unique_lock lock(reap_mutex_);
   for (;;) {
-    reap_cv_.wait(lock, [this] { return reap_stop_ || !reap_queue_.empty(); });
+    reap_cv_->wait(lock, [this] { return reap_stop_ || !reap_queue_.empty(); });
     if (reap_queue_.empty()) return;  // stopping, and nothing left
     const std::string path = std::move(reap_queue_.front());
     reap_queue_.pop_front();
@@ -1035,13 +1039,14 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     std::sort(order.begin(), order.end());
     for (std::size_t k = 0; k < order.size(); ++k) ready_jobs_[first + k] = std::get<2>(order[k]);
   }
-  work_cv_.notify_one();
+  work_cv_->notify_one();
   return ticket;
 }
 
 std::uint64_t tensor_swapper::swap_out(std::span<const tensor_ref> tensors,
                                        std::span<const std::string> paths,
                                        std::span<const std::string> keys) {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return start(tensors, paths, keys, true);
 }
@@ -1049,6 +1054,7 @@ std::uint64_t tensor_swapper::swap_out(std::span<const tensor_ref> tensors,
 std::uint64_t tensor_swapper::swap_in(std::span<const std::string> paths,
                                       std::span<const tensor_ref> tensors,
                                       std::span<const std::string> keys) {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return start(tensors, paths, keys, false);
 }
@@ -1056,11 +1062,13 @@ std::uint64_t tensor_swapper::swap_in(std::span<const std::string> paths,
 bool tensor_swapper::done(std::uint64_t ticket) { return unfinished(ticket) == 0; }
 
 bool tensor_swapper::outstanding(std::uint64_t ticket) const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return tickets_.contains(ticket);
 }
 
 std::size_t tensor_swapper::unfinished(std::uint64_t ticket) {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   const auto it = tickets_.find(ticket);
   if (it == tickets_.end()) {
@@ -1070,11 +1078,13 @@ std::size_t tensor_swapper::unfinished(std::uint64_t ticket) {
 }
 
 std::vector<swap_result> tensor_swapper::wait(std::uint64_t ticket) {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   return *wait_locked(lock, ticket, nullptr);
 }
 
 std::optional<std::vector<swap_result>> tensor_swapper::wait_until(std::uint64_t ticket, clock::time_point deadline) {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   return wait_locked(lock, ticket, &deadline);
 }
@@ -1094,7 +1104,7 @@ void tensor_swapper::claim_locked(std::uint64_t ticket) {
 
 void tensor_swapper::unclaim_locked(std::uint64_t ticket) {
   tickets_.at(ticket).waiting = false;  // outstanding still: another wait may take it up
-  done_cv_.notify_all();                // synchronize() may be waiting for someone to wait for it
+  done_cv_->notify_all();                // synchronize() may be waiting for someone to wait for it
 }
 
 std::optional<std::vector<swap_result>> tensor_swapper::wait_locked(std::unique_lock<std::mutex>& lock,
@@ -1108,17 +1118,19 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_locked(std::unique_
 
 tensor_swapper::ticket_wait::ticket_wait(tensor_swapper& swapper, std::uint64_t ticket)
     : swapper_(swapper), ticket_(ticket) {
+  swapper_.made_.require_same_process(who);
   const std::lock_guard lock(swapper_.mutex_);
   swapper_.claim_locked(ticket);
 }
 
 tensor_swapper::ticket_wait::~ticket_wait() {
-  if (collected_) return;
+  if (collected_ || swapper_.made_.forked()) return;
   const std::lock_guard lock(swapper_.mutex_);
   swapper_.unclaim_locked(ticket_);
 }
 
 std::optional<std::vector<swap_result>> tensor_swapper::ticket_wait::until(clock::time_point deadline) {
+  swapper_.made_.require_same_process(who);
   if (collected_) throw std::logic_error("tensor_swapper: ticket " + std::to_string(ticket_) + " was collected");
   std::unique_lock lock(swapper_.mutex_);
   auto results = swapper_.wait_claimed_locked(lock, ticket_, &deadline);
@@ -1132,8 +1144,8 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std:
   const auto t0 = clock::now();
   ticket_state& state = tickets_.at(ticket);
   const auto finished = [&] { return state.unfinished == 0; };
-  const bool ended = deadline == nullptr ? (done_cv_.wait(lock, finished), true)
-                                         : done_cv_.wait_until(lock, *deadline, finished);
+  const bool ended = deadline == nullptr ? (done_cv_->wait(lock, finished), true)
+                                         : done_cv_->wait_until(lock, *deadline, finished);
   const double waited = seconds(clock::now() - t0);
   stats_.seconds_waiting += waited;
   timers_["wait"] += waited;
@@ -1167,16 +1179,18 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std:
     jobs_.erase(id);
   }
   tickets_.erase(ticket);
-  done_cv_.notify_all();  // synchronize() may be waiting for this ticket to be collected
+  done_cv_->notify_all();  // synchronize() may be waiting for this ticket to be collected
   return results;
 }
 
 void tensor_swapper::synchronize() {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   synchronize_locked(lock, nullptr);
 }
 
 bool tensor_swapper::synchronize_until(clock::time_point deadline) {
+  made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   return synchronize_locked(lock, &deadline);
 }
@@ -1189,14 +1203,15 @@ bool tensor_swapper::synchronize_locked(std::unique_lock<std::mutex>& lock, cons
     } else if (tickets_.empty()) {
       return true;
     } else if (deadline == nullptr) {
-      done_cv_.wait(lock);  // tickets other threads wait for: until they are collected
-    } else if (done_cv_.wait_until(lock, *deadline) == std::cv_status::timeout) {
+      done_cv_->wait(lock);  // tickets other threads wait for: until they are collected
+    } else if (done_cv_->wait_until(lock, *deadline) == std::cv_status::timeout) {
       return tickets_.empty();
     }
   }
 }
 
 swap_stats tensor_swapper::stats() const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   swap_stats s = stats_;
   s.packed_tensors = packed_.size();
@@ -1205,6 +1220,7 @@ swap_stats tensor_swapper::stats() const {
 }
 
 void tensor_swapper::discard(const std::string& path) {
+  made_.require_same_process(who);
   io::check_path_argument("tensor_swapper::discard", path);
   check_removable(path, spare_path(path));  // before the packed slot is let go
   {
@@ -1221,6 +1237,7 @@ void tensor_swapper::discard(const std::string& path) {
 }
 
 std::map<std::string, double> tensor_swapper::timers() const {
+  made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   return timers_;
 }

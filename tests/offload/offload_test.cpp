@@ -16,17 +16,23 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <random>
 #include <set>
 #include <thread>
 
 #include "tensormem/offload/offloaded_optimizer.hpp"
+#include "../io/forked_child.hpp"
 #include "../swap/swap_test_support.hpp"
 
 namespace tensormem::offload {
 namespace {
 
+using io::testing::in_forked_child;
+using io::testing::refused_in_child;
+using io::testing::within;
 using swap::testing::pattern;
 using swap::testing::scratch_dir;
 
@@ -1020,6 +1026,99 @@ TEST(offload_optimizer, bad_arguments_are_refused) {
   auto p = a.p();
   p[0] = nullptr;
   EXPECT_THROW(ok.step(p, a.g(), hyper), std::invalid_argument);
+}
+
+// ------------------------------------------------------------------------------ fork
+
+// Every regular file under `root`, with a hash of its contents.
+std::map<std::string, std::size_t> files_under(const std::filesystem::path& root) {
+  std::map<std::string, std::size_t> out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    out[e.path().string()] = std::hash<std::string>{}(std::string(std::istreambuf_iterator<char>(in), {}));
+  }
+  return out;
+}
+
+TEST(offload_fork, a_forked_child_is_refused_and_leaves_the_parents_files_and_transfers_alone) {
+  scratch_dir dir;
+  ASSERT_FALSE(dir.path.empty());
+  // An optimizer after one step, and a swap space of its own with a committed tensor and a
+  // write of its next generation in flight across the fork, read through a pipeline.
+  auto o = std::make_unique<offloaded_optimizer>(numels, small_options(dir));
+  model_params a(numels);
+  const std::vector<param_hyper> hyper(numels.size());
+  o->initialize(a.cp());
+  o->step(a.p(), a.g(), hyper);
+  swap_space_options so;
+  so.folders = {(dir.path / "space").string()};
+  std::filesystem::create_directory(so.folders[0]);
+  so.stripe_bytes = 1 << 20;
+  auto space = std::make_unique<swap_space>(so);
+  constexpr std::size_t bytes = std::size_t{24} << 20;
+  const std::size_t id = space->add("big", bytes);
+  aligned_floats first(bytes), second(bytes);
+  std::memcpy(first.data, pattern(bytes, 1).data(), bytes);
+  std::memcpy(second.data, pattern(bytes, 2).data(), bytes);
+  auto t = space->write(id, first.data);
+  space->finish(t);
+  space->commit(id);
+  memory::pinned_pool pool({.alignment = 4096});
+  auto pipeline = std::make_unique<prefetch_pipeline>(*space, pool, std::vector<std::size_t>{id},
+                                                      pipeline_options{2 * bytes, 0});
+  auto in_flight = space->write(id, second.data);
+  const auto before = files_under(dir.path);
+
+  const int rc = in_forked_child([&] {
+    const char* sp = "a swap space";
+    aligned_floats b(4096);
+    int bad = refused_in_child(sp, [&] { space->add("child", 4096); });
+    bad |= refused_in_child(sp, [&] { space->size(); });
+    bad |= refused_in_child(sp, [&] { space->name(id); });
+    bad |= refused_in_child(sp, [&] { space->bytes(id); });
+    bad |= refused_in_child(sp, [&] { space->padded_bytes(id); });
+    bad |= refused_in_child(sp, [&] { space->committed(id); });
+    bad |= refused_in_child(sp, [&] { space->read(id, first.data); });
+    bad |= refused_in_child(sp, [&] { space->write(id, first.data); });
+    bad |= refused_in_child(sp, [&] { space->finish(in_flight); });
+    bad |= refused_in_child(sp, [&] { space->commit(id); });
+    bad |= refused_in_child(sp, [&] { space->stats(); });
+    bad |= refused_in_child(sp, [&] { space->path(id, 0, 0); });
+    const char* pl = "a prefetch pipeline";
+    bad |= refused_in_child(pl, [&] { pipeline->acquire(0); }) << 1;
+    bad |= refused_in_child(pl, [&] { pipeline->release(0, false); }) << 1;
+    bad |= refused_in_child(pl, [&] { pipeline->finish(); }) << 1;
+    bad |= refused_in_child(pl, [&] { pipeline->written(); }) << 1;
+    bad |= refused_in_child(pl, [&] { pipeline->stats(); }) << 1;
+    const char* op = "an offloaded optimizer";
+    bad |= refused_in_child(op, [&] { o->initialize(a.cp()); }) << 2;
+    bad |= refused_in_child(op, [&] { o->step(a.p(), a.g(), hyper); }) << 2;
+    bad |= refused_in_child(op, [&] { o->steps(); }) << 2;
+    bad |= refused_in_child(op, [&] { o->initialized(); }) << 2;
+    bad |= refused_in_child(op, [&] { o->visit([](const auto&, const float*) {}); }) << 2;
+    bad |= refused_in_child(op, [&] { o->rewrite([](const auto&, float*) {}); }) << 2;
+    bad |= refused_in_child(op, [&] { o->save((dir.path / "child.ckpt").string()); }) << 2;
+    bad |= refused_in_child(op, [&] { o->load((dir.path / "child.ckpt").string()); }) << 2;
+    // Dropped here: nothing waited for, no swap file removed.
+    pipeline.reset();
+    space.reset();
+    o.reset();
+    return bad;
+  });
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(files_under(dir.path), before);  // every file the parent's, unchanged
+
+  within(60, "the parent's write", [&] { space->finish(in_flight); });
+  space->commit(id);
+  aligned_floats back(bytes);
+  auto r = space->read(id, back.data);
+  space->finish(r);
+  EXPECT_EQ(std::memcmp(back.data, second.data, bytes), 0);
+  o->step(a.p(), a.g(), hyper);
+  EXPECT_EQ(a.values, values_after_two_clean_steps());
+  EXPECT_EQ(o->steps(), (std::vector<std::uint64_t>{2, 2, 0, 2, 2}));
+  pipeline.reset();
 }
 
 }  // namespace

@@ -1201,3 +1201,76 @@ def test_discard_removes_only_regular_files(tmp_path):
     os.unlink(str(real) + ".tensormem-spare")
     s.discard(str(real))
     assert not real.exists()
+
+
+# ----------------------------------------------------------------------------- fork
+
+def test_a_forked_child_is_refused_and_leaves_the_parents_objects_and_files_alone(tmp_path):
+    # A script that forks while a swap-out and a write are in flight, as a data-loader worker
+    # or a multiprocessing child would be forked. The child tries each object, then ends as
+    # a script does (sys.exit: every object is dropped by the interpreter's teardown).
+    script = textwrap.dedent(f"""
+        import gc, os, sys
+        import numpy as np, torch
+        import tensormem
+        from tensormem.deepspeed import aio_handle
+        from tensormem.offload import OffloadedAdamW
+        d = {str(tmp_path)!r}
+        swapper = tensormem.TensorSwapper(tensormem.PinnedPool(slab_bytes=16 << 20), staging_buffers=4)
+        big = np.random.default_rng(1).random(4 << 20)  # 32 MiB
+        ticket = swapper.swap_out([big], [d + "/big"])
+        handle = aio_handle(block_size=1 << 20, queue_depth=8)
+        written = torch.arange(1 << 22, dtype=torch.float32)
+        handle.async_pwrite(written, d + "/written")
+        os.mkdir(d + "/state")
+        p = torch.nn.Parameter(torch.randn(10000, generator=torch.Generator().manual_seed(2)))
+        opt = OffloadedAdamW([p], swap_dirs=[d + "/state"], pinned_budget=1 << 22)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        files = sorted(opt.swap_files())
+        pid = os.fork()
+        if pid == 0:
+            refused = []
+            for name, call in [("swap_out", lambda: swapper.swap_out([big], [d + "/child"])),
+                               ("wait", lambda: swapper.wait(ticket)),
+                               ("done", lambda: swapper.done(ticket)),
+                               ("stats", lambda: swapper.stats()),
+                               ("aio", lambda: handle.async_pread(torch.empty(4), d + "/written")),
+                               ("step", lambda: opt.step())]:
+                try:
+                    call()
+                    refused.append(name + ": no error")
+                except tensormem.ForkedChildError as e:
+                    if "was made by process " + str(os.getppid()) not in str(e):
+                        refused.append(name + ": " + str(e))
+                    assert isinstance(e, RuntimeError)
+            print("child:", refused, flush=True)
+            del swapper, handle, opt
+            gc.collect()
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child status", status)
+        print("swap", [r["error"] for r in swapper.wait(ticket)])
+        back = np.empty_like(big)
+        print("swap in", [r["error"] for r in swapper.wait(swapper.swap_in([d + "/big"], [back]))],
+              np.array_equal(back, big))
+        print("aio", handle.wait())
+        print("files", all(os.path.exists(f) for f in files), os.path.exists(d + "/child"))
+        p.grad = torch.ones_like(p)
+        opt.step()
+        print("stepped", int(opt.state_dict()["state"][0]["step"]))
+        check = torch.empty_like(written)
+        handle.async_pread(check, d + "/written")
+        handle.wait()
+        print("written", torch.equal(check, written))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "child: []" in lines, r.stdout
+    assert "child status 0" in lines, r.stdout  # no crash, no hang in the child's teardown
+    assert "swap [0]" in lines and "swap in [0] True" in lines, r.stdout
+    assert "aio 1" in lines and "written True" in lines, r.stdout
+    assert "files True False" in lines, r.stdout  # the child removed none of the parent's files
+    assert "stepped 2" in lines, r.stdout

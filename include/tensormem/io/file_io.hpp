@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "tensormem/io/fork_guard.hpp"
 #include "tensormem/io/io_engine.hpp"
 
 namespace tensormem::io {
@@ -126,10 +127,12 @@ struct file_io_stats {
 /// requests that succeeded written, and a file the write created (possibly empty) in place.
 /// The largest file a file system takes (16 TiB on ext4 with 4 KiB blocks) is not known
 /// before writing: a write past it, or past RLIMIT_FSIZE, fails with EFBIG. Thread-safe.
+/// In a child forked after it was made, every call but `options` throws forked_child_error,
+/// and the destructor waits for nothing.
 class async_file_io {
  public:
   explicit async_file_io(file_io_options options = {});
-  ~async_file_io();  ///< waits for every queued operation
+  ~async_file_io();  ///< waits for every queued operation (in a forked child, for nothing)
   async_file_io(const async_file_io&) = delete;
   async_file_io& operator=(const async_file_io&) = delete;
 
@@ -186,8 +189,8 @@ class async_file_io {
   struct ring {
     std::unique_ptr<io_engine> engine;
     std::deque<io_request> queued;  // requests not yet given to the engine
-    std::condition_variable work;
-    std::thread thread;
+    detail::unless_forked<std::condition_variable> work;
+    detail::unless_forked<std::thread> thread;
   };
 
   std::uint64_t queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
@@ -197,9 +200,11 @@ class async_file_io {
   void complete(const io_completion& c);
   void finish(op& o);
 
+  static constexpr const char* who = "an async_file_io";
+  detail::fork_guard made_;
   file_io_options options_;
   mutable std::mutex mutex_;
-  std::condition_variable done_;
+  detail::unless_forked<std::condition_variable> done_;
   std::vector<std::unique_ptr<ring>> rings_;
   std::map<std::uint64_t, op> ops_;  // queued, not yet collected, by id (queuing order)
   std::uint64_t next_id_ = 1;

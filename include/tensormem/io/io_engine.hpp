@@ -44,7 +44,9 @@ enum class engine_kind { uring, threads };
 /// `wait(n)` blocks until at least n completions are ready (n is clamped to what is
 /// outstanding) and returns every ready one. Errors are per request, never exceptions;
 /// `submit` throws only std::bad_alloc. The destructor waits for everything in flight.
-/// Not thread-safe: one thread submits and waits.
+/// Not thread-safe: one thread submits and waits. In a child forked after an engine was made,
+/// `submit`, `wait` and `register_buffers` throw forked_child_error and the destructor waits
+/// for nothing (the requests in flight are the parent's; an io_uring ring is shared with it).
 class io_engine {
  public:
   virtual ~io_engine() = default;

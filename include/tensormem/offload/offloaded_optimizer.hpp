@@ -77,7 +77,9 @@ struct step_stats {
 /// `initialized` read under it). A call of one of the six from inside the callback of
 /// `visit` or `rewrite` on the same optimizer would change the records being streamed, or
 /// wait for itself: it throws std::logic_error and changes nothing. Inside a callback,
-/// `steps` and `initialized` read the state directly.
+/// `steps` and `initialized` read the state directly. In a child forked after the optimizer
+/// was made, those eight calls throw io::forked_child_error, and the destructor waits for
+/// nothing and removes no file (its swap files are the parent's).
 class offloaded_optimizer {
  public:
   /// One element range of a parameter inside a group's record.
@@ -177,6 +179,8 @@ class offloaded_optimizer {
     const offloaded_optimizer& o_;
   };
 
+  static constexpr const char* who = "an offloaded optimizer";
+  io::detail::fork_guard made_;
   std::vector<std::uint64_t> numels_;
   optimizer_options options_;
   simd_level simd_;

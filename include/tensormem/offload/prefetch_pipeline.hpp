@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "tensormem/io/fork_guard.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/offload/swap_space.hpp"
 
@@ -42,7 +43,9 @@ struct pipeline_stats {
 /// pipeline never holds more pinned memory than the budget: when every buffer is busy, reads
 /// wait (back-pressure). A background thread collects write-backs and starts the next reads,
 /// so I/O progresses while the caller computes. Commits nothing: the caller commits what
-/// `written()` lists once `finish` succeeded.
+/// `written()` lists once `finish` succeeded. In a child forked after the pipeline was made,
+/// every call but `buffer_count` throws io::forked_child_error, and the destructor waits for
+/// nothing.
 class prefetch_pipeline {
  public:
   prefetch_pipeline(swap_space& space, memory::pinned_pool& pool, std::vector<std::size_t> order,
@@ -77,6 +80,8 @@ class prefetch_pipeline {
   void pump();  // starts reads while buffers are free; under mutex_
   void collect_writes();
 
+  static constexpr const char* who = "a prefetch pipeline";
+  io::detail::fork_guard made_;
   swap_space& space_;
   memory::pinned_pool& pool_;
   pipeline_options options_;
@@ -84,7 +89,7 @@ class prefetch_pipeline {
   std::vector<std::byte*> buffers_;
   std::vector<std::byte*> free_;
   mutable std::mutex mutex_;
-  std::condition_variable changed_;
+  io::detail::unless_forked<std::condition_variable> changed_;
   std::deque<std::size_t> writes_;  // positions with write-backs in flight, oldest first
   std::size_t next_read_ = 0;
   std::size_t next_acquire_ = 0;
@@ -92,7 +97,7 @@ class prefetch_pipeline {
   std::exception_ptr write_error_;
   bool stop_ = false;
   pipeline_stats stats_;
-  std::thread collector_;
+  io::detail::unless_forked<std::thread> collector_;
 };
 
 }  // namespace tensormem::offload

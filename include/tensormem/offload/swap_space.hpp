@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tensormem/io/file_io.hpp"
+#include "tensormem/io/fork_guard.hpp"
 
 namespace tensormem::offload {
 
@@ -53,7 +54,9 @@ struct swap_space_stats {
   io::file_io_stats io;
 };
 
-/// Thread-safe: transfers may be queued and finished from several threads.
+/// Thread-safe: transfers may be queued and finished from several threads. In a child forked
+/// after the space was made, every call but `options` throws io::forked_child_error, and the
+/// destructor waits for nothing and removes no file (they are the parent's).
 class swap_space {
  public:
   /// Queued stripe operations of one tensor transfer.
@@ -114,6 +117,8 @@ class swap_space {
   void queue_stripes(transfer& t, std::byte* buffer, std::uint64_t padded, const std::string& name);
   void check_free_space(const entry& e, unsigned slot) const;
 
+  static constexpr const char* who = "a swap space";
+  io::detail::fork_guard made_;
   swap_space_options options_;
   std::vector<std::filesystem::path> dirs_;
   mutable std::mutex mutex_;

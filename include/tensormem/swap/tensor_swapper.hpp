@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "tensormem/io/fork_guard.hpp"
 #include "tensormem/io/io_engine.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/swap/detail/range_cover.hpp"
@@ -142,7 +143,9 @@ struct swap_stats {
 /// nor while the worker opens a file, checksums or copies a block or submits requests, so
 /// that `done`, `unfinished` and new transfers are answered in microseconds while the disk is
 /// busy; Python bindings release the GIL before taking it). The destructor waits for
-/// everything.
+/// everything. In a child forked after the swapper was made, every call but `options` (and
+/// the static ones) throws io::forked_child_error, and the destructor waits for nothing and
+/// touches no file: the transfers and files are the parent's.
 class tensor_swapper {
  public:
   tensor_swapper(memory::pinned_pool& pool, swap_options options = {});
@@ -271,6 +274,8 @@ class tensor_swapper {
   void reap(const std::string& path);
   void run_reaper();
 
+  static constexpr const char* who = "a tensor swapper";
+  io::detail::fork_guard made_;
   memory::pinned_pool& pool_;
   swap_options options_;
   std::unique_ptr<io::io_engine> engine_;
@@ -305,18 +310,18 @@ class tensor_swapper {
   std::map<std::string, packed_entry, std::less<>> packed_;  // by path: its current version
   bool stop_ = false;
   mutable std::mutex mutex_;
-  std::condition_variable work_cv_;  // the worker: new jobs, or stop
-  std::condition_variable done_cv_;  // waiters: a job finished
-  std::thread worker_;
+  io::detail::unless_forked<std::condition_variable> work_cv_;  // the worker: new jobs, or stop
+  io::detail::unless_forked<std::condition_variable> done_cv_;  // waiters: a job finished
+  io::detail::unless_forked<std::thread> worker_;
   std::deque<std::uint64_t> commit_queue_;  // finished jobs whose file the committer closes
-  std::condition_variable commit_cv_;
+  io::detail::unless_forked<std::condition_variable> commit_cv_;
   bool commit_stop_ = false;
-  std::thread committer_;
+  io::detail::unless_forked<std::thread> committer_;
   std::mutex reap_mutex_;
-  std::condition_variable reap_cv_;
+  io::detail::unless_forked<std::condition_variable> reap_cv_;
   std::deque<std::string> reap_queue_;  // displaced or failed files to unlink
   bool reap_stop_ = false;
-  std::thread reaper_;
+  io::detail::unless_forked<std::thread> reaper_;
 };
 
 }  // namespace tensormem::swap
