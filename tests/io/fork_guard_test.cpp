@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -24,6 +25,7 @@
 namespace tensormem::io {
 namespace {
 
+using swap::testing::hang_guard;
 using swap::testing::pattern;
 using swap::testing::scratch_dir;
 using testing::in_forked_child;
@@ -111,13 +113,13 @@ TEST_P(fork_engine_test, reads_in_flight_across_a_fork_complete_in_the_parent_on
     return bad;
   });
   EXPECT_EQ(rc, 0);
-  const auto results = testing::within(60, "the parent's reads", [&] {
-    std::map<std::uint64_t, std::int64_t> r;
+  std::map<std::uint64_t, std::int64_t> results;
+  {
+    const hang_guard guard("the parent's reads after the fork", std::chrono::seconds(60));
     while (engine->outstanding() != 0) {
-      for (const io_completion& c : engine->wait(1)) r[c.user_data] = c.result;
+      for (const io_completion& c : engine->wait(1)) results[c.user_data] = c.result;
     }
-    return r;
-  });
+  }
   ASSERT_EQ(results.size(), blocks);
   for (const auto& [id, result] : results) EXPECT_EQ(result, static_cast<std::int64_t>(block)) << id;
   EXPECT_EQ(std::memcmp(into.data(), pattern(block * blocks, 7).data(), into.size()), 0);
@@ -151,7 +153,11 @@ TEST(fork_file_io, a_write_in_flight_across_a_fork_lands_and_the_child_is_refuse
   });
   EXPECT_EQ(rc, 0);
   EXPECT_FALSE(std::filesystem::exists(path + ".child"));
-  const file_io_error e = testing::within(60, "the parent's write", [&] { return io->wait_for(ticket); });
+  file_io_error e;
+  {
+    const hang_guard guard("the parent's write after the fork", std::chrono::seconds(60));
+    e = io->wait_for(ticket);
+  }
   EXPECT_EQ(e.error, 0) << e.message;
   std::vector<std::byte> back(bytes);
   std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(back.data()), static_cast<std::streamsize>(bytes));

@@ -6,11 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
-#include <future>
 #include <string>
 
 #include "tensormem/io/fork_guard.hpp"
@@ -58,20 +55,6 @@ int refused_in_child(const char* what, Call&& call) {
     return 2;
   }
   return 3;
-}
-
-/// Runs `work` (the parent's wait for its transfers) and returns its result, unless it takes
-/// more than `seconds`: a parent whose completions a child took would wait forever, so the
-/// process ends there (std::abort, after printing `what`), failing the test at once rather
-/// than at the test runner's timeout.
-template <class Work>
-auto within(unsigned seconds, const char* what, Work&& work) {
-  auto result = std::async(std::launch::async, std::forward<Work>(work));
-  if (result.wait_for(std::chrono::seconds(seconds)) == std::future_status::timeout) {
-    std::fprintf(stderr, "%s did not finish within %u s: a hang after the fork\n", what, seconds);
-    std::abort();
-  }
-  return result.get();
 }
 
 }  // namespace tensormem::io::testing

@@ -32,7 +32,6 @@ namespace {
 
 using io::testing::in_forked_child;
 using io::testing::refused_in_child;
-using io::testing::within;
 using swap::testing::pattern;
 using swap::testing::scratch_dir;
 
@@ -1109,7 +1108,10 @@ TEST(offload_fork, a_forked_child_is_refused_and_leaves_the_parents_files_and_tr
   EXPECT_EQ(rc, 0);
   EXPECT_EQ(files_under(dir.path), before);  // every file the parent's, unchanged
 
-  within(60, "the parent's write", [&] { space->finish(in_flight); });
+  {
+    const swap::testing::hang_guard guard("the parent's write after the fork", std::chrono::seconds(60));
+    space->finish(in_flight);
+  }
   space->commit(id);
   aligned_floats back(bytes);
   auto r = space->read(id, back.data);

@@ -24,7 +24,6 @@ namespace {
 
 using io::testing::in_forked_child;
 using io::testing::refused_in_child;
-using io::testing::within;
 using testing::pattern;
 using testing::scratch_dir;
 
@@ -78,7 +77,11 @@ TEST_P(swap_fork_test, transfers_in_flight_across_a_fork_finish_in_the_parent_an
   });
   EXPECT_EQ(rc, 0);
 
-  const auto results = within(60, "the parent's swap-out", [&] { return s->wait(ticket); });
+  std::vector<swap_result> results;
+  {
+    const testing::hang_guard guard("the parent's swap-out after the fork", std::chrono::seconds(60));
+    results = s->wait(ticket);
+  }
   for (const swap_result& r : results) EXPECT_EQ(r.error, 0) << r.message;
   std::vector<std::vector<std::byte>> back;
   std::vector<tensor_ref> back_refs;
