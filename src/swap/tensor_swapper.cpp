@@ -86,6 +86,12 @@ std::string check_header(const std::byte* page, const std::string& key, file_hea
   return {};
 }
 
+// The errno of a header check_header refused: EBADMSG for a damaged one, EINVAL for one
+// of another file or tensor.
+int header_error(const std::string& problem) {
+  return problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL;
+}
+
 std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
 
 bool aligned(const void* p, std::size_t n) {
@@ -434,12 +440,15 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   const char* refused = nullptr;
   int e = 0;
   off_t size = -1;  // of a file to read
+  std::string short_file;  // why a file to read is too short for its tensor
+  int short_error = 0;
   // With the lock released: creating a file can take the file system a millisecond or more.
   outside(lock, [&] {
     j.fd = open_file(file, j.out, j.direct, refused);
     e = errno;
     struct stat st {};
     if (j.fd >= 0 && !j.out && fstat(j.fd, &st) == 0) size = st.st_size;
+    if (size >= 0) short_file = why_short(j, static_cast<std::uint64_t>(size), short_error);
   });
   if (j.fd < 0) {
     j.error = e;
@@ -454,13 +463,45 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   if (options_.direct && !j.direct) note_buffered(file);
   ++open_files_;
   if (!j.out) j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
-  // Shorter than a header: not a swap file at all (a short read of it would look like an
-  // I/O error). queue_more then queues nothing and finishes the job; the committer closes it.
-  if (size >= 0 && size < static_cast<off_t>(header_bytes)) {
-    j.error = EBADMSG;
-    j.message = j.path + " is not a tensormem swap file: " + std::to_string(size) + " bytes, less than a swap " +
-                "file's " + std::to_string(header_bytes) + "-byte header";
+  // Too short for its tensor: said so (a short read of it would look like an I/O error).
+  // queue_more then queues nothing and finishes the job; the committer closes the file.
+  if (!short_file.empty()) {
+    j.error = short_error;
+    j.message = std::move(short_file);
   }
+}
+
+// Why a swap file of `size` bytes cannot hold the tensor of swap-in `j`, or empty when it is
+// long enough. Shorter than a header, it is no swap file; otherwise its header says whether it
+// belongs to another tensor or size (as a full read would) or was cut short after it was
+// written. Reads the header page with pread: only files that are too short pay for it.
+std::string tensor_swapper::why_short(const job& j, std::uint64_t file_bytes, int& error) const {
+  if (file_bytes < header_bytes) {
+    error = EBADMSG;
+    return j.path + " is not a tensormem swap file: " + std::to_string(file_bytes) + " bytes, less than a swap " +
+           "file's " + std::to_string(header_bytes) + "-byte header";
+  }
+  const std::uint64_t whole = header_bytes + round_up(j.tensor.bytes, io_alignment);
+  if (file_bytes >= whole) return {};
+  alignas(io_alignment) std::byte page[header_bytes];  // O_DIRECT's alignment
+  const ssize_t got = pread(j.fd, page, header_bytes, 0);
+  if (got != static_cast<ssize_t>(header_bytes)) {
+    error = got < 0 ? errno : EIO;
+    return "cannot read the header of " + j.path + ": " + (got < 0 ? std::strerror(error) : "short read");
+  }
+  file_header h{};
+  if (std::string problem = check_header(page, j.key, h); !problem.empty()) {
+    error = header_error(problem);
+    return j.path + " " + problem;
+  }
+  if (h.bytes != j.tensor.bytes) {
+    error = EINVAL;
+    return j.path + " holds " + std::to_string(h.bytes) + " bytes; the tensor has " + std::to_string(j.tensor.bytes);
+  }
+  error = EBADMSG;
+  return j.path + " is cut short: " + std::to_string(file_bytes) + " bytes, where the swap file of its " +
+         std::to_string(h.bytes) + "-byte tensor holds " + std::to_string(whole) +
+         " (truncated after it was written)";
 }
 
 // A packed job: a swap-out takes a new slot in its directory's pack (the current version
@@ -705,7 +746,7 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
       file_header h{};
       const std::string problem = check_header(staging_[r.header], j.key, h);
       if (!problem.empty()) {
-        fail(problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL, j.path + " " + problem);
+        fail(header_error(problem), j.path + " " + problem);
       } else if (h.bytes != j.tensor.bytes) {
         fail(EINVAL, j.path + " holds " + std::to_string(h.bytes) + " bytes; the tensor has " +
                          std::to_string(j.tensor.bytes));

@@ -242,19 +242,94 @@ TEST_P(integrity, a_failed_swap_out_keeps_the_old_file_and_never_reads_back_as_s
                                        "5: failed swap-out read back as success, 6: partial file left";
 }
 
-TEST_P(integrity, a_truncated_file_is_a_short_read_not_success) {
-  // Checksums off: only the transfer length can tell that bytes are missing.
+// A swap file cut short after it was written is refused as such before anything is read (it
+// failed as a short read, EIO, which reads as a disk error), its tensor untouched; one of
+// another size or tensor still says so, and so does a damaged header.
+TEST_P(integrity, a_truncated_file_is_refused_as_cut_short_not_read) {
+  // Checksums off: only the file's length can tell that bytes are missing.
   tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2, .checksums = false});
   for (const std::size_t bytes : {std::size_t{10000}, std::size_t{1} << 20}) {
     auto t = pattern(bytes, 9);
     const std::string path = dir_.file("short");
     ASSERT_EQ(swap_out_one(s, t, path), 0);
+    const std::size_t whole = 4096 + (bytes + 4095) / 4096 * 4096;
+    ASSERT_EQ(fs::file_size(path), whole);
     fs::resize_file(path, 4096 + 4096);  // the header and the first data page only
     std::vector<std::byte> back(t.size());
-    const swap_result r = swap_in_one(s, back, path);
-    EXPECT_EQ(r.error, EIO) << r.message;
-    EXPECT_NE(r.message.find("short read"), std::string::npos) << r.message;
+    swap_result r = swap_in_one(s, back, path);
+    EXPECT_EQ(r.error, EBADMSG) << r.message;
+    EXPECT_EQ(r.message, path + " is cut short: 8192 bytes, where the swap file of its " + std::to_string(bytes) +
+                             "-byte tensor holds " + std::to_string(whole) + " (truncated after it was written)");
+    EXPECT_EQ(back, std::vector<std::byte>(t.size()));  // nothing read into it
+    // One page short of whole: still refused.
+    ASSERT_EQ(swap_out_one(s, t, path), 0);
+    fs::resize_file(path, whole - 1);
+    r = swap_in_one(s, back, path);
+    EXPECT_EQ(r.error, EBADMSG) << r.message;
+    // A larger tensor's file, cut as short: it holds another size, as it would say whole.
+    auto larger = pattern(bytes + 8192, 10);
+    ASSERT_EQ(swap_out_one(s, larger, path), 0);
+    fs::resize_file(path, 4096 + 4096);
+    r = swap_in_one(s, back, path);
+    EXPECT_EQ(r.error, EINVAL) << r.message;
+    EXPECT_EQ(r.message, path + " holds " + std::to_string(bytes + 8192) + " bytes; the tensor has " +
+                             std::to_string(bytes));
+    // Its header damaged too: the header is what is wrong.
+    {
+      std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(100);
+      const int c = f.get();
+      f.seekp(100);
+      f.put(static_cast<char>(~c));  // one byte of the header flipped
+    }
+    r = swap_in_one(s, back, path);
+    EXPECT_EQ(r.error, EBADMSG) << r.message;
+    EXPECT_EQ(r.message, path + " has a corrupt header");
+    tensor_swapper::remove_files(path);
   }
+  // The swapper goes on: every file was closed and its slot given back.
+  auto t = pattern(5000, 11);
+  ASSERT_EQ(swap_out_one(s, t, dir_.file("after")), 0);
+  std::vector<std::byte> back(t.size());
+  EXPECT_EQ(swap_in_one(s, back, dir_.file("after")).error, 0);
+  EXPECT_EQ(back, t);
+}
+
+// A file cut short while it is read (after the swapper opened it): the read comes back
+// short, and that is an error for the tensor, EIO, never success.
+class truncating_engine final : public testing::forwarding_engine {
+ public:
+  truncating_engine(std::unique_ptr<io::io_engine> inner, std::string path)
+      : forwarding_engine(std::move(inner)), path_(std::move(path)) {}
+  void submit(std::span<const io::io_request> requests) override {
+    for (const io::io_request& r : requests) {
+      if (!r.write && !cut_) {
+        fs::resize_file(path_, 4096 + 4096);
+        cut_ = true;
+      }
+    }
+    forwarding_engine::submit(requests);
+  }
+
+ private:
+  std::string path_;
+  bool cut_ = false;
+};
+
+TEST_P(integrity, a_file_cut_short_during_its_read_is_a_short_read_not_success) {
+  const std::string path = dir_.file("short");
+  auto t = pattern(std::size_t{1} << 20, 9);
+  {
+    tensor_swapper writer(pool_, {.engine = GetParam(), .staging_buffers = 2});
+    ASSERT_EQ(swap_out_one(writer, t, path), 0);
+  }
+  std::string why;
+  tensor_swapper s(pool_, {.staging_buffers = 2, .checksums = false},
+                   std::make_unique<truncating_engine>(io::make_engine(GetParam(), 32, why), path));
+  std::vector<std::byte> back(t.size());
+  const swap_result r = swap_in_one(s, back, path);
+  EXPECT_EQ(r.error, EIO) << r.message;
+  EXPECT_NE(r.message.find("short read from " + path), std::string::npos) << r.message;
 }
 
 TEST_P(integrity, rewrites_reuse_the_spare_file_and_keep_every_version_exact) {

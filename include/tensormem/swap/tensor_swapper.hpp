@@ -255,6 +255,7 @@ class tensor_swapper {
   void start_job(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   bool queue_more(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool& direct, const char*& refused) const;
+  std::string why_short(const job& j, std::uint64_t file_bytes, int& error) const;
   void note_buffered(const std::string& where);
   std::size_t take_staging();
   std::size_t take_header();
