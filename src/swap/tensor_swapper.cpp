@@ -485,10 +485,12 @@ std::string tensor_swapper::why_short(const job& j, std::uint64_t file_bytes, in
   if (file_bytes >= whole) return {};
   alignas(io_alignment) std::byte page[header_bytes];  // O_DIRECT's alignment
   const ssize_t got = pread(j.fd, page, header_bytes, 0);
-  if (got != static_cast<ssize_t>(header_bytes)) {
-    error = got < 0 ? errno : EIO;
-    return "cannot read the header of " + j.path + ": " + (got < 0 ? std::strerror(error) : "short read");
+  if (got < 0) {
+    error = errno;
+    return "cannot read the header of " + j.path + ": " + std::strerror(error);
   }
+  // Cut below a header since the fstat: no swap file any more.
+  if (static_cast<std::size_t>(got) < header_bytes) return why_short(j, static_cast<std::uint64_t>(got), error);
   file_header h{};
   if (std::string problem = check_header(page, j.key, h); !problem.empty()) {
     error = header_error(problem);

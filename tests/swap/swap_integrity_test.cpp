@@ -295,6 +295,29 @@ TEST_P(integrity, a_truncated_file_is_refused_as_cut_short_not_read) {
   EXPECT_EQ(back, t);
 }
 
+// The header of a file too short for its tensor cannot be read (a disk error): that error,
+// with the path, not a verdict on the file.
+TEST_P(integrity, a_short_file_whose_header_cannot_be_read_names_the_error) {
+  const std::string path = dir_.file("short");
+  auto t = pattern(std::size_t{1} << 20, 9);
+  {
+    tensor_swapper writer(pool_, {.engine = GetParam(), .staging_buffers = 2});
+    ASSERT_EQ(swap_out_one(writer, t, path), 0);
+  }
+  fs::resize_file(path, 4096 + 4096);
+  const io::engine_kind kind = GetParam();
+  const int rc = testing::with_failing_syscall(SYS_pread64, EIO, [&] {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+    tensor_swapper s(pool, {.engine = kind, .staging_buffers = 2});
+    std::vector<std::byte> back(t.size());
+    const swap_result r = swap_in_one(s, back, path);
+    return r.error == EIO && r.message == "cannot read the header of " + path + ": " + std::strerror(EIO) &&
+           back == std::vector<std::byte>(t.size());
+  });
+  if (rc == 77) GTEST_SKIP() << "no seccomp filter can be installed here";
+  EXPECT_EQ(rc, 0);
+}
+
 // A file cut short while it is read (after the swapper opened it): the read comes back
 // short, and that is an error for the tensor, EIO, never success.
 class truncating_engine final : public testing::forwarding_engine {

@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -150,20 +151,64 @@ int in_small_tmpfs(const std::filesystem::path& dir, const char* size, Body body
   return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
 }
 
+/// The system call convention seccomp filters here are written for (0: none for this machine).
+#if defined(__x86_64__)
+inline constexpr std::uint32_t native_audit_arch = AUDIT_ARCH_X86_64;
+#elif defined(__aarch64__)
+inline constexpr std::uint32_t native_audit_arch = AUDIT_ARCH_AARCH64;
+#else
+inline constexpr std::uint32_t native_audit_arch = 0;
+#endif
+
+/// Runs `body` in a child process under the seccomp filter `program` (in every thread the
+/// child starts afterwards). `works` runs first under the filter and says whether it does what
+/// it is meant to. Returns 0 when `body` returned true, 1 when false, 77 when the filter could
+/// not be installed or does not work here (the caller skips).
+template <class Works, class Body>
+int under_seccomp_filter(std::span<sock_filter> program, Works works, Body body) {
+  const sock_fprog filter{static_cast<unsigned short>(program.size()), program.data()};
+  const pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter) != 0 ||
+        !works()) {
+      _exit(77);
+    }
+    _exit(body() ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
+/// Runs `body` in a child process where the system call `nr` fails with `error` (a seccomp
+/// filter), in its every thread started after the filter (a swapper's, made in `body`).
+/// Returns 0 when `body` returned true, 1 when false, 77 when no filter could be installed
+/// here (the caller skips).
+template <class Body>
+int with_failing_syscall(long nr, int error, Body body) {
+  constexpr std::uint32_t arch = native_audit_arch;
+  if (arch == 0) return 77;
+  sock_filter program[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, arch, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<std::uint32_t>(nr), 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | static_cast<std::uint32_t>(error)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  return under_seccomp_filter(program, [] { return true; }, body);
+}
+
 /// Runs `body` in a child process where every open with O_TMPFILE fails with EOPNOTSUPP, as
 /// on a file system that has no unnamed files (a seccomp filter on open and openat). Returns
 /// 0 when `body` returned true, 1 when false, 77 when the filter could not be installed
 /// here (the caller skips).
 template <class Body>
 int without_unnamed_files(const std::filesystem::path& dir, Body body) {
-#if defined(__x86_64__)
-  constexpr std::uint32_t arch = AUDIT_ARCH_X86_64;
-#elif defined(__aarch64__)
-  constexpr std::uint32_t arch = AUDIT_ARCH_AARCH64;
-#else
-  constexpr std::uint32_t arch = 0;  // no filter written for this machine
+  constexpr std::uint32_t arch = native_audit_arch;
   if (arch == 0) return 77;
-#endif
   constexpr std::uint32_t tmpfile_bit = 020000000;  // the kernel's __O_TMPFILE
   static_assert((O_TMPFILE & tmpfile_bit) != 0);
   const auto arg_low = [](unsigned i) { return static_cast<std::uint32_t>(offsetof(seccomp_data, args) + 8 * i); };
@@ -185,21 +230,11 @@ int without_unnamed_files(const std::filesystem::path& dir, Body body) {
       BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EOPNOTSUPP),
       BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
   };
-  const sock_fprog filter{static_cast<unsigned short>(std::size(program)), program};
-  const pid_t child = fork();
-  if (child < 0) return 1;
-  if (child == 0) {
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter) != 0) {
-      _exit(77);
-    }
-    // The filter works: an unnamed file is refused as such a file system refuses it.
+  // The filter works: an unnamed file is refused as such a file system refuses it.
+  return under_seccomp_filter(program, [&] {
     const int probe = open(dir.c_str(), O_TMPFILE | O_RDWR, 0600);
-    if (probe >= 0 || errno != EOPNOTSUPP) _exit(77);
-    _exit(body() ? 0 : 1);
-  }
-  int status = 0;
-  waitpid(child, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+    return probe < 0 && errno == EOPNOTSUPP;
+  }, body);
 }
 
 /// Tasks (threads) whose real user is `uid`, from /proc.
