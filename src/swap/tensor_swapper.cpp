@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -84,6 +85,13 @@ std::string check_header(const std::byte* page, const std::string& key, file_hea
     return "holds another tensor (its identity key differs)";
   }
   return {};
+}
+
+// A number no other swapper of this process has (names of temporary files: two swappers
+// writing one path never share one).
+std::uint64_t next_swapper_number() {
+  static std::atomic<std::uint64_t> next{0};
+  return next.fetch_add(1, std::memory_order_relaxed);
 }
 
 // The errno of a header check_header refused: EBADMSG for a damaged one, EINVAL for one
@@ -172,7 +180,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options)
 
 tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
                                std::unique_ptr<io::io_engine> engine)
-    : pool_(pool), options_(options), engine_(std::move(engine)) {
+    : number_(next_swapper_number()), pool_(pool), options_(options), engine_(std::move(engine)) {
   if (options_.block_bytes == 0 || options_.block_bytes % io_alignment != 0) {
     throw std::invalid_argument("tensor_swapper: block_bytes must be a positive multiple of 4096");
   }
@@ -434,7 +442,8 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   // waiting for the reaper never shares a name with a file being written.
   if (j.out) {
     j.temp_path = options_.reuse_files ? spare_path(j.path)
-                                       : j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." + std::to_string(id);
+                                       : j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." +
+                                             std::to_string(number_) + "." + std::to_string(id);
   }
   const std::string& file = j.out ? j.temp_path : j.path;
   const char* refused = nullptr;
@@ -442,10 +451,20 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   off_t size = -1;  // of a file to read
   std::string short_file;  // why a file to read is too short for its tensor
   int short_error = 0;
+  bool busy = false;  // the file to write is another swap-out's
   // With the lock released: creating a file can take the file system a millisecond or more.
   outside(lock, [&] {
     j.fd = open_file(file, j.out, j.direct, refused);
     e = errno;
+    // A swap-out's file is written by one swap-out at a time: another swapper (in this process
+    // or another) writing the same path holds its lock until it is committed. Where the file
+    // system has no such locks (ENOLCK), nothing is excluded.
+    if (j.fd >= 0 && j.out && flock(j.fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+      close(j.fd);
+      j.fd = -1;
+      e = EBUSY;
+      busy = true;
+    }
     struct stat st {};
     if (j.fd >= 0 && !j.out && fstat(j.fd, &st) == 0) size = st.st_size;
     if (size >= 0) short_file = why_short(j, static_cast<std::uint64_t>(size), short_error);
@@ -453,10 +472,13 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   if (j.fd < 0) {
     j.error = e;
     // A swap-out creates a file beside its path: the message names both.
-    j.message = (j.out ? "swap-out of " + j.path + ": cannot create " : std::string("cannot open ")) + file + ": " +
-                (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
-                                    : std::string(std::strerror(e))) +
-                (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
+    j.message = busy ? "swap-out of " + j.path + ": " + file +
+                           " is being written by another swap-out of the path (another swapper or process)"
+                     : (j.out ? "swap-out of " + j.path + ": cannot create " : std::string("cannot open ")) + file +
+                           ": " +
+                           (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
+                                               : std::string(std::strerror(e))) +
+                           (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
     finish(id, j);
     return;
   }
@@ -871,6 +893,10 @@ void tensor_swapper::close_and_commit(job& j) {
       j.message = "cannot set the length of " + j.temp_path + ": " + std::strerror(errno);
     }
   }
+  // The file stays locked until it is committed: another swap-out of the path must not take
+  // it between this close and the exchange (a duplicate descriptor keeps the lock; without
+  // one, EMFILE, only that short window is open).
+  const int held = j.out ? fcntl(j.fd, F_DUPFD_CLOEXEC, 0) : -1;
   if (close(j.fd) != 0 && j.out && j.error == 0) {
     j.error = errno;
     j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
@@ -905,6 +931,7 @@ void tensor_swapper::close_and_commit(job& j) {
     }
   }
   if (j.error != 0 && !j.temp_path.empty()) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
+  if (held >= 0) close(held);
   if (displaced && !options_.reuse_files) reap(j.temp_path);  // else: the next spare
 }
 

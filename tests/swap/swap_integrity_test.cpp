@@ -295,6 +295,58 @@ TEST_P(integrity, a_truncated_file_is_refused_as_cut_short_not_read) {
   EXPECT_EQ(back, t);
 }
 
+// Two swappers (in one process or in two) writing one path at once. With reuse_files both
+// would write into its spare file and exchange it with the path in turn: the second exchange
+// put the version before both back, and a swap-in read those stale bytes as success. Now the
+// second writer finds the spare locked and fails (EBUSY); whatever succeeded reads back.
+TEST_P(integrity, two_swappers_writing_one_path_at_once_never_leave_a_stale_version) {
+ for (const bool reuse : {true, false}) {
+  // Without reuse each swapper writes a file of its own name: both succeed, the later wins.
+  tensor_swapper a(pool_, {.engine = GetParam(), .staging_buffers = 2, .reuse_files = reuse});
+  tensor_swapper b(pool_, {.engine = GetParam(), .staging_buffers = 2, .reuse_files = reuse});
+  const std::string path = dir_.file(reuse ? "shared" : "shared-unreused");
+  {
+    // A version and a spare beside it, by a third swapper: a and b then number their jobs
+    // alike, and without reuse only the swapper's own number tells their files apart.
+    tensor_swapper first(pool_, {.engine = GetParam(), .staging_buffers = 2, .reuse_files = reuse});
+    for (const std::uint64_t seed : {std::uint64_t{1}, std::uint64_t{2}}) {
+      auto v = pattern(std::size_t{4} << 20, seed);
+      ASSERT_EQ(swap_out_one(first, v, path), 0);
+    }
+  }
+  int refused = 0;
+  for (std::uint64_t round = 0; round < 6; ++round) {
+    auto va = pattern(std::size_t{4} << 20, 100 + round);
+    auto vb = pattern(std::size_t{4} << 20, 200 + round);
+    const tensor_ref ra[] = {{va.data(), va.size()}};
+    const tensor_ref rb[] = {{vb.data(), vb.size()}};
+    const std::string paths[] = {path};
+    const std::uint64_t ta = a.swap_out(ra, paths);
+    const std::uint64_t tb = b.swap_out(rb, paths);
+    const swap_result x = a.wait(ta)[0];
+    const swap_result y = b.wait(tb)[0];
+    for (const swap_result& r : {x, y}) {
+      if (r.error == 0) continue;
+      ++refused;
+      EXPECT_EQ(r.error, EBUSY) << r.message;
+      EXPECT_EQ(r.message, "swap-out of " + path + ": " + tensor_swapper::spare_path(path) +
+                               " is being written by another swap-out of the path (another swapper or process)");
+    }
+    ASSERT_TRUE(x.error == 0 || y.error == 0) << x.message << " / " << y.message;
+    std::vector<std::byte> back(va.size());
+    ASSERT_EQ(swap_in_one(a, back, path).error, 0);
+    // The version read is one that was reported written: the last of them if both were.
+    const bool is_a = back == va;
+    const bool is_b = back == vb;
+    EXPECT_TRUE((is_a && x.error == 0) || (is_b && y.error == 0)) << "round " << round << ": a stale version";
+  }
+  if (!reuse) {
+    EXPECT_EQ(refused, 0);
+  }
+  std::printf("reuse_files %d: %d of 12 swap-outs refused as concurrent\n", reuse ? 1 : 0, refused);
+ }
+}
+
 // The header of a file too short for its tensor cannot be read (a disk error): that error,
 // with the path, not a verdict on the file.
 TEST_P(integrity, a_short_file_whose_header_cannot_be_read_names_the_error) {

@@ -94,7 +94,7 @@ struct swap_stats {
 /// File format: a 4096-byte header (magic, tensor bytes, CRC-32C of the bytes, flags, the
 /// tensor's identity key, and a CRC-32C of the header itself) then the bytes, padded to 4096.
 /// Swap-out writes a file beside `path` (its spare `path.tensormem-spare` with `reuse_files`,
-/// else `path.tensormem-tmp.<pid>.<n>`) and exchanges it with `path` (renameat2
+/// else `path.tensormem-tmp.<pid>.<swapper>.<n>`) and exchanges it with `path` (renameat2
 /// RENAME_EXCHANGE; a plain rename for a new path) once every byte is on disk: the path
 /// holds its old contents or the new ones, never a mix, and a failed swap-out removes its
 /// partial file and never reads back as success. The displaced old version becomes the
@@ -127,6 +127,10 @@ struct swap_stats {
 /// - A path may be in one unwaited transfer at a time: a batch naming a path twice, or a
 ///   path whose earlier transfer was not waited for, throws std::invalid_argument and
 ///   queues nothing; so does an empty path or one holding a NUL byte.
+/// - Across swappers (in this process or others), a path's file is written by one swap-out
+///   at a time: the file a swap-out writes is locked (flock) from its open until it is
+///   committed, and a swap-out that finds it locked fails that tensor with EBUSY, writing
+///   nothing.
 /// - Memory written by an unwaited swap-in is in no other unwaited transfer: a swap-in whose
 ///   tensors overlap one another, or overlap the memory of any unwaited transfer, and a
 ///   swap-out whose tensors overlap the memory of an unwaited swap-in, throw
@@ -277,6 +281,7 @@ class tensor_swapper {
 
   static constexpr const char* who = "a tensor swapper";
   io::detail::fork_guard made_;
+  const std::uint64_t number_;  // unique in the process: names of temporary files
   memory::pinned_pool& pool_;
   swap_options options_;
   std::unique_ptr<io::io_engine> engine_;
