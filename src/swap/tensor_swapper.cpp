@@ -123,6 +123,7 @@ struct tensor_swapper::job {
   std::string path;
   std::string key;        // identity recorded in (swap-out) or expected of (swap-in) the file
   std::string temp_path;  // swap-out writes here, then renames onto `path`
+  bool own_temp = false;  // temp_path is a name of this job's (not the path's spare)
   tensor_ref tensor;
   bool out = true;
   int fd = -1;
@@ -305,11 +306,12 @@ void tensor_swapper::note_buffered(const std::string& where) {
   if (stats_.fallback.empty()) stats_.fallback = "O_DIRECT refused by the filesystem of " + where + "; buffered I/O";
 }
 
-int tensor_swapper::open_file(const std::string& path, bool out, bool& direct, const char*& refused) const {
+int tensor_swapper::open_file(const std::string& path, bool out, bool truncate, bool& direct,
+                              const char*& refused) const {
   // Reads leave the access time alone (after every rewrite, relatime would dirty the inode
   // on the next read): O_NOATIME where we own the file (it needs the owner: EPERM else).
   // A swap-out writes its own file beside the path: never through a symbolic link there.
-  int flags = out ? O_WRONLY | O_CREAT | O_NOFOLLOW | (options_.reuse_files ? 0 : O_TRUNC) : O_RDONLY | O_NOATIME;
+  int flags = out ? O_WRONLY | O_CREAT | O_NOFOLLOW | (truncate ? O_TRUNC : 0) : O_RDONLY | O_NOATIME;
   direct = options_.direct;
   // Only a regular file: a pipe or a device at the path (or at the spare's) would hold the
   // worker in open(), and every transfer behind it, for as long as no one opened its other
@@ -440,10 +442,11 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   // With reuse, the spare file (the version before the last) is overwritten in place: its
   // blocks are allocated already. Without, a name unique per job: a displaced version still
   // waiting for the reaper never shares a name with a file being written.
+  const std::string own_name = j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." +
+                               std::to_string(number_) + "." + std::to_string(id);
   if (j.out) {
-    j.temp_path = options_.reuse_files ? spare_path(j.path)
-                                       : j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." +
-                                             std::to_string(number_) + "." + std::to_string(id);
+    j.own_temp = !options_.reuse_files;
+    j.temp_path = j.own_temp ? own_name : spare_path(j.path);
   }
   const std::string& file = j.out ? j.temp_path : j.path;
   const char* refused = nullptr;
@@ -451,19 +454,21 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   off_t size = -1;  // of a file to read
   std::string short_file;  // why a file to read is too short for its tensor
   int short_error = 0;
-  bool busy = false;  // the file to write is another swap-out's
   // With the lock released: creating a file can take the file system a millisecond or more.
   outside(lock, [&] {
-    j.fd = open_file(file, j.out, j.direct, refused);
+    j.fd = open_file(file, j.out, j.own_temp, j.direct, refused);
     e = errno;
-    // A swap-out's file is written by one swap-out at a time: another swapper (in this process
-    // or another) writing the same path holds its lock until it is committed. Where the file
-    // system has no such locks (ENOLCK), nothing is excluded.
-    if (j.fd >= 0 && j.out && flock(j.fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    // A spare is reused by one swap-out at a time: another swapper (in this process or
+    // another) writing the same path holds it locked until its version is committed, and so
+    // may a child forked meanwhile (it shares the lock). Then this one writes a file of its
+    // own name instead, as without reuse: both commit, the later wins, neither is lost. Where
+    // the file system has no such locks (ENOLCK), nothing is excluded.
+    if (j.fd >= 0 && j.out && !j.own_temp && flock(j.fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
       close(j.fd);
-      j.fd = -1;
-      e = EBUSY;
-      busy = true;
+      j.own_temp = true;
+      j.temp_path = own_name;
+      j.fd = open_file(j.temp_path, true, true, j.direct, refused);
+      e = errno;
     }
     struct stat st {};
     if (j.fd >= 0 && !j.out && fstat(j.fd, &st) == 0) size = st.st_size;
@@ -472,13 +477,11 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   if (j.fd < 0) {
     j.error = e;
     // A swap-out creates a file beside its path: the message names both.
-    j.message = busy ? "swap-out of " + j.path + ": " + file +
-                           " is being written by another swap-out of the path (another swapper or process)"
-                     : (j.out ? "swap-out of " + j.path + ": cannot create " : std::string("cannot open ")) + file +
-                           ": " +
-                           (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
-                                               : std::string(std::strerror(e))) +
-                           (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
+    j.message = (j.out ? "swap-out of " + j.path + ": cannot create " : std::string("cannot open ")) +
+                (j.out ? j.temp_path : file) + ": " +
+                (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
+                                    : std::string(std::strerror(e))) +
+                (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
     finish(id, j);
     return;
   }
@@ -885,7 +888,7 @@ void tensor_swapper::close_and_commit(job& j) {
     }
     return;
   }
-  if (j.out && j.error == 0 && options_.reuse_files) {
+  if (j.out && j.error == 0 && !j.own_temp) {
     // A reused spare may be longer than this version: cut it to this length.
     const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
     if (ftruncate(j.fd, length) != 0) {
@@ -896,7 +899,7 @@ void tensor_swapper::close_and_commit(job& j) {
   // The file stays locked until it is committed: another swap-out of the path must not take
   // it between this close and the exchange (a duplicate descriptor keeps the lock; without
   // one, EMFILE, only that short window is open).
-  const int held = j.out ? fcntl(j.fd, F_DUPFD_CLOEXEC, 0) : -1;
+  const int held = j.out && !j.own_temp ? fcntl(j.fd, F_DUPFD_CLOEXEC, 0) : -1;
   if (close(j.fd) != 0 && j.out && j.error == 0) {
     j.error = errno;
     j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
@@ -932,7 +935,7 @@ void tensor_swapper::close_and_commit(job& j) {
   }
   if (j.error != 0 && !j.temp_path.empty()) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
   if (held >= 0) close(held);
-  if (displaced && !options_.reuse_files) reap(j.temp_path);  // else: the next spare
+  if (displaced && j.own_temp) reap(j.temp_path);  // else: the next spare
 }
 
 // Swap-in checks, once every block arrived: the header's size, whether it carries a

@@ -378,26 +378,6 @@ INSTANTIATE_TEST_SUITE_P(
                       stalled_case{"in_staged", false, 512, true}),
     [](const ::testing::TestParamInfo<stalled_case>& param) { return std::string(param.param.name); });
 
-// An engine whose first submission waits at a gate, having said it got there.
-class held_submit_engine final : public testing::forwarding_engine {
- public:
-  held_submit_engine(std::unique_ptr<io::io_engine> inner, std::shared_ptr<testing::gate> arrived,
-                     std::shared_ptr<testing::gate> go)
-      : forwarding_engine(std::move(inner)), arrived_(std::move(arrived)), go_(std::move(go)) {}
-  void submit(std::span<const io::io_request> requests) override {
-    if (first_) {
-      first_ = false;
-      arrived_->open();
-      go_->pass();
-    }
-    inner_->submit(requests);
-  }
-
- private:
-  std::shared_ptr<testing::gate> arrived_;
-  std::shared_ptr<testing::gate> go_;
-  bool first_ = true;
-};
 
 // The worker hands requests to the engine with the lock released: a submission can take
 // milliseconds (the kernel starts the transfers in it), and under the lock the callers waited
@@ -411,7 +391,7 @@ TEST_P(held_worker, callers_are_answered_while_the_worker_submits) {
   auto go = std::make_shared<testing::gate>();
   memory::pinned_pool pool({.slab_bytes = std::size_t{16} << 20});
   tensor_swapper s(pool, {.queue_depth = 16, .block_bytes = std::size_t{1} << 20, .staging_buffers = 2},
-                   std::make_unique<held_submit_engine>(io::make_thread_engine(16, 2), arrived, go));
+                   std::make_unique<testing::held_submit_engine>(io::make_thread_engine(16, 2), arrived, go));
   struct open_at_exit {
     testing::gate& g;
     ~open_at_exit() { g.open(); }

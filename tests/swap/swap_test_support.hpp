@@ -151,6 +151,27 @@ int in_small_tmpfs(const std::filesystem::path& dir, const char* size, Body body
   return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
 }
 
+/// An engine whose first submission waits at a gate, having said it got there.
+class held_submit_engine final : public forwarding_engine {
+ public:
+  held_submit_engine(std::unique_ptr<io::io_engine> inner, std::shared_ptr<gate> arrived,
+                     std::shared_ptr<gate> go)
+      : forwarding_engine(std::move(inner)), arrived_(std::move(arrived)), go_(std::move(go)) {}
+  void submit(std::span<const io::io_request> requests) override {
+    if (first_) {
+      first_ = false;
+      arrived_->open();
+      go_->pass();
+    }
+    inner_->submit(requests);
+  }
+
+ private:
+  std::shared_ptr<gate> arrived_;
+  std::shared_ptr<gate> go_;
+  bool first_ = true;
+};
+
 /// The system call convention seccomp filters here are written for (0: none for this machine).
 #if defined(__x86_64__)
 inline constexpr std::uint32_t native_audit_arch = AUDIT_ARCH_X86_64;

@@ -127,10 +127,10 @@ struct swap_stats {
 /// - A path may be in one unwaited transfer at a time: a batch naming a path twice, or a
 ///   path whose earlier transfer was not waited for, throws std::invalid_argument and
 ///   queues nothing; so does an empty path or one holding a NUL byte.
-/// - Across swappers (in this process or others), a path's file is written by one swap-out
-///   at a time: the file a swap-out writes is locked (flock) from its open until it is
-///   committed, and a swap-out that finds it locked fails that tensor with EBUSY, writing
-///   nothing.
+/// - Swappers (in this process or others) may write one path at once: a spare is reused by
+///   one swap-out at a time (locked, flock, from its open until its version is committed);
+///   another finds it locked and writes a file of its own name instead, as without reuse.
+///   Each commits a complete version; the path holds the later one.
 /// - Memory written by an unwaited swap-in is in no other unwaited transfer: a swap-in whose
 ///   tensors overlap one another, or overlap the memory of any unwaited transfer, and a
 ///   swap-out whose tensors overlap the memory of an unwaited swap-in, throw
@@ -258,7 +258,7 @@ class tensor_swapper {
   void submit_batch_outside(std::unique_lock<std::mutex>& lock);
   void start_job(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   bool queue_more(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
-  int open_file(const std::string& path, bool out, bool& direct, const char*& refused) const;
+  int open_file(const std::string& path, bool out, bool truncate, bool& direct, const char*& refused) const;
   std::string why_short(const job& j, std::uint64_t file_bytes, int& error) const;
   void note_buffered(const std::string& where);
   std::size_t take_staging();
