@@ -56,7 +56,7 @@ class thread_engine final : public io_engine {
   }
 
   void submit(std::span<const io_request> requests) override {
-    made_.require_same_process("a thread-pool I/O engine");
+    made_.require_same_process(who);
     {
       const std::lock_guard lock(mutex_);
       queue_.insert(queue_.end(), requests.begin(), requests.end());
@@ -66,7 +66,7 @@ class thread_engine final : public io_engine {
   }
 
   std::vector<io_completion> wait(std::size_t min_completions) override {
-    made_.require_same_process("a thread-pool I/O engine");
+    made_.require_same_process(who);
     min_completions = std::min(min_completions, outstanding_);
     std::unique_lock lock(mutex_);
     done_ready_->wait(lock, [&] { return done_.size() >= min_completions; });
@@ -78,7 +78,7 @@ class thread_engine final : public io_engine {
   }
 
   bool register_buffers(std::span<const std::span<std::byte>> /*regions*/) override {
-    made_.require_same_process("a thread-pool I/O engine");
+    made_.require_same_process(who);
     return false;  // pread and pwrite map nothing ahead
   }
 
@@ -114,6 +114,7 @@ class thread_engine final : public io_engine {
     for (auto& w : *workers_) w.join();
   }
 
+  static constexpr const char* who = "a thread-pool I/O engine";
   detail::fork_guard made_;
   unsigned depth_;
   detail::unless_forked<std::vector<std::thread>> workers_;

@@ -44,14 +44,14 @@ class uring_engine final : public io_engine {
   }
 
   void submit(std::span<const io_request> requests) override {
-    made_.require_same_process("an io_uring engine");
+    made_.require_same_process(who);
     for (const io_request& r : requests) pending_.push_back({r, 0});
     outstanding_ += requests.size();
     pump();
   }
 
   std::vector<io_completion> wait(std::size_t min_completions) override {
-    made_.require_same_process("an io_uring engine");
+    made_.require_same_process(who);
     min_completions = std::min(min_completions, outstanding_);
     while (ready_.size() < min_completions) {
       pump();
@@ -70,7 +70,7 @@ class uring_engine final : public io_engine {
   }
 
   bool register_buffers(std::span<const std::span<std::byte>> regions) override {
-    made_.require_same_process("an io_uring engine");
+    made_.require_same_process(who);
     if (outstanding_ != 0 || !registered_.empty() || regions.empty()) return false;
     std::vector<iovec> iov;
     for (const auto& r : regions) iov.push_back({r.data(), r.size()});
@@ -256,6 +256,7 @@ class uring_engine final : public io_engine {
            std::find(unsubmitted_.begin(), unsubmitted_.end(), slot) == unsubmitted_.end();
   }
 
+  static constexpr const char* who = "an io_uring engine";
   detail::fork_guard made_;
   unsigned depth_;
   io_uring ring_{};

@@ -442,11 +442,15 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
   // With reuse, the spare file (the version before the last) is overwritten in place: its
   // blocks are allocated already. Without, a name unique per job: a displaced version still
   // waiting for the reaper never shares a name with a file being written.
-  const std::string own_name = j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." +
-                               std::to_string(number_) + "." + std::to_string(id);
+  // A name no other file has (this process, this swapper, this job): without reuse, and where
+  // the spare is another swap-out's.
+  const auto own_name = [&] {
+    return j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." + std::to_string(number_) + "." +
+           std::to_string(id);
+  };
   if (j.out) {
     j.own_temp = !options_.reuse_files;
-    j.temp_path = j.own_temp ? own_name : spare_path(j.path);
+    j.temp_path = j.own_temp ? own_name() : spare_path(j.path);
   }
   const std::string& file = j.out ? j.temp_path : j.path;
   const char* refused = nullptr;
@@ -466,7 +470,7 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
     if (j.fd >= 0 && j.out && !j.own_temp && flock(j.fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
       close(j.fd);
       j.own_temp = true;
-      j.temp_path = own_name;
+      j.temp_path = own_name();
       j.fd = open_file(j.temp_path, true, true, j.direct, refused);
       e = errno;
     }
