@@ -100,6 +100,26 @@ int header_error(const std::string& problem) {
   return problem.find("corrupt") != std::string::npos ? EBADMSG : EINVAL;
 }
 
+std::string holds_another_size(const std::string& path, std::uint64_t file_bytes, std::uint64_t tensor_bytes) {
+  return path + " holds " + std::to_string(file_bytes) + " bytes; the tensor has " + std::to_string(tensor_bytes);
+}
+
+// What is wrong with `page`, the header of the swap file at `path` read for a tensor of
+// `tensor_bytes` bytes and identity `key` (with its errno), or empty when it is that
+// tensor's: damaged, another file or tensor, another size. `h` gets the header.
+std::string header_problem(const std::byte* page, const std::string& path, const std::string& key,
+                           std::uint64_t tensor_bytes, file_header& h, int& error) {
+  if (std::string problem = check_header(page, key, h); !problem.empty()) {
+    error = header_error(problem);
+    return path + " " + problem;
+  }
+  if (h.bytes != tensor_bytes) {
+    error = EINVAL;
+    return holds_another_size(path, h.bytes, tensor_bytes);
+  }
+  return {};
+}
+
 std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
 
 bool aligned(const void* p, std::size_t n) {
@@ -521,14 +541,8 @@ std::string tensor_swapper::why_short(const job& j, std::uint64_t file_bytes, in
   // Cut below a header since the fstat: no swap file any more.
   if (static_cast<std::size_t>(got) < header_bytes) return why_short(j, static_cast<std::uint64_t>(got), error);
   file_header h{};
-  if (std::string problem = check_header(page, j.key, h); !problem.empty()) {
-    error = header_error(problem);
-    return j.path + " " + problem;
-  }
-  if (h.bytes != j.tensor.bytes) {
-    error = EINVAL;
-    return j.path + " holds " + std::to_string(h.bytes) + " bytes; the tensor has " + std::to_string(j.tensor.bytes);
-  }
+  std::string problem = header_problem(page, j.path, j.key, j.tensor.bytes, h, error);
+  if (!problem.empty()) return problem;
   error = EBADMSG;
   return j.path + " is cut short: " + std::to_string(file_bytes) + " bytes, where the swap file of its " +
          std::to_string(h.bytes) + "-byte tensor holds " + std::to_string(whole) +
@@ -563,8 +577,7 @@ void tensor_swapper::start_packed(std::uint64_t id, job& j) {
     const packed_entry& e = packed_.find(j.path)->second;
     if (e.bytes != j.tensor.bytes) {
       j.error = EINVAL;
-      j.message = j.path + " holds " + std::to_string(e.bytes) + " bytes; the tensor has " +
-                  std::to_string(j.tensor.bytes);
+      j.message = holds_another_size(j.path, e.bytes, j.tensor.bytes);
       finish(id, j);
       return;
     }
@@ -775,12 +788,10 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
     // tensor or size says so rather than "short read".
     if (!r.write && r.header != no_staging && got >= header_bytes) {
       file_header h{};
-      const std::string problem = check_header(staging_[r.header], j.key, h);
+      int error = 0;
+      std::string problem = header_problem(staging_[r.header], j.path, j.key, j.tensor.bytes, h, error);
       if (!problem.empty()) {
-        fail(header_error(problem), j.path + " " + problem);
-      } else if (h.bytes != j.tensor.bytes) {
-        fail(EINVAL, j.path + " holds " + std::to_string(h.bytes) + " bytes; the tensor has " +
-                         std::to_string(j.tensor.bytes));
+        fail(error, std::move(problem));
       } else {
         j.header_read = true;
         j.file_crc = h.crc;
