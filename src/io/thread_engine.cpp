@@ -59,7 +59,7 @@ class thread_engine final : public io_engine {
     made_.require_same_process(who);
     {
       const std::lock_guard lock(mutex_);
-      queue_.insert(queue_.end(), requests.begin(), requests.end());
+      queue_->insert(queue_->end(), requests.begin(), requests.end());
     }
     outstanding_ += requests.size();
     work_ready_->notify_all();
@@ -69,9 +69,9 @@ class thread_engine final : public io_engine {
     made_.require_same_process(who);
     min_completions = std::min(min_completions, outstanding_);
     std::unique_lock lock(mutex_);
-    done_ready_->wait(lock, [&] { return done_.size() >= min_completions; });
-    std::vector<io_completion> out(done_.begin(), done_.end());
-    done_.clear();
+    done_ready_->wait(lock, [&] { return done_->size() >= min_completions; });
+    std::vector<io_completion> out(done_->begin(), done_->end());
+    done_->clear();
     lock.unlock();
     outstanding_ -= out.size();
     return out;
@@ -90,16 +90,16 @@ class thread_engine final : public io_engine {
   void work() {
     std::unique_lock lock(mutex_);
     while (true) {
-      work_ready_->wait(lock, [&] { return (!queue_.empty() && busy_ < depth_) || (stopping_ && queue_.empty()); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      const io_request r = queue_.front();
-      queue_.pop_front();
+      work_ready_->wait(lock, [&] { return (!queue_->empty() && busy_ < depth_) || (stopping_ && queue_->empty()); });
+      if (queue_->empty()) return;  // stopping, nothing left
+      const io_request r = queue_->front();
+      queue_->pop_front();
       ++busy_;
       lock.unlock();
       const std::int64_t result = transfer(r);
       lock.lock();
       --busy_;
-      done_.push_back({r.user_data, result, r.total()});
+      done_->push_back({r.user_data, result, r.total()});
       done_ready_->notify_all();
       work_ready_->notify_one();
     }
@@ -121,8 +121,9 @@ class thread_engine final : public io_engine {
   std::mutex mutex_;
   detail::unless_forked<std::condition_variable> work_ready_;
   detail::unless_forked<std::condition_variable> done_ready_;
-  std::deque<io_request> queue_;
-  std::vector<io_completion> done_;
+  // Changed by the workers under the lock: a fork may copy them half-changed, so a child leaves them.
+  detail::unless_forked<std::deque<io_request>> queue_;
+  detail::unless_forked<std::vector<io_completion>> done_;
   unsigned busy_ = 0;
   bool stopping_ = false;
   std::size_t outstanding_ = 0;
