@@ -203,6 +203,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         self._sync_io: Optional[_tensormem.AsyncFileIO] = None
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()  # read/write: one at a time, apart from the queue
+        self._pid = os.getpid()
         self._keep: list = []        # tensors the queued operations use
         self._sync_keep: list = []   # read/write's: more than one only after an interrupted wait
 
@@ -283,7 +284,15 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
             raise copy_failure
         return completed
 
+    def _refuse_a_forked_child(self) -> None:
+        """In a child forked after the handle was made, raises tensormem.ForkedChildError
+        before taking a lock: a thread of the parent may have held it at the fork (a wait in
+        progress), and the child's copy would stay taken."""
+        if os.getpid() != self._pid:
+            self._io.pending()  # raises ForkedChildError, naming both processes
+
     def _sync(self, read: bool, buffer, filename, validate, file_offset) -> int:
+        self._refuse_a_forked_child()
         with self._sync_lock:
             if self._sync_io is None:
                 self._sync_io = _tensormem.AsyncFileIO(block_bytes=self._block_size, queue_depth=self._queue_depth)
@@ -300,6 +309,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         return self._sync(False, buffer, filename, validate, file_offset)
 
     def _parallel(self, read: bool, buffer, filename, validate, is_async: bool, file_offset: int) -> int:
+        self._refuse_a_forked_child()
         with self._lock:
             self._keep.append(self._queue(self._io, read, buffer, filename, validate, file_offset))
         return 0 if is_async else self.wait()
@@ -329,6 +339,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
     def wait(self) -> int:
         """Waits for every queued operation; returns how many completed. Raises AIOError
         (after all have completed) when any failed."""
+        self._refuse_a_forked_child()
         with self._lock:
             return self._finish(self._io, self._keep)
 

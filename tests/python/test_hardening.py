@@ -1274,3 +1274,57 @@ def test_a_forked_child_is_refused_and_leaves_the_parents_objects_and_files_alon
     assert "aio 1" in lines and "written True" in lines, r.stdout
     assert "files True False" in lines, r.stdout  # the child removed none of the parent's files
     assert "stepped 2" in lines, r.stdout
+
+
+def test_a_forked_child_is_refused_even_while_a_parent_thread_held_the_aio_handles_locks(tmp_path):
+    # A thread of the parent is inside the handle (its locks taken, as during a long wait)
+    # when another thread forks. The child's copies of those locks stay taken: each call in
+    # the child must be refused before it waits on one, not hang.
+    script = textwrap.dedent(f"""
+        import os, signal, threading
+        import torch
+        import tensormem
+        from tensormem.deepspeed import aio_handle
+        d = {str(tmp_path)!r}
+        handle = aio_handle(block_size=1 << 20, queue_depth=8)
+        taken, release = threading.Event(), threading.Event()
+        def inside():
+            with handle._lock, handle._sync_lock:
+                taken.set()
+                release.wait()
+        t = threading.Thread(target=inside)
+        t.start()
+        taken.wait()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)  # a hang ends the child by SIGALRM
+            refused = []
+            b = torch.zeros(1024)
+            for name, call in [("wait", lambda: handle.wait()),
+                               ("async_pwrite", lambda: handle.async_pwrite(b, d + "/child")),
+                               ("sync_pread", lambda: handle.sync_pread(b, d + "/child")),
+                               ("write", lambda: handle.write(b, d + "/child", False)),
+                               ("read", lambda: handle.read(b, d + "/child", False))]:
+                try:
+                    call()
+                    refused.append(name + ": no error")
+                except tensormem.ForkedChildError as e:
+                    if "was made by process " + str(os.getppid()) not in str(e):
+                        refused.append(name + ": " + str(e))
+            print("child:", refused, os.path.exists(d + "/child"), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child status", status)
+        release.set()
+        t.join()
+        x = torch.arange(4096, dtype=torch.float32)
+        handle.async_pwrite(x, d + "/parent")
+        print("parent", handle.wait())
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "child: [] False" in lines, r.stdout
+    assert "child status 0" in lines, r.stdout  # 14 (SIGALRM) when a call waited on a lock
+    assert "parent 1" in lines, r.stdout
