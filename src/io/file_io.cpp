@@ -132,10 +132,12 @@ void async_file_io::stop_rings() noexcept {
 }
 
 async_file_io::~async_file_io() {
-  // In a forked child the ring threads do not exist and the lock may be a parent thread's:
-  // nothing is waited for; the child's copies of the descriptors are closed.
-  if (!made_.forked()) stop_rings();
-  for (auto& [id, o] : ops_) {
+  // In a forked child the ring threads do not exist, the lock may be a parent thread's and
+  // the operations may be half-changed: nothing is waited for or read, and the child's copies
+  // of the descriptors stay open until it exits or execs (they are opened O_CLOEXEC).
+  if (made_.forked()) return;
+  stop_rings();
+  for (auto& [id, o] : *ops_) {
     if (o.fd >= 0) ::close(o.fd);
   }
 }
@@ -199,7 +201,7 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
     stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
   }
   const std::uint64_t id = next_id_++;
-  op& o = ops_[id];
+  op& o = (*ops_)[id];
   o = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, {}};
   ++unfinished_ops_;
   ++(direct ? stats_.direct_ops : stats_.buffered_ops);
@@ -219,7 +221,7 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
     q.bytes = static_cast<std::size_t>(std::min<std::uint64_t>(block, bytes - done));
     q.write = write;
     q.user_data = id;
-    r.queued.push_back(q);
+    r.queued->push_back(q);
     ++o.unfinished;
     ++stats_.requests;
   }
@@ -236,9 +238,9 @@ void async_file_io::run(ring& r) {
   std::unique_lock lock(mutex_);
   std::vector<io_request> batch;
   for (;;) {
-    if (!r.queued.empty()) {
-      batch.assign(r.queued.begin(), r.queued.end());
-      r.queued.clear();
+    if (!r.queued->empty()) {
+      batch.assign(r.queued->begin(), r.queued->end());
+      r.queued->clear();
       lock.unlock();
       r.engine->submit(batch);
       lock.lock();
@@ -246,7 +248,7 @@ void async_file_io::run(ring& r) {
     }
     if (r.engine->outstanding() == 0) {
       if (stop_) return;
-      r.work->wait(lock, [&] { return stop_ || !r.queued.empty(); });
+      r.work->wait(lock, [&] { return stop_ || !r.queued->empty(); });
       continue;
     }
     lock.unlock();
@@ -257,7 +259,7 @@ void async_file_io::run(ring& r) {
 }
 
 void async_file_io::complete(const io_completion& c) {
-  op& o = ops_.at(c.user_data);
+  op& o = ops_->at(c.user_data);
   if (o.error == 0 && (c.result < 0 || static_cast<std::size_t>(c.result) < c.bytes)) {
     if (c.result < 0) {
       o.error = static_cast<int>(-c.result);
@@ -299,7 +301,7 @@ std::optional<async_file_io::wait_result> async_file_io::wait_until(std::chrono:
     return std::nullopt;
   }
   std::map<std::uint64_t, op> finished;
-  finished.swap(ops_);
+  finished.swap(*ops_);
   lock.unlock();
   wait_result result;
   for (auto& [id, o] : finished) {
@@ -317,16 +319,16 @@ file_io_error async_file_io::wait_for(std::uint64_t ticket) {
     return std::invalid_argument("async_file_io::wait_for: unknown or already collected operation " +
                                  std::to_string(ticket));
   };
-  if (ops_.find(ticket) == ops_.end()) throw unknown();
+  if (ops_->find(ticket) == ops_->end()) throw unknown();
   // A concurrent wait() may collect the operation meanwhile: look it up again after each wake.
   done_->wait(lock, [&] {
-    const auto it = ops_.find(ticket);
-    return it == ops_.end() || it->second.finished;
+    const auto it = ops_->find(ticket);
+    return it == ops_->end() || it->second.finished;
   });
-  const auto it = ops_.find(ticket);
-  if (it == ops_.end()) throw unknown();
+  const auto it = ops_->find(ticket);
+  if (it == ops_->end()) throw unknown();
   op o = std::move(it->second);
-  ops_.erase(it);
+  ops_->erase(it);
   lock.unlock();
   check_validation(o);
   return o.error != 0 ? file_io_error{o.path, o.error, o.message, ticket} : file_io_error{};
@@ -358,7 +360,7 @@ void async_file_io::check_validation(op& o) {
 std::size_t async_file_io::pending() const {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
-  return ops_.size();
+  return ops_->size();
 }
 
 file_io_stats async_file_io::stats() const {

@@ -29,7 +29,7 @@ class uring_engine final : public io_engine {
     const int rc = io_uring_queue_init(depth_, &ring_, 0);
     if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_queue_init");
     slots_.resize(depth_);
-    for (unsigned i = 0; i < depth_; ++i) free_slots_.push_back(i);
+    for (unsigned i = 0; i < depth_; ++i) free_slots_->push_back(i);
   }
 
   ~uring_engine() override {
@@ -45,7 +45,7 @@ class uring_engine final : public io_engine {
 
   void submit(std::span<const io_request> requests) override {
     made_.require_same_process(who);
-    for (const io_request& r : requests) pending_.push_back({r, 0});
+    for (const io_request& r : requests) pending_->push_back({r, 0});
     outstanding_ += requests.size();
     pump();
   }
@@ -53,18 +53,18 @@ class uring_engine final : public io_engine {
   std::vector<io_completion> wait(std::size_t min_completions) override {
     made_.require_same_process(who);
     min_completions = std::min(min_completions, outstanding_);
-    while (ready_.size() < min_completions) {
+    while (ready_->size() < min_completions) {
       pump();
-      if (ready_.size() >= min_completions) break;
+      if (ready_->size() >= min_completions) break;
       // Every outstanding request is pending, queued, in flight or ready; with nothing in
       // flight and nothing to submit the loop could not progress, so that is a failure.
-      if (in_flight_ == 0 && unsubmitted_.empty() && pending_.empty()) break;
+      if (in_flight_ == 0 && unsubmitted_->empty() && pending_->empty()) break;
       reap(1);
     }
     reap(0);  // whatever else is ready, without blocking
     pump();
-    std::vector<io_completion> out(ready_.begin(), ready_.end());
-    ready_.clear();
+    std::vector<io_completion> out(ready_->begin(), ready_->end());
+    ready_->clear();
     outstanding_ -= out.size();
     return out;
   }
@@ -102,15 +102,15 @@ class uring_engine final : public io_engine {
       fail_unsubmitted();
       return;
     }
-    while (!pending_.empty() && !free_slots_.empty()) {
+    while (!pending_->empty() && !free_slots_->empty()) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe == nullptr) break;
-      const unsigned slot = free_slots_.back();
-      free_slots_.pop_back();
-      slots_[slot] = pending_.front();
-      pending_.pop_front();
+      const unsigned slot = free_slots_->back();
+      free_slots_->pop_back();
+      slots_[slot] = pending_->front();
+      pending_->pop_front();
       prepare(sqe, slot);
-      unsubmitted_.push_back(slot);
+      unsubmitted_->push_back(slot);
       submit_queued();
     }
     submit_queued();  // what a transient refusal left
@@ -124,12 +124,12 @@ class uring_engine final : public io_engine {
       fail_unsubmitted();
       return;
     }
-    if (unsubmitted_.empty()) return;
+    if (unsubmitted_->empty()) return;
     const int rc = faults_.submit ? faults_.submit(&ring_) : io_uring_submit(&ring_);
     if (rc > 0) {
-      const auto taken = std::min<std::size_t>(static_cast<std::size_t>(rc), unsubmitted_.size());
+      const auto taken = std::min<std::size_t>(static_cast<std::size_t>(rc), unsubmitted_->size());
       in_flight_ += static_cast<unsigned>(taken);
-      unsubmitted_.erase(unsubmitted_.begin(), unsubmitted_.begin() + static_cast<std::ptrdiff_t>(taken));
+      unsubmitted_->erase(unsubmitted_->begin(), unsubmitted_->begin() + static_cast<std::ptrdiff_t>(taken));
       return;
     }
     if (rc == 0 || transient(rc)) return;
@@ -139,11 +139,11 @@ class uring_engine final : public io_engine {
 
   // Completes every request the kernel does not hold with the ring's error.
   void fail_unsubmitted() {
-    for (const unsigned slot : unsubmitted_) complete(slot, broken_);
-    unsubmitted_.clear();
-    while (!pending_.empty()) {
-      ready_.push_back({pending_.front().request.user_data, broken_, pending_.front().request.total()});
-      pending_.pop_front();
+    for (const unsigned slot : *unsubmitted_) complete(slot, broken_);
+    unsubmitted_->clear();
+    while (!pending_->empty()) {
+      ready_->push_back({pending_->front().request.user_data, broken_, pending_->front().request.total()});
+      pending_->pop_front();
     }
   }
 
@@ -199,7 +199,7 @@ class uring_engine final : public io_engine {
           if (held_by_kernel(slot)) complete(slot, rc);
         }
         in_flight_ = 0;
-        retry_.clear();
+        retry_->clear();
         fail_unsubmitted();
         return;
       }
@@ -213,31 +213,31 @@ class uring_engine final : public io_engine {
     io_uring_cq_advance(&ring_, seen);
     in_flight_ -= seen;
     bool resubmit = false;
-    for (const unsigned slot : retry_) {
+    for (const unsigned slot : *retry_) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe == nullptr) {  // cannot happen: a slot frees an entry; be safe anyway
-        pending_.push_front(slots_[slot]);
-        free_slots_.push_back(slot);
+        pending_->push_front(slots_[slot]);
+        free_slots_->push_back(slot);
         continue;
       }
       prepare(sqe, slot);
-      unsubmitted_.push_back(slot);
+      unsubmitted_->push_back(slot);
       resubmit = true;
     }
-    retry_.clear();
+    retry_->clear();
     if (resubmit) submit_queued();
   }
 
   void finish(unsigned slot, int res) {
     op& o = slots_[slot];
     if (res == -EAGAIN || res == -EINTR) {
-      retry_.push_back(slot);
+      retry_->push_back(slot);
       return;
     }
     if (res > 0) {
       o.done += static_cast<std::size_t>(res);
       if (o.done < o.request.total()) {  // short transfer: continue where it stopped
-        retry_.push_back(slot);
+        retry_->push_back(slot);
         return;
       }
     }
@@ -246,14 +246,14 @@ class uring_engine final : public io_engine {
 
   void complete(unsigned slot, std::int64_t result) {
     const op& o = slots_[slot];
-    ready_.push_back({o.request.user_data, result, o.request.total()});
-    free_slots_.push_back(slot);
+    ready_->push_back({o.request.user_data, result, o.request.total()});
+    free_slots_->push_back(slot);
   }
 
   // A slot the kernel holds: neither free, nor queued, nor waiting for a retry.
   bool held_by_kernel(unsigned slot) const {
-    return std::find(free_slots_.begin(), free_slots_.end(), slot) == free_slots_.end() &&
-           std::find(unsubmitted_.begin(), unsubmitted_.end(), slot) == unsubmitted_.end();
+    return std::find(free_slots_->begin(), free_slots_->end(), slot) == free_slots_->end() &&
+           std::find(unsubmitted_->begin(), unsubmitted_->end(), slot) == unsubmitted_->end();
   }
 
   static constexpr const char* who = "an io_uring engine";
@@ -261,11 +261,13 @@ class uring_engine final : public io_engine {
   unsigned depth_;
   io_uring ring_{};
   std::vector<op> slots_;
-  std::vector<unsigned> free_slots_;
-  std::vector<unsigned> retry_;
-  std::vector<unsigned> unsubmitted_;  // prepared in the submission queue, not yet taken
-  std::deque<op> pending_;
-  std::vector<io_completion> ready_;
+  // Changed by whichever thread submits or waits; left as they are in a forked child (a
+  // thread of the parent may have been changing them at the fork).
+  detail::unless_forked<std::vector<unsigned>> free_slots_;
+  detail::unless_forked<std::vector<unsigned>> retry_;
+  detail::unless_forked<std::vector<unsigned>> unsubmitted_;  // prepared in the submission queue, not yet taken
+  detail::unless_forked<std::deque<op>> pending_;
+  detail::unless_forked<std::vector<io_completion>> ready_;
   unsigned in_flight_ = 0;
   std::size_t outstanding_ = 0;
   std::vector<std::span<std::byte>> registered_;

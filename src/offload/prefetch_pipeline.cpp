@@ -15,19 +15,19 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
                                      pipeline_options options)
     : space_(space), pool_(pool), options_(options) {
   std::uint64_t largest = 0;
-  items_.reserve(order.size());
+  items_->reserve(order.size());
   for (const std::size_t t : order) {
     largest = std::max(largest, space_.padded_bytes(t));  // throws for an unknown tensor
-    items_.push_back({t, state::waiting, nullptr, {}, nullptr});
+    items_->push_back({t, state::waiting, nullptr, {}, nullptr});
   }
-  if (!items_.empty()) {
+  if (!items_->empty()) {
     // What one buffer costs the pool: its bytes rounded to the pool's granularity, plus the
     // slack it keeps to align to 4096 when its own alignment is smaller.
     const std::uint64_t bytes = std::max<std::uint64_t>(largest, 4096);
     const std::uint64_t grain = pool_.options().alignment;
     const std::uint64_t cost = (bytes + grain - 1) / grain * grain + (grain < 4096 ? 4096 - grain : 0);
     const std::uint64_t fit = options_.pinned_budget / cost;
-    if (fit < 2 && items_.size() > 1) {
+    if (fit < 2 && items_->size() > 1) {
       throw std::invalid_argument("prefetch_pipeline: a pinned budget of " + std::to_string(options_.pinned_budget) +
                                   " bytes holds fewer than two staging buffers of " + std::to_string(cost) +
                                   " bytes; raise the budget or make the tensors smaller");
@@ -36,14 +36,14 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
       throw std::invalid_argument("prefetch_pipeline: a pinned budget of " + std::to_string(options_.pinned_budget) +
                                   " bytes cannot hold a staging buffer of " + std::to_string(cost) + " bytes");
     }
-    const std::size_t count = static_cast<std::size_t>(std::min<std::uint64_t>(fit, items_.size()));
+    const std::size_t count = static_cast<std::size_t>(std::min<std::uint64_t>(fit, items_->size()));
     try {
       for (std::size_t i = 0; i < count; ++i) buffers_.push_back(static_cast<std::byte*>(pool_.allocate(bytes, 4096)));
     } catch (...) {
       for (std::byte* b : buffers_) pool_.free(b);
       throw;
     }
-    free_ = buffers_;
+    *free_ = buffers_;
     stats_.buffers = buffers_.size();
     stats_.pinned_bytes = buffers_.size() * cost;
   }
@@ -60,13 +60,13 @@ prefetch_pipeline::~prefetch_pipeline() {
   if (made_.forked()) return;
   {
     std::unique_lock lock(mutex_);
-    changed_->wait(lock, [this] { return writes_.empty(); });
+    changed_->wait(lock, [this] { return writes_->empty(); });
     stop_ = true;
   }
   changed_->notify_all();
   collector_->join();
   // Reads still in flight (the caller stopped early) must end before their buffers go back.
-  for (item& it : items_) {
+  for (item& it : *items_) {
     if (it.s == state::reading && !it.error) {
       try {
         space_.finish(it.io);
@@ -78,11 +78,11 @@ prefetch_pipeline::~prefetch_pipeline() {
 }
 
 void prefetch_pipeline::pump() {
-  while (next_read_ < items_.size() && !free_.empty() &&
+  while (next_read_ < items_->size() && !free_->empty() &&
          (options_.max_ahead == 0 || next_read_ < next_acquire_ + options_.max_ahead)) {
-    item& it = items_[next_read_];
-    it.buffer = free_.back();
-    free_.pop_back();
+    item& it = (*items_)[next_read_];
+    it.buffer = free_->back();
+    free_->pop_back();
     ++next_read_;
     try {
       it.io = space_.read(it.tensor, it.buffer);
@@ -96,14 +96,14 @@ void prefetch_pipeline::pump() {
 std::byte* prefetch_pipeline::acquire(std::size_t i) {
   made_.require_same_process(who);
   std::unique_lock lock(mutex_);
-  if (i != next_acquire_ || i >= items_.size()) {
+  if (i != next_acquire_ || i >= items_->size()) {
     throw std::logic_error("prefetch_pipeline: position " + std::to_string(i) + " acquired out of order (next is " +
-                           std::to_string(next_acquire_) + " of " + std::to_string(items_.size()) + ")");
+                           std::to_string(next_acquire_) + " of " + std::to_string(items_->size()) + ")");
   }
-  item& it = items_[i];
+  item& it = (*items_)[i];
   const auto start = std::chrono::steady_clock::now();
   if (it.s == state::waiting) {
-    if (writes_.empty() && free_.empty()) {
+    if (writes_->empty() && free_->empty()) {
       throw std::logic_error("prefetch_pipeline: every staging buffer is held by the caller; release one before "
                              "acquiring position " + std::to_string(i));
     }
@@ -126,7 +126,7 @@ std::byte* prefetch_pipeline::acquire(std::size_t i) {
   if (waited > 100e-6) ++stats_.acquires_waited;
   if (failed) {
     it.s = state::done;
-    free_.push_back(it.buffer);
+    free_->push_back(it.buffer);
     it.buffer = nullptr;
     pump();
     changed_->notify_all();
@@ -140,27 +140,27 @@ std::byte* prefetch_pipeline::acquire(std::size_t i) {
 void prefetch_pipeline::release(std::size_t i, bool dirty) {
   made_.require_same_process(who);
   std::unique_lock lock(mutex_);
-  if (i >= items_.size() || items_[i].s != state::acquired) {
+  if (i >= items_->size() || (*items_)[i].s != state::acquired) {
     throw std::logic_error("prefetch_pipeline: position " + std::to_string(i) + " is not acquired");
   }
-  item& it = items_[i];
+  item& it = (*items_)[i];
   if (dirty) {
     try {
       it.io = space_.write(it.tensor, it.buffer);
     } catch (...) {
       it.s = state::done;
-      free_.push_back(it.buffer);
+      free_->push_back(it.buffer);
       it.buffer = nullptr;
       pump();
-      if (!write_error_) write_error_ = std::current_exception();
+      if (!*write_error_) *write_error_ = std::current_exception();
       changed_->notify_all();
       return;  // reported by finish
     }
     it.s = state::writing;
-    writes_.push_back(i);
+    writes_->push_back(i);
   } else {
     it.s = state::done;
-    free_.push_back(it.buffer);
+    free_->push_back(it.buffer);
     it.buffer = nullptr;
     pump();
   }
@@ -171,9 +171,9 @@ void prefetch_pipeline::release(std::size_t i, bool dirty) {
 void prefetch_pipeline::collect_writes() {
   std::unique_lock lock(mutex_);
   for (;;) {
-    changed_->wait(lock, [this] { return stop_ || !writes_.empty(); });
-    if (writes_.empty()) return;  // stop_
-    item& it = items_[writes_.front()];
+    changed_->wait(lock, [this] { return stop_ || !writes_->empty(); });
+    if (writes_->empty()) return;  // stop_
+    item& it = (*items_)[writes_->front()];
     swap_space::transfer io = std::move(it.io);
     lock.unlock();
     std::exception_ptr failed;
@@ -184,15 +184,15 @@ void prefetch_pipeline::collect_writes() {
     }
     lock.lock();
     if (failed) {
-      if (!write_error_) write_error_ = failed;
+      if (!*write_error_) *write_error_ = failed;
     } else {
-      written_.push_back(it.tensor);
+      written_->push_back(it.tensor);
       stats_.bytes_written += space_.padded_bytes(it.tensor);
     }
     it.s = state::done;
-    free_.push_back(it.buffer);
+    free_->push_back(it.buffer);
     it.buffer = nullptr;
-    writes_.pop_front();
+    writes_->pop_front();
     pump();
     changed_->notify_all();
   }
@@ -202,15 +202,15 @@ void prefetch_pipeline::finish() {
   made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   const auto start = std::chrono::steady_clock::now();
-  changed_->wait(lock, [this] { return writes_.empty(); });
+  changed_->wait(lock, [this] { return writes_->empty(); });
   stats_.finish_wait_seconds += seconds_since(start);
-  if (write_error_) std::rethrow_exception(std::exchange(write_error_, nullptr));
+  if (*write_error_) std::rethrow_exception(std::exchange(*write_error_, nullptr));
 }
 
 std::vector<std::size_t> prefetch_pipeline::written() const {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
-  return written_;
+  return *written_;
 }
 
 pipeline_stats prefetch_pipeline::stats() const {

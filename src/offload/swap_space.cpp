@@ -82,7 +82,7 @@ swap_space::~swap_space() {
   io_.wait();
   if (!options_.remove_files) return;
   std::error_code ec;
-  for (std::size_t id = 0; id < entries_.size(); ++id) {
+  for (std::size_t id = 0; id < entries_->size(); ++id) {
     for (unsigned slot = 0; slot < 2; ++slot) {
       for (std::size_t f = 0; f < dirs_.size(); ++f) std::filesystem::remove(path(id, slot, f), ec);
     }
@@ -124,8 +124,8 @@ void swap_space::queue_stripes(transfer& t, std::byte* buffer, std::uint64_t pad
 }
 
 const swap_space::entry& swap_space::at(std::size_t id) const {
-  if (id >= entries_.size()) throw std::out_of_range("swap_space: unknown tensor " + std::to_string(id));
-  return entries_[id];
+  if (id >= entries_->size()) throw std::out_of_range("swap_space: unknown tensor " + std::to_string(id));
+  return (*entries_)[id];
 }
 
 std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
@@ -137,7 +137,7 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
     throw std::invalid_argument("swap_space: tensor " + name + " of " + std::to_string(bytes) + " bytes is too large");
   }
   const std::lock_guard lock(mutex_);
-  for (const entry& e : entries_) {
+  for (const entry& e : *entries_) {
     if (e.name == name) throw std::invalid_argument("swap_space: tensor " + name + " is already registered");
   }
   // Another space (or an earlier run that was killed) using these files would be clobbered.
@@ -157,7 +157,7 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
   e.bytes = bytes;
   e.padded = round_up(bytes, page);
   e.folder_share.assign(dirs_.size(), 0);
-  const std::size_t id = entries_.size();
+  const std::size_t id = entries_->size();
   for_each_stripe(id, e.padded, options_.stripe_bytes, dirs_.size(),
                   [&](std::size_t f, std::uint64_t, std::uint64_t, std::uint64_t n) { e.folder_share[f] += n; });
   for (std::size_t f = 0; f < dirs_.size(); ++f) {
@@ -171,14 +171,14 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
     }
   }
   for (std::size_t f = 0; f < dirs_.size(); ++f) reserved_[f] += 2 * e.folder_share[f];
-  entries_.push_back(std::move(e));
+  entries_->push_back(std::move(e));
   return id;
 }
 
 std::size_t swap_space::size() const {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
-  return entries_.size();
+  return entries_->size();
 }
 const std::string& swap_space::name(std::size_t id) const {
   made_.require_same_process(who);
@@ -268,7 +268,7 @@ void swap_space::finish(transfer& t) {
   }
   t.tickets.clear();
   const std::lock_guard lock(mutex_);
-  entry& e = entries_.at(t.tensor);
+  entry& e = entries_->at(t.tensor);
   if (first.error != 0) {
     throw offload_error("swap " + std::string(t.write ? "write" : "read") + " of tensor " + e.name +
                             " failed: " + first.message,
@@ -288,7 +288,7 @@ void swap_space::finish(transfer& t) {
 void swap_space::commit(std::size_t id) {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
-  entry& e = entries_.at(id);
+  entry& e = entries_->at(id);
   if (e.written < 0) throw std::logic_error("swap_space: tensor " + e.name + " has no finished write to commit");
   e.committed = e.written;
   e.written = -1;
@@ -304,7 +304,7 @@ swap_space_stats swap_space::stats() const {
   s.reads = reads_;
   s.writes = writes_;
   s.folder_bytes.assign(dirs_.size(), 0);
-  for (const entry& e : entries_) {
+  for (const entry& e : *entries_) {
     for (std::size_t f = 0; f < dirs_.size(); ++f) {
       s.folder_bytes[f] += e.folder_share[f] * ((e.created[0] ? 1U : 0U) + (e.created[1] ? 1U : 0U));
     }

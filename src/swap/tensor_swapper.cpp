@@ -237,7 +237,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   try {
     for (std::size_t i = 0; i < count; ++i) {
       staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));
-      free_staging_.push_back(i);
+      free_staging_->push_back(i);
     }
     header_slab_ = static_cast<std::byte*>(pool_.allocate(headers * header_bytes, io_alignment));
   } catch (...) {
@@ -246,7 +246,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   }
   data_staging_ = staging_.size();
   for (std::size_t i = 0; i < headers; ++i) {
-    free_headers_.push_back(staging_.size());
+    free_headers_->push_back(staging_.size());
     staging_.push_back(header_slab_ + i * header_bytes);
   }
   // Fixed buffers where io_uring allows them; plain requests otherwise.
@@ -387,13 +387,13 @@ void tensor_swapper::run() {
   for (;;) {
     queue_ready(lock);
     if (engine_->outstanding() == 0) {
-      if (stop_ && ready_jobs_.empty()) return;
+      if (stop_ && ready_jobs_->empty()) return;
       // Nothing in flight: wait for a job that can start (a file may be opened, or its file
       // is open already); the committer wakes us when it closes one.
       work_cv_->wait(lock, [this] {
         if (stop_) return true;
-        if (ready_jobs_.empty()) return false;
-        const job& next = jobs_.at(ready_jobs_.front());
+        if (ready_jobs_->empty()) return false;
+        const job& next = jobs_->at(ready_jobs_->front());
         return next.opened || next.packed || open_files_ < max_open_files_;
       });
       continue;
@@ -408,33 +408,33 @@ void tensor_swapper::run() {
 // Queues what can be queued, then hands it to the engine in one submission.
 void tensor_swapper::queue_ready(std::unique_lock<std::mutex>& lock) {
   queue_jobs(lock);
-  if (!batch_.empty()) submit_batch_outside(lock);
+  if (!batch_->empty()) submit_batch_outside(lock);
 }
 
 // Hands the queued requests to the engine with the lock released (only the worker touches
 // batch_ and the engine), then empties the batch.
 void tensor_swapper::submit_batch_outside(std::unique_lock<std::mutex>& lock) {
-  outside(lock, [this] { engine_->submit(batch_); });
-  batch_.clear();
+  outside(lock, [this] { engine_->submit(*batch_); });
+  batch_->clear();
 }
 
 void tensor_swapper::queue_jobs(std::unique_lock<std::mutex>& lock) {
-  while (!ready_jobs_.empty()) {
-    job& j = jobs_.at(ready_jobs_.front());
+  while (!ready_jobs_->empty()) {
+    job& j = jobs_->at(ready_jobs_->front());
     if (!j.opened) {
       if (!j.packed && open_files_ >= max_open_files_) return;
-      start_job(lock, ready_jobs_.front(), j);
+      start_job(lock, ready_jobs_->front(), j);
       if (j.done || j.fully_queued()) {
-        ready_jobs_.pop_front();
+        ready_jobs_->pop_front();
         continue;
       }
     }
-    const bool all = queue_more(lock, ready_jobs_.front(), j);
+    const bool all = queue_more(lock, ready_jobs_->front(), j);
     // Hand what is queued to the engine every few requests, not at the end of the whole
     // round: the disk gets work while the next files are opened and checksummed.
-    if (batch_.size() >= submit_batch) submit_batch_outside(lock);
+    if (batch_->size() >= submit_batch) submit_batch_outside(lock);
     if (!all) return;  // out of staging buffers or budget
-    ready_jobs_.pop_front();
+    ready_jobs_->pop_front();
   }
 }
 
@@ -572,9 +572,9 @@ void tensor_swapper::start_packed(std::uint64_t id, job& j) {
     j.pack = pack;
     j.data_start = slot->offset;
     j.slot_bytes = slot->bytes;
-    j.first_pack = !packed_.contains(j.path);
+    j.first_pack = !packed_->contains(j.path);
   } else {
-    const packed_entry& e = packed_.find(j.path)->second;
+    const packed_entry& e = packed_->find(j.path)->second;
     if (e.bytes != j.tensor.bytes) {
       j.error = EINVAL;
       j.message = holds_another_size(j.path, e.bytes, j.tensor.bytes);
@@ -650,7 +650,7 @@ bool set_direct(int fd) {
 tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std::string& error) {
   std::string dir = std::filesystem::path(path).parent_path().string();
   if (dir.empty()) dir = ".";
-  if (const auto it = packs_.find(dir); it != packs_.end()) return it->second.get();
+  if (const auto it = packs_->find(dir); it != packs_->end()) return it->second.get();
   auto pack = std::make_unique<pack_file>();
   // Opened buffered, then O_DIRECT set where the file system allows it: an O_DIRECT open that
   // failed after creating a named file would take that name from its own retry.
@@ -666,7 +666,7 @@ tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std
   if (options_.direct && !direct) note_buffered(dir);
   pack->fd = fd;
   pack->direct = direct;
-  return packs_.emplace(dir, std::move(pack)).first->second.get();
+  return packs_->emplace(dir, std::move(pack)).first->second.get();
 }
 
 // Queues the job's next requests. The header rides with the first data block where it can:
@@ -692,10 +692,10 @@ bool tensor_swapper::queue_more(std::unique_lock<std::mutex>& lock, std::uint64_
     const std::size_t block = off / options_.block_bytes;
     const bool straight = !j.direct || aligned(data + off, n);
     const bool with_header = header_with_first && !j.header_queued;
-    if (!straight && free_staging_.empty()) return false;
-    if (with_header && free_headers_.empty()) return false;
+    if (!straight && free_staging_->empty()) return false;
+    if (with_header && free_headers_->empty()) return false;
     if (j.out && options_.checksums) {
-      timers_["checksum"] += timed_outside(lock, [&] { j.crc = crc32c(data + off, n, j.crc); });
+      (*timers_)["checksum"] += timed_outside(lock, [&] { j.crc = crc32c(data + off, n, j.crc); });
     }
     std::size_t h = no_staging;
     if (with_header) {
@@ -710,7 +710,7 @@ bool tensor_swapper::queue_more(std::unique_lock<std::mutex>& lock, std::uint64_
       const std::size_t s = take_staging();
       const std::size_t padded = round_up(n, io_alignment);
       if (j.out) {
-        timers_["staging_copy"] += timed_outside(lock, [&] {
+        (*timers_)["staging_copy"] += timed_outside(lock, [&] {
           std::memcpy(staging_[s], data + off, n);
           std::memset(staging_[s] + n, 0, padded - n);
         });
@@ -723,7 +723,7 @@ bool tensor_swapper::queue_more(std::unique_lock<std::mutex>& lock, std::uint64_
     j.next_offset = off + n;
   }
   if (!j.header_queued) {  // a header alone: after the data of a swap-out, or of an empty tensor
-    if (free_headers_.empty() || queued_ >= max_queued_) return false;
+    if (free_headers_->empty() || queued_ >= max_queued_) return false;
     const std::size_t h = take_header();
     if (j.out) write_header(staging_[h], j.tensor.bytes, j.crc, options_.checksums, j.key);
     issue(id, j, 0, nullptr, 0, j.out, no_staging, h, nullptr, 0, header_block);
@@ -733,14 +733,14 @@ bool tensor_swapper::queue_more(std::unique_lock<std::mutex>& lock, std::uint64_
 }
 
 std::size_t tensor_swapper::take_header() {
-  const std::size_t h = free_headers_.back();
-  free_headers_.pop_back();
+  const std::size_t h = free_headers_->back();
+  free_headers_->pop_back();
   return h;
 }
 
 std::size_t tensor_swapper::take_staging() {
-  const std::size_t s = free_staging_.back();
-  free_staging_.pop_back();
+  const std::size_t s = free_staging_->back();
+  free_staging_->pop_back();
   return s;
 }
 
@@ -751,29 +751,29 @@ void tensor_swapper::issue(std::uint64_t id, job& j, std::uint64_t data_offset, 
                            std::size_t bytes, bool write, std::size_t staging, std::size_t header,
                            void* copy_to, std::size_t copy_bytes, std::size_t block) {
   std::size_t slot = 0;
-  if (!free_requests_.empty()) {
-    slot = free_requests_.back();
-    free_requests_.pop_back();
+  if (!free_requests_->empty()) {
+    slot = free_requests_->back();
+    free_requests_->pop_back();
   } else {
-    slot = requests_.size();
-    requests_.emplace_back();
+    slot = requests_->size();
+    requests_->emplace_back();
   }
   const std::size_t prefix = header == no_staging ? 0 : header_bytes;
-  requests_[slot] = {id, staging, header, copy_to, copy_bytes, prefix + bytes, block, write};
+  (*requests_)[slot] = {id, staging, header, copy_to, copy_bytes, prefix + bytes, block, write};
   ++j.requests_left;
   ++queued_;
   if (header == no_staging) {
-    batch_.push_back({j.fd, j.data_start + data_offset, buffer, bytes, write, slot});
+    batch_->push_back({j.fd, j.data_start + data_offset, buffer, bytes, write, slot});
   } else {
-    batch_.push_back({j.fd, 0, staging_[header], header_bytes, write, slot, buffer, bytes});
+    batch_->push_back({j.fd, 0, staging_[header], header_bytes, write, slot, buffer, bytes});
   }
 }
 
 void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io::io_completion& c) {
-  const pending_request r = requests_[c.user_data];
-  free_requests_.push_back(static_cast<std::size_t>(c.user_data));
+  const pending_request r = (*requests_)[c.user_data];
+  free_requests_->push_back(static_cast<std::size_t>(c.user_data));
   --queued_;
-  job& j = jobs_.at(r.job);
+  job& j = jobs_->at(r.job);
   const auto fail = [&](int error, std::string message) {
     if (j.error != 0) return;  // the first problem is the one reported
     j.error = error;
@@ -805,22 +805,22 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
       // A data block arrived: into the tensor (copied from staging if it was staged), then
       // checksummed while the other blocks are still in flight.
       if (r.copy_to != nullptr) {
-        timers_["staging_copy"] +=
+        (*timers_)["staging_copy"] +=
             timed_outside(lock, [&] { std::memcpy(r.copy_to, staging_[r.staging], r.copy_bytes); });
       }
       // (A tensor of one block is checksummed by the committer, off this thread.)
       if (options_.checksums && j.error == 0 && j.block_crc.size() > 1) {
         const std::size_t off = r.block * options_.block_bytes;
         const std::size_t n = std::min(options_.block_bytes, j.tensor.bytes - off);
-        timers_["checksum"] += timed_outside(lock, [&] {
+        (*timers_)["checksum"] += timed_outside(lock, [&] {
           j.block_crc[r.block] = crc32c(static_cast<const std::byte*>(j.tensor.data) + off, n);
         });
       }
     }
   }
   // Their I/O is over: the buffers may be reused.
-  if (r.staging != no_staging) free_staging_.push_back(r.staging);
-  if (r.header != no_staging) free_headers_.push_back(r.header);
+  if (r.staging != no_staging) free_staging_->push_back(r.staging);
+  if (r.header != no_staging) free_headers_->push_back(r.header);
   if (--j.requests_left == 0 && j.fully_queued()) finish(r.job, j);
 }
 
@@ -829,7 +829,7 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
 // done now.
 void tensor_swapper::finish(std::uint64_t id, job& j) {
   if (j.fd >= 0) {  // a file of its own, or its pack's
-    commit_queue_.push_back(id);
+    commit_queue_->push_back(id);
     commit_cv_->notify_one();
     return;
   }
@@ -839,7 +839,7 @@ void tensor_swapper::finish(std::uint64_t id, job& j) {
 void tensor_swapper::complete(job& j) {
   j.done = true;
   j.finished = clock::now();
-  if (--tickets_.at(j.ticket).unfinished == 0) done_cv_->notify_all();
+  if (--tickets_->at(j.ticket).unfinished == 0) done_cv_->notify_all();
 }
 
 // The committer: takes finished jobs in batches and does their file work without the lock
@@ -849,11 +849,11 @@ void tensor_swapper::run_committer() {
   std::unique_lock lock(mutex_);
   std::vector<job*> batch;
   for (;;) {
-    commit_cv_->wait(lock, [this] { return commit_stop_ || !commit_queue_.empty(); });
-    if (commit_queue_.empty()) return;  // stopping, and nothing left
+    commit_cv_->wait(lock, [this] { return commit_stop_ || !commit_queue_->empty(); });
+    if (commit_queue_->empty()) return;  // stopping, and nothing left
     batch.clear();
-    for (const std::uint64_t id : commit_queue_) batch.push_back(&jobs_.at(id));
-    commit_queue_.clear();
+    for (const std::uint64_t id : *commit_queue_) batch.push_back(&jobs_->at(id));
+    commit_queue_->clear();
     lock.unlock();
     for (job* j : batch) close_and_commit(*j);
     lock.lock();
@@ -870,9 +870,9 @@ void tensor_swapper::commit_locked(job& j) {
   if (!j.packed) {
     --open_files_;
     if (j.out && j.error == 0) {  // a file at the path now: a packed version is stale
-      if (const auto it = packed_.find(j.path); it != packed_.end()) {
+      if (const auto it = packed_->find(j.path); it != packed_->end()) {
         it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
-        packed_.erase(it);
+        packed_->erase(it);
       }
     }
     return;
@@ -883,11 +883,11 @@ void tensor_swapper::commit_locked(job& j) {
     return;
   }
   const packed_entry entry{j.pack, j.data_start, j.slot_bytes, j.tensor.bytes, j.crc, options_.checksums};
-  if (const auto it = packed_.find(j.path); it != packed_.end()) {
+  if (const auto it = packed_->find(j.path); it != packed_->end()) {
     it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
     it->second = entry;
   } else {
-    packed_.emplace(j.path, entry);
+    packed_->emplace(j.path, entry);
   }
 }
 
@@ -1010,7 +1010,7 @@ void tensor_swapper::remove_files(const std::string& path) {
 void tensor_swapper::reap(const std::string& path) {
   {
     const std::lock_guard lock(reap_mutex_);
-    reap_queue_.push_back(path);
+    reap_queue_->push_back(path);
   }
   reap_cv_->notify_one();
 }
@@ -1018,10 +1018,10 @@ void tensor_swapper::reap(const std::string& path) {
 void tensor_swapper::run_reaper() {
   std::unique_lock lock(reap_mutex_);
   for (;;) {
-    reap_cv_->wait(lock, [this] { return reap_stop_ || !reap_queue_.empty(); });
-    if (reap_queue_.empty()) return;  // stopping, and nothing left
-    const std::string path = std::move(reap_queue_.front());
-    reap_queue_.pop_front();
+    reap_cv_->wait(lock, [this] { return reap_stop_ || !reap_queue_->empty(); });
+    if (reap_queue_->empty()) return;  // stopping, and nothing left
+    const std::string path = std::move(reap_queue_->front());
+    reap_queue_->pop_front();
     lock.unlock();
     unlink(path.c_str());
     lock.lock();
@@ -1047,11 +1047,11 @@ void tensor_swapper::check_memory(std::span<const tensor_ref> tensors, std::span
       throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
                                   " runs past the end of the address space");
     }
-    if (writing_.overlaps(begin, end_of(tensors[i]))) {
+    if (writing_->overlaps(begin, end_of(tensors[i]))) {
       throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
                                   " overlaps a swap-in not yet waited for");
     }
-    if (!out && reading_.overlaps(begin, end_of(tensors[i]))) {
+    if (!out && reading_->overlaps(begin, end_of(tensors[i]))) {
       throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
                                   " overlaps a swap-out not yet waited for");
     }
@@ -1087,45 +1087,45 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     if (!batch.insert(p).second) {
       throw std::invalid_argument("tensor_swapper: " + p + " appears twice in one batch");
     }
-    if (busy_paths_.contains(p)) {
+    if (busy_paths_->contains(p)) {
       throw std::invalid_argument("tensor_swapper: " + p + " is in a transfer not yet waited for");
     }
   }
   check_memory(tensors, paths, out);
   const std::uint64_t ticket = next_ticket_++;
-  auto& members = tickets_[ticket].jobs;
-  tickets_[ticket].unfinished = tensors.size();
+  auto& members = (*tickets_)[ticket].jobs;
+  (*tickets_)[ticket].unfinished = tensors.size();
   const auto now = clock::now();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const std::uint64_t id = next_job_++;
-    job& j = jobs_[id];
+    job& j = (*jobs_)[id];
     j.ticket = ticket;
     j.path = paths[i];
     j.key = keys.empty() ? paths[i] : keys[i];
     j.tensor = tensors[i];
     j.out = out;
-    j.packed = out ? options_.pack_below > 0 && j.tensor.bytes <= options_.pack_below : packed_.contains(j.path);
+    j.packed = out ? options_.pack_below > 0 && j.tensor.bytes <= options_.pack_below : packed_->contains(j.path);
     j.started = now;
-    busy_paths_.insert(j.path);
-    (out ? reading_ : writing_).add(begin_of(j.tensor), end_of(j.tensor));
+    busy_paths_->insert(j.path);
+    (out ? *reading_ : *writing_).add(begin_of(j.tensor), end_of(j.tensor));
     members.push_back(id);
   }
   // Packed swap-ins are queued in the order of their slots in the pack (the disk reads
   // ascending offsets faster than the scattered order rewrites leave); the rest as given.
-  const std::size_t first = ready_jobs_.size();
-  ready_jobs_.insert(ready_jobs_.end(), members.begin(), members.end());
-  if (!out && !packed_.empty()) {
+  const std::size_t first = ready_jobs_->size();
+  ready_jobs_->insert(ready_jobs_->end(), members.begin(), members.end());
+  if (!out && !packed_->empty()) {
     // (pack, offset, job id): job ids ascend with the batch, so the sort is stable.
     std::vector<std::tuple<std::uintptr_t, std::uint64_t, std::uint64_t>> order;
     order.reserve(members.size());
     for (const std::uint64_t id : members) {
-      const job& j = jobs_.at(id);
-      const auto it = j.packed ? packed_.find(j.path) : packed_.end();
-      order.emplace_back(it == packed_.end() ? 0 : reinterpret_cast<std::uintptr_t>(it->second.pack),
-                         it == packed_.end() ? 0 : it->second.offset, id);
+      const job& j = jobs_->at(id);
+      const auto it = j.packed ? packed_->find(j.path) : packed_->end();
+      order.emplace_back(it == packed_->end() ? 0 : reinterpret_cast<std::uintptr_t>(it->second.pack),
+                         it == packed_->end() ? 0 : it->second.offset, id);
     }
     std::sort(order.begin(), order.end());
-    for (std::size_t k = 0; k < order.size(); ++k) ready_jobs_[first + k] = std::get<2>(order[k]);
+    for (std::size_t k = 0; k < order.size(); ++k) (*ready_jobs_)[first + k] = std::get<2>(order[k]);
   }
   work_cv_->notify_one();
   return ticket;
@@ -1152,14 +1152,14 @@ bool tensor_swapper::done(std::uint64_t ticket) { return unfinished(ticket) == 0
 bool tensor_swapper::outstanding(std::uint64_t ticket) const {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
-  return tickets_.contains(ticket);
+  return tickets_->contains(ticket);
 }
 
 std::size_t tensor_swapper::unfinished(std::uint64_t ticket) {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
-  const auto it = tickets_.find(ticket);
-  if (it == tickets_.end()) {
+  const auto it = tickets_->find(ticket);
+  if (it == tickets_->end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " + std::to_string(ticket));
   }
   return it->second.unfinished;
@@ -1178,8 +1178,8 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_until(std::uint64_t
 }
 
 void tensor_swapper::claim_locked(std::uint64_t ticket) {
-  const auto it = tickets_.find(ticket);
-  if (it == tickets_.end()) {
+  const auto it = tickets_->find(ticket);
+  if (it == tickets_->end()) {
     throw std::invalid_argument("tensor_swapper: unknown or already waited ticket " +
                                 std::to_string(ticket));
   }
@@ -1191,7 +1191,7 @@ void tensor_swapper::claim_locked(std::uint64_t ticket) {
 }
 
 void tensor_swapper::unclaim_locked(std::uint64_t ticket) {
-  tickets_.at(ticket).waiting = false;  // outstanding still: another wait may take it up
+  tickets_->at(ticket).waiting = false;  // outstanding still: another wait may take it up
   done_cv_->notify_all();                // synchronize() may be waiting for someone to wait for it
 }
 
@@ -1230,13 +1230,13 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std:
                                                                             std::uint64_t ticket,
                                                                             const clock::time_point* deadline) {
   const auto t0 = clock::now();
-  ticket_state& state = tickets_.at(ticket);
+  ticket_state& state = tickets_->at(ticket);
   const auto finished = [&] { return state.unfinished == 0; };
   const bool ended = deadline == nullptr ? (done_cv_->wait(lock, finished), true)
                                          : done_cv_->wait_until(lock, *deadline, finished);
   const double waited = seconds(clock::now() - t0);
   stats_.seconds_waiting += waited;
-  timers_["wait"] += waited;
+  (*timers_)["wait"] += waited;
   if (!ended) return std::nullopt;
   const std::vector<std::uint64_t> members = state.jobs;
   std::vector<swap_result> results;
@@ -1244,16 +1244,16 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std:
   clock::time_point last = clock::time_point::min();
   bool out = true;
   for (const std::uint64_t id : members) {
-    const job& j = jobs_.at(id);
+    const job& j = jobs_->at(id);
     first = std::min(first, j.started);
     last = std::max(last, j.finished);
     out = j.out;
   }
   if (!members.empty()) (out ? stats_.seconds_out : stats_.seconds_in) += seconds(last - first);
   for (const std::uint64_t id : members) {
-    const job& j = jobs_.at(id);
-    busy_paths_.erase(j.path);
-    (j.out ? reading_ : writing_).remove(begin_of(j.tensor), end_of(j.tensor));
+    const job& j = jobs_->at(id);
+    busy_paths_->erase(j.path);
+    (j.out ? *reading_ : *writing_).remove(begin_of(j.tensor), end_of(j.tensor));
     results.push_back({j.path, j.tensor.bytes, j.error, j.message});
     if (j.error != 0) {
       ++stats_.failed;
@@ -1264,9 +1264,9 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std:
       ++stats_.tensors_in;
       stats_.bytes_in += j.tensor.bytes;
     }
-    jobs_.erase(id);
+    jobs_->erase(id);
   }
-  tickets_.erase(ticket);
+  tickets_->erase(ticket);
   done_cv_->notify_all();  // synchronize() may be waiting for this ticket to be collected
   return results;
 }
@@ -1285,15 +1285,15 @@ bool tensor_swapper::synchronize_until(clock::time_point deadline) {
 
 bool tensor_swapper::synchronize_locked(std::unique_lock<std::mutex>& lock, const clock::time_point* deadline) {
   for (;;) {
-    const auto it = std::find_if(tickets_.begin(), tickets_.end(), [](const auto& t) { return !t.second.waiting; });
-    if (it != tickets_.end()) {
+    const auto it = std::find_if(tickets_->begin(), tickets_->end(), [](const auto& t) { return !t.second.waiting; });
+    if (it != tickets_->end()) {
       if (!wait_locked(lock, it->first, deadline)) return false;
-    } else if (tickets_.empty()) {
+    } else if (tickets_->empty()) {
       return true;
     } else if (deadline == nullptr) {
       done_cv_->wait(lock);  // tickets other threads wait for: until they are collected
     } else if (done_cv_->wait_until(lock, *deadline) == std::cv_status::timeout) {
-      return tickets_.empty();
+      return tickets_->empty();
     }
   }
 }
@@ -1302,8 +1302,8 @@ swap_stats tensor_swapper::stats() const {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
   swap_stats s = stats_;
-  s.packed_tensors = packed_.size();
-  for (const auto& [dir, pack] : packs_) s.pack_file_bytes += pack->space.peak();
+  s.packed_tensors = packed_->size();
+  for (const auto& [dir, pack] : *packs_) s.pack_file_bytes += pack->space.peak();
   return s;
 }
 
@@ -1313,12 +1313,12 @@ void tensor_swapper::discard(const std::string& path) {
   check_removable(path, spare_path(path));  // before the packed slot is let go
   {
     const std::lock_guard lock(mutex_);
-    if (busy_paths_.contains(path)) {
+    if (busy_paths_->contains(path)) {
       throw std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for");
     }
-    if (const auto it = packed_.find(path); it != packed_.end()) {
+    if (const auto it = packed_->find(path); it != packed_->end()) {
       it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
-      packed_.erase(it);
+      packed_->erase(it);
     }
   }
   remove_files(path);
@@ -1327,7 +1327,7 @@ void tensor_swapper::discard(const std::string& path) {
 std::map<std::string, double> tensor_swapper::timers() const {
   made_.require_same_process(who);
   const std::lock_guard lock(mutex_);
-  return timers_;
+  return *timers_;
 }
 
 }  // namespace tensormem::swap

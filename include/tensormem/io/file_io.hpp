@@ -128,7 +128,8 @@ struct file_io_stats {
 /// The largest file a file system takes (16 TiB on ext4 with 4 KiB blocks) is not known
 /// before writing: a write past it, or past RLIMIT_FSIZE, fails with EFBIG. Thread-safe.
 /// In a child forked after it was made, every call but `options` throws forked_child_error,
-/// and the destructor waits for nothing.
+/// and the destructor waits for nothing and frees nothing the object's threads change (the
+/// child's copies of queued operations' descriptors stay open until it exits or execs).
 class async_file_io {
  public:
   explicit async_file_io(file_io_options options = {});
@@ -188,7 +189,7 @@ class async_file_io {
   };
   struct ring {
     std::unique_ptr<io_engine> engine;
-    std::deque<io_request> queued;  // requests not yet given to the engine
+    detail::unless_forked<std::deque<io_request>> queued;  // requests not yet given to the engine
     detail::unless_forked<std::condition_variable> work;
     detail::unless_forked<std::thread> thread;
   };
@@ -206,7 +207,9 @@ class async_file_io {
   mutable std::mutex mutex_;
   detail::unless_forked<std::condition_variable> done_;
   std::vector<std::unique_ptr<ring>> rings_;
-  std::map<std::uint64_t, op> ops_;  // queued, not yet collected, by id (queuing order)
+  // The operations and each ring's queue are changed by the rings' threads and the callers;
+  // like the threads, they are left as they are in a forked child.
+  detail::unless_forked<std::map<std::uint64_t, op>> ops_;  // queued, not yet collected, by id (queuing order)
   std::uint64_t next_id_ = 1;
   std::size_t unfinished_ops_ = 0;
   std::size_t next_ring_ = 0;

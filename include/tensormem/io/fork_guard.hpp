@@ -48,10 +48,12 @@ class fork_guard {
 };
 
 /// A member that is destroyed only in the process that made it. In a forked child, the
-/// threads a std::thread names do not exist (destroying a joinable one ends the process),
-/// and a condition variable on which the parent's threads were waiting counts waiters that
-/// will never leave (destroying it waits for them forever): such members are left as they
-/// are, their memory and nothing else lost, and the owner's destructor must not touch them.
+/// threads a std::thread names do not exist (destroying a joinable one ends the process), a
+/// condition variable on which the parent's threads were waiting counts waiters that will
+/// never leave (destroying it waits for them forever), and a container that one of the
+/// parent's threads was changing at the fork may be half-changed (destroying it may free a
+/// node twice): such members are left as they are, their memory and nothing else lost, and
+/// the owner's destructor must not touch them. Costs one word beside the value.
 template <class T>
 class unless_forked {
  public:
@@ -60,7 +62,7 @@ class unless_forked {
     std::construct_at(&value_, std::forward<Args>(args)...);
   }
   ~unless_forked() {
-    if (!guard_.forked()) std::destroy_at(&value_);
+    if (forks_seen() == made_at_) std::destroy_at(&value_);
   }
   unless_forked(const unless_forked&) = delete;
   unless_forked& operator=(const unless_forked&) = delete;
@@ -71,7 +73,7 @@ class unless_forked {
   const T* operator->() const noexcept { return &value_; }
 
  private:
-  fork_guard guard_;
+  std::uint64_t made_at_ = forks_seen();
   union {
     T value_;
   };

@@ -85,16 +85,18 @@ class prefetch_pipeline {
   swap_space& space_;
   memory::pinned_pool& pool_;
   pipeline_options options_;
-  std::vector<item> items_;
+  // What the collector thread or the callers change under the lock is left as it is in a
+  // forked child, like the collector itself.
+  io::detail::unless_forked<std::vector<item>> items_;
   std::vector<std::byte*> buffers_;
-  std::vector<std::byte*> free_;
+  io::detail::unless_forked<std::vector<std::byte*>> free_;
   mutable std::mutex mutex_;
   io::detail::unless_forked<std::condition_variable> changed_;
-  std::deque<std::size_t> writes_;  // positions with write-backs in flight, oldest first
+  io::detail::unless_forked<std::deque<std::size_t>> writes_;  // positions with write-backs in flight, oldest first
   std::size_t next_read_ = 0;
   std::size_t next_acquire_ = 0;
-  std::vector<std::size_t> written_;
-  std::exception_ptr write_error_;
+  io::detail::unless_forked<std::vector<std::size_t>> written_;
+  io::detail::unless_forked<std::exception_ptr> write_error_;
   bool stop_ = false;
   pipeline_stats stats_;
   io::detail::unless_forked<std::thread> collector_;

@@ -122,7 +122,7 @@ class swap_space {
   swap_space_options options_;
   std::vector<std::filesystem::path> dirs_;
   mutable std::mutex mutex_;
-  std::vector<entry> entries_;
+  io::detail::unless_forked<std::vector<entry>> entries_;  // left as it is in a forked child
   std::vector<std::uint64_t> reserved_;  // per folder, both generations
   std::uint64_t bytes_read_ = 0, bytes_written_ = 0, reads_ = 0, writes_ = 0;
   io::async_file_io io_;

@@ -280,27 +280,31 @@ class tensor_swapper {
   void run_reaper();
 
   static constexpr const char* who = "a tensor swapper";
+  // What the swapper's threads (or the callers') change under a lock is left as it is in a
+  // forked child: a thread of the parent may have been changing it at the fork.
+  template <class T>
+  using unless_forked = io::detail::unless_forked<T>;
   io::detail::fork_guard made_;
   const std::uint64_t number_;  // unique in the process: names of temporary files
   memory::pinned_pool& pool_;
   swap_options options_;
   std::unique_ptr<io::io_engine> engine_;
   std::vector<std::byte*> staging_;
-  std::vector<std::size_t> free_staging_;
+  unless_forked<std::vector<std::size_t>> free_staging_;
   std::size_t data_staging_ = 0;        // staging_[0, data_staging_): block buffers; then header pages
   std::byte* header_slab_ = nullptr;
-  std::vector<std::size_t> free_headers_;
-  std::map<std::uint64_t, job> jobs_;            // by job id
-  std::deque<std::uint64_t> ready_jobs_;         // jobs not yet fully queued, in order
-  std::vector<pending_request> requests_;
-  std::vector<io::io_request> batch_;  // queued by the worker, submitted at once
-  std::vector<std::size_t> free_requests_;
+  unless_forked<std::vector<std::size_t>> free_headers_;
+  unless_forked<std::map<std::uint64_t, job>> jobs_;  // by job id
+  unless_forked<std::deque<std::uint64_t>> ready_jobs_;  // jobs not yet fully queued, in order
+  unless_forked<std::vector<pending_request>> requests_;
+  unless_forked<std::vector<io::io_request>> batch_;  // queued by the worker, submitted at once
+  unless_forked<std::vector<std::size_t>> free_requests_;
   struct ticket_state {
     std::vector<std::uint64_t> jobs;
     std::size_t unfinished = 0;  // waiters wake when it reaches 0: O(1) per finished job
     bool waiting = false;        // one thread waits for a ticket
   };
-  std::map<std::uint64_t, ticket_state> tickets_;
+  unless_forked<std::map<std::uint64_t, ticket_state>> tickets_;
   std::uint64_t next_ticket_ = 1;
   std::uint64_t next_job_ = 1;
   std::size_t open_files_ = 0;
@@ -308,26 +312,26 @@ class tensor_swapper {
   std::size_t queued_ = 0;      // requests handed to the engine, not yet complete
   std::size_t max_queued_ = 0;
   swap_stats stats_;
-  std::map<std::string, double> timers_;
-  std::set<std::string, std::less<>> busy_paths_;  // paths of unwaited transfers
-  detail::range_cover reading_;  // the memory of unwaited swap-outs (they may share it)
-  detail::range_cover writing_;  // the memory of unwaited swap-ins (disjoint)
-  std::map<std::string, std::unique_ptr<pack_file>> packs_;  // by directory
-  std::map<std::string, packed_entry, std::less<>> packed_;  // by path: its current version
+  unless_forked<std::map<std::string, double>> timers_;
+  unless_forked<std::set<std::string, std::less<>>> busy_paths_;  // paths of unwaited transfers
+  unless_forked<detail::range_cover> reading_;  // the memory of unwaited swap-outs (they may share it)
+  unless_forked<detail::range_cover> writing_;  // the memory of unwaited swap-ins (disjoint)
+  unless_forked<std::map<std::string, std::unique_ptr<pack_file>>> packs_;  // by directory
+  unless_forked<std::map<std::string, packed_entry, std::less<>>> packed_;  // by path: its current version
   bool stop_ = false;
   mutable std::mutex mutex_;
-  io::detail::unless_forked<std::condition_variable> work_cv_;  // the worker: new jobs, or stop
-  io::detail::unless_forked<std::condition_variable> done_cv_;  // waiters: a job finished
-  io::detail::unless_forked<std::thread> worker_;
-  std::deque<std::uint64_t> commit_queue_;  // finished jobs whose file the committer closes
-  io::detail::unless_forked<std::condition_variable> commit_cv_;
+  unless_forked<std::condition_variable> work_cv_;  // the worker: new jobs, or stop
+  unless_forked<std::condition_variable> done_cv_;  // waiters: a job finished
+  unless_forked<std::thread> worker_;
+  unless_forked<std::deque<std::uint64_t>> commit_queue_;  // finished jobs whose file the committer closes
+  unless_forked<std::condition_variable> commit_cv_;
   bool commit_stop_ = false;
-  io::detail::unless_forked<std::thread> committer_;
+  unless_forked<std::thread> committer_;
   std::mutex reap_mutex_;
-  io::detail::unless_forked<std::condition_variable> reap_cv_;
-  std::deque<std::string> reap_queue_;  // displaced or failed files to unlink
+  unless_forked<std::condition_variable> reap_cv_;
+  unless_forked<std::deque<std::string>> reap_queue_;  // displaced or failed files to unlink
   bool reap_stop_ = false;
-  io::detail::unless_forked<std::thread> reaper_;
+  unless_forked<std::thread> reaper_;
 };
 
 }  // namespace tensormem::swap
