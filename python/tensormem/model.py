@@ -25,6 +25,7 @@ with every activation inside ONE preallocated arena tensor at its planned offset
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -81,6 +82,9 @@ class Graph:
     constant_inputs: Dict[int, object] = field(default_factory=dict)
     in_spec: object = None  # pytree structure of the call's inputs (tuples, lists, dicts)
     input_names: List[str] = field(default_factory=list)  # of each leaf: "1", "1[0]", "0['x']"
+    # module buffers the forward replaced by new tensors (``self.count = self.count + 1``):
+    # the graph computes the new value but does not store it back into the module
+    reassigned_buffers: List[str] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -224,14 +228,55 @@ def _default_loss(module: torch.nn.Module, out):
     return sum(t.float().sum() for t in tensors)
 
 
+def _require_module(module) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__} "
+                        "(wrap a function with tensormem.model.capture)")
+
+
+@contextlib.contextmanager
+def _module_state_kept(module: torch.nn.Module):
+    """Puts back what running ``module`` to trace or measure it changed: its buffers (batch
+    norm's running statistics and counters, in place or reassigned) and the states of the
+    random number generators (dropout), so that planning a model leaves it and the next
+    training step as they were. Parameters are not copied: a forward or backward pass of
+    the trace and the measurement leaves them and their gradients alone."""
+    kept = []
+    seen = set()
+    for owner in module.modules():
+        for name, b in owner._buffers.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                kept.append((owner, name, b, b.detach().clone()))
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, name, b, saved in kept:
+                if b.shape == saved.shape:  # (a buffer resized in place gets its old size back below)
+                    b.copy_(saved)
+                else:
+                    b.set_(saved)
+                owner._buffers[name] = b
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
 def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
           loss_fn: Optional[Callable] = None) -> Graph:
     """The operator graph of ``module(*example_inputs)`` and its activation buffers.
 
     ``training=True`` traces forward, loss (``loss_fn(output)``, by default the sum of every
     output) and backward (gradients of every parameter that requires one), as one graph.
-    Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
-    return _trace(module, example_inputs, training, loss_fn, "real")
+    The trace runs the module; its buffers (batch norm's running statistics) and the random
+    number generators are put back afterwards. Raises UnsupportedGraph naming the op or the
+    construct that cannot be traced."""
+    _require_module(module)
+    with _module_state_kept(module):
+        return _trace(module, example_inputs, training, loss_fn, "real")
 
 
 def activation_lower_bound(module: torch.nn.Module, *example_inputs, training: bool = False,
@@ -256,9 +301,7 @@ def activation_lower_bound(module: torch.nn.Module, *example_inputs, training: b
 
 def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_fn: Optional[Callable],
            tracing_mode: str) -> Graph:
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__} "
-                        "(wrap a function with tensormem.model.capture)")
+    _require_module(module)
     params = {k: v for k, v in module.named_parameters()}
     state = {**params, **{k: v for k, v in module.named_buffers()}}
     param_bytes = sum(v.numel() * v.element_size() for v in state.values())
@@ -271,6 +314,19 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
         return loss_fn(out) if loss_fn is not None else _default_loss(module, out)
 
     structure = []  # the structure the traced call returns (the graph returns its leaves)
+    buffer_names = [k for k, _ in module.named_buffers()]
+    given = {}
+    reassigned = set()
+
+    def buffer_attribute(name):
+        owner, _, leaf = name.rpartition(".")
+        return getattr(module.get_submodule(owner) if owner else module, leaf, None)
+
+    def before_forward(_module, _args):
+        given.update((k, buffer_attribute(k)) for k in buffer_names)
+
+    def after_forward(_module, _args, _out):
+        reassigned.update(k for k in buffer_names if buffer_attribute(k) is not given[k])
 
     def forward(state_values, *inputs):
         out = _functional_call(module, state_values, inputs)
@@ -282,6 +338,7 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
         return out
 
     from functorch import make_fx
+    hooks = [module.register_forward_pre_hook(before_forward), module.register_forward_hook(after_forward)]
     try:
         if training:
             gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)
@@ -290,7 +347,11 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
                 gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)
     except Exception as e:  # data-dependent control flow, unsupported Python constructs
         raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
+    finally:
+        for h in hooks:
+            h.remove()
     g = _analyse(gm, len(state), param_bytes, training)
+    g.reassigned_buffers = sorted(reassigned)
     g.out_spec = structure[-1]
     leaves, g.in_spec = tree_flatten(list(example_inputs))
     g.input_names = _leaf_names(list(example_inputs), len(leaves))
@@ -618,7 +679,12 @@ class ModulePlan:
         constant of the plan: the same value and type (a numpy array: the same dtype, shape
         and contents as when traced). Anything else raises ``ValueError`` naming the input
         (``1['scale']``: the key "scale" of the second input). Other objects are compared
-        with ``==``; what changes inside them after the trace is not seen."""
+        with ``==``; what changes inside them after the trace is not seen.
+
+        Buffers the module changes in place (batch norm's running statistics) change as in an
+        eager call. A forward that replaces a buffer by a new tensor (``self.n = self.n + 1``)
+        is refused (``UnsupportedGraph``): the traced graph computes the value but does not
+        store it in the module."""
         return _planned_run(self, inputs)
 
 
@@ -627,8 +693,10 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
     """Traces ``module(*inputs)`` and plans its activations in one arena. The alignment and
     the time limit are checked before the trace (``ValueError``).
 
-    The trace and the eager measurement run the model. With ``check_memory`` (the default), a
-    call whose plan could not fit in the memory available now (the lower bound of
+    The trace and the eager measurement run the model; its buffers (batch norm's running
+    statistics) and the random number generators are put back afterwards, so planning
+    leaves the model and the next training step as they were. With ``check_memory`` (the
+    default), a call whose plan could not fit in the memory available now (the lower bound of
     ``activation_lower_bound``, about a second on fake tensors, above /proc/meminfo's
     MemAvailable) raises MemoryError before the model runs, where running it would be ended
     by the kernel's out-of-memory killer. Eager PyTorch may need a little less than that
@@ -640,12 +708,19 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
         raise ValueError(f"alignment must be a power of two, not {alignment}")
     if not (isinstance(time_limit, (int, float)) and time_limit >= 0):
         raise ValueError(f"time_limit must be a number of seconds >= 0, not {time_limit!r}")
+    _require_module(module)
+    with _module_state_kept(module):
+        return _plan_module(module, inputs, training, time_limit, alignment, loss_fn, check_memory)
+
+
+def _plan_module(module: torch.nn.Module, inputs: tuple, training: bool, time_limit: float, alignment: int,
+                 loss_fn: Optional[Callable], check_memory: bool) -> ModulePlan:
     unchecked = _check_activations_fit(module, inputs, training, loss_fn, alignment) if check_memory else None
-    g = trace(module, *inputs, training=training, loss_fn=loss_fn)
+    g = _trace(module, inputs, training, loss_fn, "real")
     if unchecked is not None:  # said once the real trace worked (where it fails too, its error says why)
         import warnings
         reason = (str(unchecked).splitlines() or [""])[0][:200]  # (some name a whole tensor)
-        warnings.warn(f"memory check skipped: no trace on fake tensors ({reason})", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"memory check skipped: no trace on fake tensors ({reason})", RuntimeWarning, stacklevel=3)
     lower, upper, size = g.arrays()
     t0 = time.perf_counter()
     r = _tensormem.plan(lower, upper, size, time_limit=time_limit, alignment=alignment)
@@ -678,6 +753,12 @@ def _planned_run(plan: ModulePlan, inputs):
     g = plan.graph
     if plan.state is None:
         raise RuntimeError("ModulePlan.run needs the module's parameters: make the plan with plan_module()")
+    if g.reassigned_buffers:
+        name = g.reassigned_buffers[0]
+        raise UnsupportedGraph(f"ModulePlan.run: the module's forward replaces its buffer {name} by a new tensor "
+                               f"(self.{name.rpartition('.')[2]} = ...), which the traced graph does not do, so a "
+                               "planned run would leave the module behind an eager call; change the buffer in place "
+                               "(add_, copy_) and plan again")
     # Detached: the graph holds the backward ops itself, so nothing is to be recorded.
     named_state = plan.state()
     module_state = [t.detach() for _, t in named_state]

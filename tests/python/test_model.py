@@ -1068,8 +1068,10 @@ def test_plan_module_says_when_it_cannot_check_the_memory():
             return torch.repeat_interleave(x, torch.tensor([1, 2]), dim=0) * 2
 
     x = torch.randn(2, 3)
-    with pytest.warns(RuntimeWarning, match=r"memory check skipped: no trace on fake tensors \(cannot trace Repeated"):
+    skipped = r"memory check skipped: no trace on fake tensors \(cannot trace Repeated"
+    with pytest.warns(RuntimeWarning, match=skipped) as w:
         plan = plan_module(Repeated(), x, time_limit=0)
+    assert w[0].filename == __file__  # the warning points at the caller's line
     assert plan.lower_bound > 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1102,3 +1104,56 @@ def test_command_line_refuses_a_batch_whose_plan_passes_the_memory_in_one_line(c
     assert re.fullmatch(r"python3 -m tensormem.torch: gpt at batch 1: a plan of its activations needs at least "
                         r"[0-9.]+ GiB \(their lower bound, traced on fake tensors\), more than the [0-9.]+ GiB of "
                         r"memory available; try a smaller --batch\n", err), err
+
+
+
+class _StatefulModel(torch.nn.Module):
+    """Batch norm (running statistics updated in place), dropout (random numbers) and a
+    counter buffer, updated in place or, with ``replace``, replaced by a new tensor."""
+
+    def __init__(self, replace=False):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.register_buffer("calls", torch.zeros(1))
+        self.replace = replace
+
+    def forward(self, x):
+        if self.replace:
+            self.calls = self.calls + 1
+        else:
+            self.calls.add_(1)
+        return self.drop(self.norm(self.linear(x)))
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("training", [False, True])
+def test_planning_leaves_the_models_buffers_and_random_numbers_as_they_were(training, replace):
+    torch.manual_seed(5)
+    model = _StatefulModel(replace).train()
+    x = torch.randn(4, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls_buffer = model.calls
+    rng = torch.get_rng_state()
+    plan = plan_module(model, x, training=training, time_limit=0.5)
+    trace(model, x, training=training)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k in before:  # batch norm's statistics and counter, the counter
+        assert torch.equal(after[k], before[k]), k
+    assert model.calls is calls_buffer  # the module's own tensor, also where the forward replaced it
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    if replace:  # the graph would not store the new counter: the run is refused, nothing changed
+        with pytest.raises(UnsupportedGraph, match=r"replaces its buffer calls by a new tensor.*in place"):
+            plan.run(x)
+        assert torch.equal(model.calls, before["calls"])
+        return
+    # A planned run is a real step: it changes the buffers once, as an eager call does.
+    reference = _StatefulModel().train()
+    reference.load_state_dict(before)
+    plan.run(x)
+    reference(x)
+    for k, v in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v, atol=1e-6), k
