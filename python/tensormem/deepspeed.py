@@ -239,7 +239,9 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         if read and torch._debug_has_internal_overlap(tensor) == 1:  # copy_ would refuse it after the read
             raise ValueError("aio_handle: elements of the tensor to read into share memory (an expanded "
                              "view); read into a tensor of its own")
-        if tensor.device.type == "cpu" and tensor.is_contiguous():
+        # A conjugate or negative view's memory holds its values unconjugated or negated: it
+        # is staged like a tensor off the CPU (the copy and copy_ apply the view).
+        if tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
             return tensor, None
         if read:
             return torch.empty(tensor.shape, dtype=tensor.dtype), tensor

@@ -280,7 +280,23 @@ held_view hold(const py::handle& object, bool writable) {
     throw std::invalid_argument("a tensor on " + device + ": the swapper moves host memory (copy it to the "
                                 "CPU, or use tensormem.torch.AsyncTensorSwapper)");
   }
+  if (py::hasattr(object, "layout")) {
+    if (const auto layout = py::str(object.attr("layout")).cast<std::string>(); layout != "torch.strided") {
+      throw std::invalid_argument("a tensor of layout " + layout + " has no one block of memory holding its "
+                                  "values: swap a dense one (to_dense()) or its parts");
+    }
+  }
   if (!object.attr("is_contiguous")().cast<bool>()) throw std::invalid_argument("tensor is not contiguous");
+  // A lazy conjugate or negative view reads its memory through an operation: its bytes are not
+  // its values, so a swap-out would save (and a swap-in fill) other values than the tensor's.
+  if (py::hasattr(object, "is_conj") && object.attr("is_conj")().cast<bool>()) {
+    throw std::invalid_argument("a conjugate view (is_conj(): its memory holds the values unconjugated): swap "
+                                "t.resolve_conj(), a copy");
+  }
+  if (py::hasattr(object, "is_neg") && object.attr("is_neg")().cast<bool>()) {
+    throw std::invalid_argument("a negative view (is_neg(): its memory holds the values negated): swap "
+                                "t.resolve_neg(), a copy");
+  }
   const auto bytes = object.attr("numel")().cast<std::size_t>() * object.attr("element_size")().cast<std::size_t>();
   h.tensor = py::reinterpret_borrow<py::object>(object);
   // PyTorch 2.x has untyped_storage(); 1.x has storage() alone (2.x warns that it is deprecated).

@@ -816,3 +816,23 @@ def test_a_refused_write_does_not_drop_the_other_tensors_of_its_buffer(tmp_path,
     for i in (0, 2, 3):
         assert pathlib_bytes(paths[i]) == raw_bytes(tensors[i]), paths[i]
     assert handle.wait() == 0  # nothing left in flight
+
+
+def test_conjugate_and_negative_views_are_written_and_read_as_their_values(tmp_path):
+    """A lazy conjugate or negative view's memory holds its values unconjugated or negated;
+    the handle stages it, so the file holds the tensor's values and a read fills them in."""
+    h = ds.aio_handle(block_size=4096, queue_depth=4)
+    z = torch.complex(random_tensor(1024, torch.float32, 21), random_tensor(1024, torch.float32, 22))
+    r = random_tensor(1024, torch.float32, 23)
+    for name, view, plain in [("conj", z.conj(), z.conj().resolve_conj()),
+                              ("neg", torch._neg_view(r), -r)]:
+        assert view.is_conj() or view.is_neg()
+        path = str(tmp_path / name)
+        assert h.sync_pwrite(view, path) == 1
+        back = torch.empty_like(plain)
+        assert h.sync_pread(back, path) == 1
+        assert torch.equal(back, plain), name  # the file holds the view's values
+        target = torch.zeros_like(plain)
+        target = target.conj() if name == "conj" else torch._neg_view(target)
+        assert h.async_pread(target, path) == 0 and h.wait() == 1
+        assert torch.equal(target, plain), name  # and a read into a view gives it those values

@@ -1328,3 +1328,24 @@ def test_a_forked_child_is_refused_even_while_a_parent_thread_held_the_aio_handl
     assert "child: [] False" in lines, r.stdout
     assert "child status 0" in lines, r.stdout  # 14 (SIGALRM) when a call waited on a lock
     assert "parent 1" in lines, r.stdout
+
+
+def test_tensors_whose_memory_is_not_their_values_are_refused_by_the_swapper(tmp_path):
+    # A conjugate or negative view reads its memory through an operation, a sparse tensor has
+    # no one block: swapping the memory would save or fill other values than the tensor's.
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(slab_bytes=1 << 20))
+    z = torch.complex(torch.arange(256.0), torch.ones(256))
+    path = str(tmp_path / "t")
+    for tensor, message in [(z.conj(), r"a conjugate view \(is_conj\(\).*resolve_conj"),
+                            (torch._neg_view(torch.arange(256.0)), r"a negative view \(is_neg\(\).*resolve_neg"),
+                            (torch.arange(256.0).to_sparse(), r"layout torch\.sparse_coo has no one block")]:
+        with pytest.raises(ValueError, match=message):
+            s.swap_out([tensor], [path])
+        assert not os.path.exists(path)
+    assert s.wait(s.swap_out([z], [path]))[0]["error"] == 0
+    target = torch.zeros_like(z)
+    for view, message in [(target.conj(), "a conjugate view"), (torch._neg_view(target), "a negative view")]:
+        with pytest.raises(ValueError, match=message):
+            s.swap_in([path], [view])
+    assert torch.equal(target, torch.zeros_like(z))  # nothing was read into it
+    assert s.wait(s.swap_in([path], [target]))[0]["error"] == 0 and torch.equal(target, z)
