@@ -494,6 +494,11 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
       j.fd = open_file(j.temp_path, true, true, j.direct, refused);
       e = errno;
     }
+    // A swap-in holds its file under a shared lock until it is closed: when another swapper
+    // commits a newer version meanwhile, this file becomes that path's spare, and a swap-out
+    // that would overwrite it in place finds it locked and writes a file of its own name. A
+    // file locked exclusively now (a version being committed) is read without the lock.
+    if (j.fd >= 0 && !j.out) static_cast<void>(flock(j.fd, LOCK_SH | LOCK_NB));
     struct stat st {};
     if (j.fd >= 0 && !j.out && fstat(j.fd, &st) == 0) size = st.st_size;
     if (size >= 0) short_file = why_short(j, static_cast<std::uint64_t>(size), short_error);

@@ -384,6 +384,38 @@ TEST_P(integrity, a_forked_child_holding_a_locked_spare_fails_no_later_swap_out)
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+// A swap-in reads the version committed when it opened its file. Another swapper committing
+// two newer versions meanwhile makes that file the path's spare at the first; the second would
+// overwrite it in place, but finds it locked by the reader and writes a file of its own name.
+TEST_P(integrity, a_file_being_read_is_never_rewritten_as_another_swappers_spare) {
+  const std::string path = dir_.file("read");
+  auto v1 = pattern(std::size_t{4} << 20, 1);
+  tensor_swapper writer(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  ASSERT_EQ(swap_out_one(writer, v1, path), 0);
+  auto arrived = std::make_shared<testing::gate>();
+  auto go = std::make_shared<testing::gate>();
+  std::string why;
+  tensor_swapper reader(pool_, {.staging_buffers = 2},
+                        std::make_unique<testing::held_submit_engine>(io::make_engine(GetParam(), 32, why), arrived,
+                                                                      go));
+  std::vector<std::byte> back(v1.size());
+  const tensor_ref refs[] = {{back.data(), back.size()}};
+  const std::string paths[] = {path};
+  const std::uint64_t ticket = reader.swap_in(paths, refs);
+  arrived->pass();  // the file is open; its reads wait at the engine
+  for (std::uint64_t round = 2; round <= 3; ++round) {
+    auto v = pattern(v1.size(), round);
+    ASSERT_EQ(swap_out_one(writer, v, path), 0) << round;
+  }
+  go->open();
+  const swap_result r = reader.wait(ticket)[0];
+  EXPECT_EQ(r.error, 0) << r.message;
+  EXPECT_EQ(back, v1);  // neither version 3 (written over it) nor a mix
+  std::vector<std::byte> latest(v1.size());
+  EXPECT_EQ(swap_in_one(writer, latest, path).error, 0);
+  EXPECT_EQ(latest, pattern(v1.size(), 3));
+}
+
 // The header of a file too short for its tensor cannot be read (a disk error): that error,
 // with the path, not a verdict on the file.
 TEST_P(integrity, a_short_file_whose_header_cannot_be_read_names_the_error) {

@@ -130,7 +130,9 @@ struct swap_stats {
 /// - Swappers (in this process or others) may write one path at once: a spare is reused by
 ///   one swap-out at a time (locked, flock, from its open until its version is committed);
 ///   another finds it locked and writes a file of its own name instead, as without reuse.
-///   Each commits a complete version; the path holds the later one.
+///   Each commits a complete version; the path holds the later one. A swap-in reads the
+///   version committed when it opened the file: it holds the file under a shared lock until
+///   it is closed, so another swapper's later swap-out does not overwrite it as its spare.
 /// - Memory written by an unwaited swap-in is in no other unwaited transfer: a swap-in whose
 ///   tensors overlap one another, or overlap the memory of any unwaited transfer, and a
 ///   swap-out whose tensors overlap the memory of an unwaited swap-in, throw
