@@ -253,13 +253,15 @@ def _module_state_kept(module: torch.nn.Module):
     try:
         yield
     finally:
-        with torch.no_grad():
-            for owner, name, b, saved in kept:
-                if b.shape == saved.shape:  # (a buffer resized in place gets its old size back below)
-                    b.copy_(saved)
-                else:
+        for owner, name, b, saved in kept:
+            # An inference tensor (made under torch.inference_mode) is written back in that
+            # mode, which alone allows it; one left unchanged is not written at all.
+            with torch.inference_mode() if b.is_inference() else torch.no_grad():
+                if b.shape != saved.shape:  # resized in place: its old memory and size back
                     b.set_(saved)
-                owner._buffers[name] = b
+                elif not torch.equal(b, saved):
+                    b.copy_(saved)
+            owner._buffers[name] = b
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -1157,3 +1157,19 @@ def test_planning_leaves_the_models_buffers_and_random_numbers_as_they_were(trai
     reference(x)
     for k, v in reference.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6), k
+
+
+@pytest.mark.parametrize("in_inference_mode", [False, True])
+def test_a_model_made_under_inference_mode_is_planned_and_left_as_it_was(in_inference_mode):
+    # Its buffers are inference tensors: PyTorch lets them change only inside inference
+    # mode, so they are put back there, and not written at all where nothing changed them.
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    model.train(in_inference_mode)  # batch norm updates its statistics only where that is allowed
+    x = torch.randn(4, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode() if in_inference_mode else contextlib.nullcontext():
+        plan = plan_module(model, x, time_limit=0.2)
+    assert plan.arena_bytes > 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
