@@ -259,12 +259,20 @@ def _module_state_kept(module: torch.nn.Module):
             with torch.inference_mode() if b.is_inference() else torch.no_grad():
                 if b.shape != saved.shape:  # resized in place: its old memory and size back
                     b.set_(saved)
-                elif not torch.equal(b, saved):
+                elif not _equal_values(b, saved):
                     b.copy_(saved)
             owner._buffers[name] = b
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal, False where it is not implemented (meta and sparse tensors)."""
+    try:
+        return torch.equal(a, b)
+    except (NotImplementedError, RuntimeError):
+        return False
 
 
 def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
@@ -340,7 +348,8 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
         return out
 
     from functorch import make_fx
-    hooks = [module.register_forward_pre_hook(before_forward), module.register_forward_hook(after_forward)]
+    hooks = [] if isinstance(module, torch.jit.ScriptModule) else [  # (no hooks there; no trace either)
+        module.register_forward_pre_hook(before_forward), module.register_forward_hook(after_forward)]
     try:
         if training:
             gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)

@@ -1173,3 +1173,33 @@ def test_a_model_made_under_inference_mode_is_planned_and_left_as_it_was(in_infe
     assert plan.arena_bytes > 0
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_buffers_that_cannot_be_compared_do_not_stop_the_plan(kind):
+    # torch.equal has no meta or sparse kernel: such buffers are put back without comparing.
+    class WithAux(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            aux = torch.zeros(3, device="meta") if kind == "meta" else torch.eye(3).to_sparse()
+            self.register_buffer("aux", aux)
+
+        def forward(self, x):
+            return self.linear(x)
+
+    model = WithAux()
+    aux = model.aux
+    plan = plan_module(model, torch.randn(4, 8), time_limit=0.2)
+    assert plan.arena_bytes > 0
+    assert model.aux is aux and model.aux.device.type == aux.device.type
+    if kind == "sparse":
+        assert torch.equal(model.aux.to_dense(), torch.eye(3))
+
+
+def test_a_scripted_module_is_refused_as_untraceable():
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)))
+    with pytest.raises(UnsupportedGraph, match="cannot trace RecursiveScriptModule"):
+        plan_module(scripted, torch.randn(4, 8), time_limit=0.2)
+    with pytest.raises(UnsupportedGraph, match="cannot trace RecursiveScriptModule"):
+        trace(scripted, torch.randn(4, 8))
