@@ -1109,17 +1109,21 @@ def main(argv=None) -> int:
     p = sub.add_parser("plan", help="trace a model, plan it, print the report")
     p.add_argument("model", help="torchvision model name (resnet50, mobilenet_v3_large, vit_b_16...) or gpt")
     p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--training", action="store_true", help="a training step: forward, loss, backward")
+    p.add_argument("--training", action="store_true",
+                   help="a training step of the model in training mode: forward, loss, backward")
     p.add_argument("--time-limit", type=_seconds, default=2.0, help="planner search budget, seconds (default 2)")
     p.add_argument("--sequence", type=_positive_int, default=128, help="gpt: tokens per sequence (default 128)")
     p.add_argument("--layers", type=_positive_int, default=12, help="gpt: transformer blocks (default 12)")
     p.add_argument("--svg", type=_output_path,
                    help="draw the plan: SVG, or an interactive page if the name ends in .html")
     p.add_argument("--trace", type=_output_path, help="write the buffers as a trace CSV (for tensormem plan / replay)")
-    p.add_argument("--run", action="store_true", help="also run the plan and compare with eager PyTorch")
+    p.add_argument("--run", action="store_true",
+                   help="also run the plan and compare with eager PyTorch (the output; with --training, the loss "
+                        "and gradients); exit 1 when they differ")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model, inputs = _example_model(args.model, args.batch, args.sequence, args.layers)
+    model.train(args.training)  # a training step with dropout's masks and batch norm's batch statistics
     t0 = time.perf_counter()
     try:
         plan = plan_module(model, *inputs, training=args.training, time_limit=args.time_limit)
@@ -1144,14 +1148,63 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
     if args.run:
+        rng = torch.get_rng_state()
         out = plan.run(*inputs)
-        with torch.no_grad():
-            ref = model(*inputs) if not args.training else None
-        same = "not compared (training)" if ref is None else ("bitwise equal" if _bitwise_equal(out, ref) else
-                                                             "DIFFERENT")
+        torch.set_rng_state(rng)  # dropout and stochastic depth draw the same numbers in the eager call
+        if args.training:  # the loss and the gradients, as the traced step returns them
+            loss = _default_loss(model, model(*inputs))
+            grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
+            ref = (loss, [g for g in grads if g is not None])
+        else:
+            with torch.no_grad():
+                ref = model(*inputs)
+        what = "loss and gradients" if args.training else "output"
+        if _bitwise_equal(out, ref):
+            same = "bitwise equal to eager PyTorch's"
+        else:
+            difference = _largest_difference(out, ref)
+            same = ("DIFFERENT from eager PyTorch's" if difference is None else
+                    f"equal to eager PyTorch's within {difference:.1e} of the largest value (rounding)")
         print(f"planned run: {plan.placed_buffers} buffers at their offsets, {plan.moved_ops} ops moved into "
-              f"their slot; output {same}")
+              f"their slot; {what} {same}")
+        if same.startswith("DIFFERENT"):
+            print(f"{parser.prog}: {args.model}: the planned run's {what} "
+                  f"{'differ' if args.training else 'differs'} from eager PyTorch's", file=sys.stderr)
+            return 1
     return 0
+
+
+def _largest_difference(a, b) -> Optional[float]:
+    """The largest difference between the floating-point tensors of ``a`` and ``b``, relative
+    to the largest magnitude among all those of ``b``, when it is below 1e-4 (rounding: sums
+    taken in another order, a kernel decomposed; a gradient that nearly cancels can differ by
+    more than its own size), or None when it is above, or when they differ in structure,
+    dtype, shape, where NaNs are, integer values or other leaves. Memory that two buffers of
+    a wrong plan shared would change values by far more."""
+    leaves_a, shape_a = tree_flatten(a)
+    leaves_b, shape_b = tree_flatten(b)
+    if shape_a != shape_b:
+        return None
+    difference = scale = 0.0
+    for x, y in zip(leaves_a, leaves_b):
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+            if x != y:
+                return None
+            continue
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return None
+        if not x.is_floating_point():  # integers, booleans: equal or not
+            if not _same_bits(x, y):
+                return None
+            continue
+        if not x.numel():
+            continue
+        if not torch.equal(x.isnan(), y.isnan()):
+            return None
+        scale = max(scale, y.nan_to_num(0.0).abs().max().item())
+        difference = max(difference, (x - y).nan_to_num(0.0).abs().max().item())
+    relative = difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)
+    return relative if relative <= 1e-4 else None
 
 
 # ----------------------------------------------------------------------------- capture

@@ -1203,3 +1203,47 @@ def test_a_scripted_module_is_refused_as_untraceable():
         plan_module(scripted, torch.randn(4, 8), time_limit=0.2)
     with pytest.raises(UnsupportedGraph, match="cannot trace RecursiveScriptModule"):
         trace(scripted, torch.randn(4, 8))
+
+
+def test_command_line_runs_a_training_step_in_training_mode_and_compares_its_gradients(capsys, monkeypatch):
+    # squeezenet's dropout draws random numbers: the eager step gets the planned run's.
+    import tensormem.model as model_module
+    modes = []
+    plan_module_of = model_module.plan_module
+
+    def recording(module, *args, **kwargs):
+        modes.append(module.training)
+        return plan_module_of(module, *args, **kwargs)
+    monkeypatch.setattr(model_module, "plan_module", recording)
+    assert model_module.main(["plan", "squeezenet1_1", "--batch", "1", "--training", "--time-limit", "0",
+                              "--run"]) == 0
+    out, err = capsys.readouterr()
+    assert modes == [True], modes
+    assert "loss and gradients bitwise equal to eager PyTorch's" in out, out + err
+    assert model_module.main(["plan", "squeezenet1_1", "--batch", "1", "--time-limit", "0", "--run"]) == 0
+    assert modes == [True, False]
+    assert "output bitwise equal to eager PyTorch's" in capsys.readouterr().out
+
+
+def test_command_line_exits_1_when_the_planned_run_differs(capsys, monkeypatch):
+    import tensormem.model as model_module
+    run = model_module.ModulePlan.run
+    monkeypatch.setattr(model_module.ModulePlan, "run", lambda plan, *inputs: run(plan, *inputs) * 1.01)
+    assert model_module.main(["plan", "squeezenet1_1", "--batch", "1", "--time-limit", "0", "--run"]) == 1
+    out, err = capsys.readouterr()
+    assert "output DIFFERENT from eager PyTorch's" in out
+    assert err.strip() == "python3 -m tensormem.torch: squeezenet1_1: the planned run's output differs from eager " \
+                          "PyTorch's"
+
+
+def test_the_largest_difference_tolerates_rounding_only():
+    from tensormem.model import _largest_difference
+    ref = (torch.tensor(4.0), [torch.tensor([20.0, -3.0]), torch.tensor([1e-7, 0.0])])
+    rounded = (torch.tensor(4.0), [torch.tensor([20.0, -3.0001]), torch.tensor([2e-6, 0.0])])
+    assert _largest_difference(rounded, ref) == pytest.approx(1e-4 / 20, rel=1e-2)  # of the largest value
+    wrong = (torch.tensor(4.0), [torch.tensor([20.0, -3.0]), torch.tensor([0.5, 0.0])])
+    assert _largest_difference(wrong, ref) is None
+    assert _largest_difference((torch.tensor(4.0), [ref[1][0]]), ref) is None  # another structure
+    assert _largest_difference(torch.tensor([1, 2]), torch.tensor([1, 3])) is None  # integers: exact
+    assert _largest_difference(torch.tensor([float("nan")]), torch.tensor([1.0])) is None
+    assert _largest_difference(torch.zeros(2), torch.zeros(2)) == 0.0
