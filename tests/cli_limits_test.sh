@@ -4,7 +4,8 @@
 # section, says why and prints the rest; with little free space it swaps only what fits in
 # half of it; a failed transfer is reported after the rest and fails the command, and no
 # swap folder is left behind. `tensormem swap-bench` refuses a run that needs more free space
-# than its folder has, before it writes anything. Prints PASS or what went wrong.
+# than its folder has, before it writes anything, and stops at the memory-lock limit unless
+# --allow-unlocked lets it run from unlocked memory (said). Prints PASS or what went wrong.
 # Usage: cli_limits_test.sh TENSORMEM
 set -u
 cli=$1
@@ -32,6 +33,20 @@ rc=$?
 expect unlocked "$out" "could not be page-locked (RLIMIT_MEMLOCK is 1.00 MiB"
 expect unlocked_intact "$out" "contents intact"
 expect unlocked_plan "$out" "offline plan"
+#    `tensormem swap-bench` there stops at the limit's error, which names --allow-unlocked; with
+#    it, the run goes on from unlocked memory and says so.
+bench="swap-bench --dir $work --bytes 8388608 --tensor-bytes 2097152"
+out=$(prlimit --memlock=1048576:1048576 $as_user "$work/tensormem" $bench 2>&1)
+rc=$?
+[ $rc = 1 ] || { echo "FAIL bench_locked: exit status $rc"; fail=1; }
+expect bench_locked "$out" "^tensormem: pinned_host_resource: cannot lock .*RLIMIT_MEMLOCK is 1048576 bytes.*(here: --allow-unlocked)$"
+out=$(prlimit --memlock=1048576:1048576 $as_user "$work/tensormem" $bench --allow-unlocked 2>&1)
+rc=$?
+[ $rc = 0 ] || { echo "FAIL bench_unlocked: exit status $rc"; fail=1; }
+expect bench_unlocked "$out" "^memory: [1-9][0-9]* slab(s) could not be page-locked (RLIMIT_MEMLOCK is 1.00 MiB.*the tensors and staging used unlocked memory"
+expect bench_unlocked_rates "$out" "^write [0-9.]* GB/s (fresh files [0-9.]* GB/s), read [0-9.]* GB/s"
+out=$(prlimit --memlock=1048576:1048576 $as_user "$work/tensormem" $bench --allow-unlocked --json 2>&1)
+expect bench_unlocked_json "$out" '"unlocked_slabs":[1-9]'
 
 # 2. No temporary folder, and one where no folder can be made: the swap section is skipped
 #    with the reason, the report is whole and the status is 0.

@@ -221,11 +221,7 @@ void print_swap_section(const swap_section& s) {
                            !s.error.empty() ? "not checked: a transfer failed" : s.verified ? "intact" : "CHANGED");
   if (!s.stats.fallback.empty()) std::cout << "  fallback: " << s.stats.fallback << '\n';
   if (s.unlocked_slabs != 0) {
-    const std::size_t limit = memory::memlock_limit_bytes();
-    std::cout << fmt::format("  memory: {} slab(s) could not be page-locked (RLIMIT_MEMLOCK is {}; raise it with "
-                             "`ulimit -l` or run with CAP_IPC_LOCK): the transfers used unlocked memory\n",
-                             s.unlocked_slabs,
-                             limit == std::numeric_limits<std::size_t>::max() ? std::string("unlimited") : human_bytes(limit));
+    std::cout << "  memory: " << unlocked_memory_note(s.unlocked_slabs, "the transfers") << '\n';
   }
   if (!s.error.empty()) std::cout << "  failed: " << s.error << '\n';
 }

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <iostream>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "commands.hpp"
 #include "progress.hpp"
 #include "report.hpp"
+#include "tensormem/memory/errors.hpp"
 #include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 
@@ -43,6 +45,7 @@ struct swap_bench_options {
   bool no_reuse = false;
   std::uint64_t pack_below = 0;
   bool poll = false;
+  bool allow_unlocked = false;
 };
 
 // A compute loop: `iterations` rounds of dependent floating-point work on the caller's
@@ -152,7 +155,8 @@ void run_swap_bench(const swap_bench_options& o) {
   }
   // Before the pool and the swapper: removed after them, signals blocked in their threads.
   const private_folder folder(o.dir);
-  memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(std::max<std::uint64_t>(o.tensor_bytes, 1 << 20))});
+  memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(std::max<std::uint64_t>(o.tensor_bytes, 1 << 20)),
+                            .allow_unlocked_fallback = o.allow_unlocked});
   swap::tensor_swapper swapper(
       pool, {.engine = o.engine == "threads" ? io::engine_kind::threads : io::engine_kind::uring,
              .queue_depth = o.queue_depth,
@@ -210,6 +214,7 @@ void run_swap_bench(const swap_bench_options& o) {
   const double read_seconds = timed(false, "reading");
   progress.clear();
   const swap::swap_stats s = swapper.stats();
+  const std::uint64_t unlocked_slabs = pool.stats().unlocked_fallbacks;
 
   nlohmann::json overlap = nullptr;
   if (o.overlap_seconds > 0) {
@@ -284,6 +289,7 @@ void run_swap_bench(const swap_bench_options& o) {
     j["reuse_files"] = !o.no_reuse;
     j["pack_below"] = o.pack_below;
     j["pack_file_bytes"] = s.pack_file_bytes;
+    j["unlocked_slabs"] = unlocked_slabs;
     std::cout << j.dump() << '\n';
     return;
   }
@@ -295,6 +301,7 @@ void run_swap_bench(const swap_bench_options& o) {
                                                human_bytes(o.pack_below), human_bytes(s.pack_file_bytes))
                                  : std::string());
   if (!s.fallback.empty()) std::cout << "fallback: " << s.fallback << '\n';
+  if (unlocked_slabs != 0) std::cout << "memory: " << unlocked_memory_note(unlocked_slabs, "the tensors and staging") << '\n';
   std::cout << fmt::format("write {:.2f} GB/s (fresh files {:.2f} GB/s), read {:.2f} GB/s\n",
                            total / rewrite_seconds / 1e9, total / fresh_seconds / 1e9,
                            total / read_seconds / 1e9);
@@ -342,8 +349,18 @@ void add_swap_bench_command(CLI::App& app) {
       ->check(non_negative_seconds(most_overlap_seconds));
   cmd->add_flag("--poll", o->poll,
                 "also time the caller's done() every 100 us through a swap-out and a swap-in; print its latencies");
+  cmd->add_flag("--allow-unlocked", o->allow_unlocked,
+                "where the memory-lock limit (ulimit -l) refuses page-locked memory, run from unlocked memory and "
+                "say so (without it such a run stops at the limit's error)");
   cmd->add_flag("--json", o->json, "print one JSON object");
-  cmd->callback([o] { run_swap_bench(*o); });
+  cmd->callback([o] {
+    try {
+      run_swap_bench(*o);
+    } catch (const memory::lock_limit_error& e) {
+      if (o->allow_unlocked) throw;
+      throw std::runtime_error(std::string(e.what()) + " (here: --allow-unlocked)");
+    }
+  });
 }
 
 }  // namespace tensormem::cli

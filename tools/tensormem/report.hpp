@@ -26,6 +26,9 @@ void refuse_past_memory(const std::string& command, const std::string& what, std
 /// buffer; reading 10^6 lines alone takes more than 64 MiB). Anything but a regular file (a
 /// pipe is read once, as it comes) passes.
 void refuse_trace_past_memory(const std::string& command, const std::string& path, std::uint64_t bytes_per_buffer);
+/// "N slab(s) could not be page-locked (RLIMIT_MEMLOCK is X; raise it with `ulimit -l` or run
+/// with CAP_IPC_LOCK): WHAT used unlocked memory", for a pool whose unlocked fallback was taken.
+std::string unlocked_memory_note(std::uint64_t slabs, const std::string& what);
 /// Seconds of the steady clock since `start`.
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
