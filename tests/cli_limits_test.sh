@@ -47,6 +47,11 @@ expect bench_unlocked "$out" "^memory: [1-9][0-9]* slab(s) could not be page-loc
 expect bench_unlocked_rates "$out" "^write [0-9.]* GB/s (fresh files [0-9.]* GB/s), read [0-9.]* GB/s"
 out=$(prlimit --memlock=1048576:1048576 $as_user "$work/tensormem" $bench --allow-unlocked --json 2>&1)
 expect bench_unlocked_json "$out" '"unlocked_slabs":[1-9]'
+#    `tensormem pinned-bench` measures locked memory: the error says it has no fallback.
+out=$(prlimit --memlock=1048576:1048576 $as_user "$work/tensormem" pinned-bench --pool-pairs 10 --mlock-pairs 10 2>&1)
+rc=$?
+[ $rc = 1 ] || { echo "FAIL pinned_bench_locked: exit status $rc"; fail=1; }
+expect pinned_bench_locked "$out" "RLIMIT_MEMLOCK is 1048576 bytes.*run with CAP_IPC_LOCK (pinned-bench measures page-locked memory, so it has no unlocked fallback)$"
 
 # 2. No temporary folder, and one where no folder can be made: the swap section is skipped
 #    with the reason, the report is whole and the status is 0.

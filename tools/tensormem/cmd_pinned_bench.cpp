@@ -1,12 +1,15 @@
 // `tensormem pinned-bench`: pooled vs per-allocation page-locked memory.
 
 #include <iostream>
+#include <stdexcept>
+#include <string>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "commands.hpp"
 #include "report.hpp"
+#include "tensormem/memory/errors.hpp"
 #include "tensormem/memory/pinned_benchmark.hpp"
 
 namespace tensormem::cli {
@@ -26,7 +29,18 @@ void add_pinned_bench_command(CLI::App& app) {
   cmd->add_option("--seed", o->bench.seed, "seed of the size sequence");
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {
-    const memory::pinned_benchmark_result r = memory::run_pinned_benchmark(o->bench);
+    memory::pinned_benchmark_result r;
+    try {
+      r = memory::run_pinned_benchmark(o->bench);
+    } catch (const memory::lock_limit_error& e) {
+      // The measure is of locked memory: the library's hint at its unlocked fallback does not
+      // apply here.
+      std::string message = e.what();
+      const std::string fallback = ", or allow the unlocked fallback";
+      if (message.ends_with(fallback)) message.resize(message.size() - fallback.size());
+      throw std::runtime_error(message + " (pinned-bench measures page-locked memory, so it has no unlocked "
+                               "fallback)");
+    }
     if (o->json) {
       nlohmann::json j;
       j["pool_ns_per_pair"] = r.pool_ns_per_pair;
