@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 
@@ -135,6 +137,18 @@ pinned_host_resource::pinned_host_resource(pinned_options options) : options_(op
 }
 
 void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment) {
+  return map_and_lock(bytes, alignment, options_.allow_unlocked_fallback);
+}
+
+void* pinned_host_resource::allocate_locked(std::size_t bytes, std::size_t alignment) {
+  if (!std::has_single_bit(alignment)) {
+    throw std::invalid_argument("pinned_host_resource: alignment " + std::to_string(alignment) +
+                                " is not a power of two");
+  }
+  return map_and_lock(bytes == 0 ? 1 : bytes, alignment, false);  // (zero bytes: a distinct pointer, as allocate)
+}
+
+void* pinned_host_resource::map_and_lock(std::size_t bytes, std::size_t alignment, bool may_fall_back) {
   const std::size_t page = page_bytes();
   const std::size_t mapped = round_up(bytes, page);
   // Alignments above a page: map more and trim both ends.
@@ -183,7 +197,7 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
   // The raw system call: sanitizer runtimes replace mlock() with a no-op.
   if (syscall(SYS_mlock, start, mapped) != 0) {
     const int error = errno;
-    if (!options_.allow_unlocked_fallback) {
+    if (!may_fall_back) {
       unmap();
       const std::size_t limit = memlock_limit_bytes();
       throw lock_limit_error(

@@ -20,6 +20,7 @@ pinned_pool::pinned_pool(pool_options options)
   if (options_.slab_bytes == 0) throw std::invalid_argument("pinned_pool: slab_bytes is 0");
   const std::size_t page = pinned_host_resource::page_bytes();
   options_.slab_bytes = (options_.slab_bytes + page - 1) / page * page;
+  slab_size_ = options_.slab_bytes;
 }
 
 pinned_pool::~pinned_pool() {
@@ -27,14 +28,16 @@ pinned_pool::~pinned_pool() {
   for (auto& s : slabs_) upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
 }
 
-pinned_pool::slab& pinned_pool::add_slab(std::size_t bytes, bool dedicated) {
+pinned_pool::slab& pinned_pool::add_slab(std::size_t bytes, bool dedicated, bool locked_only) {
   if (bytes > options_.max_locked_bytes - std::min<std::uint64_t>(slab_bytes_total_, options_.max_locked_bytes)) {
     throw out_of_memory("pinned_pool: a slab of " + std::to_string(bytes) +
                         " bytes would pass the cap of " + std::to_string(options_.max_locked_bytes) +
                         " locked bytes (" + std::to_string(slab_bytes_total_) + " in slabs, " +
                         std::to_string(in_use_) + " in use)");
   }
-  auto* base = static_cast<std::byte*>(upstream_.allocate(bytes, pinned_host_resource::page_bytes()));
+  const std::size_t page = pinned_host_resource::page_bytes();
+  auto* base = static_cast<std::byte*>(locked_only ? upstream_.allocate_locked(bytes, page)
+                                                   : upstream_.allocate(bytes, page));
   try {
     slabs_.push_back(std::make_unique<slab>(base, bytes, dedicated, options_.alignment));
   } catch (...) {
@@ -56,17 +59,31 @@ void pinned_pool::release_slab(slab* s) noexcept {
 }
 
 // A block of `need` bytes in the first shared slab that has room, else in a new slab (its
-// own when `need` is more than a slab).
+// own when `need` is more than a slab). Where the memory-lock limit refuses a shared slab,
+// slabs of half the size are tried, down to the pages `need` takes, and later shared slabs
+// are made at the size that was locked: a request the limit leaves room for is locked (the
+// unlocked fallback, where allowed, only for one that does not fit).
 std::pair<pinned_pool::slab*, core::allocation> pinned_pool::place(std::size_t need) {
   for (auto& s : slabs_) {
     if (s->dedicated) continue;
     if (const auto where = s->offsets.allocate(need)) return {s.get(), *where};
   }
   const std::size_t page = pinned_host_resource::page_bytes();
-  const bool dedicated = need > options_.slab_bytes;
-  const std::size_t slab_size = dedicated ? (need + page - 1) / page * page : options_.slab_bytes;
-  slab& s = add_slab(slab_size, dedicated);
-  return {&s, *s.offsets.allocate(need)};
+  const std::size_t own = (need + page - 1) / page * page;
+  if (need > slab_size_) {
+    slab& s = add_slab(own, true);
+    return {&s, *s.offsets.allocate(need)};
+  }
+  for (;;) {
+    const bool smallest = slab_size_ <= own;  // no smaller slab holds the request
+    try {
+      slab& s = add_slab(slab_size_, false, !smallest);
+      return {&s, *s.offsets.allocate(need)};
+    } catch (const lock_limit_error&) {
+      if (smallest) throw;
+      slab_size_ = std::max(own, (slab_size_ / 2 + page - 1) / page * page);
+    }
+  }
 }
 
 void* pinned_pool::do_allocate(std::size_t bytes, std::size_t alignment) {
@@ -159,6 +176,7 @@ pool_stats pinned_pool::stats() const {
   s.system_calls = up.system_calls;
   s.unlocked_fallbacks = up.unlocked_fallbacks;
   s.registered_bytes = up.registered_bytes;
+  s.current_slab_bytes = slab_size_;
   return s;
 }
 

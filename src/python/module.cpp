@@ -940,6 +940,7 @@ PYBIND11_MODULE(_tensormem, m) {
         d["allocations"] = s.allocations;
         d["system_calls"] = s.system_calls;
         d["unlocked_fallbacks"] = s.unlocked_fallbacks;
+        d["current_slab_bytes"] = s.current_slab_bytes;
         d["registered_bytes"] = s.registered_bytes;
         return d;
       });

@@ -221,23 +221,25 @@ std::pair<int, std::string> in_limited_child(int (*body)(std::string&)) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 99, message};
 }
 
+// A request the limit has no room for: the error names the request's own size (the pool
+// tried slabs down to it), not the slab's.
 TEST(pinned_pool, lock_limit_gives_a_clear_error) {
   const auto [code, message] = in_limited_child([](std::string& out) {
     try {
       pinned_pool pool(pool_options{.slab_bytes = 4 * mib});
-      pool.allocate(1000);
+      pool.allocate(2 * mib);
       out = "allocation past RLIMIT_MEMLOCK succeeded";
       return 1;
     } catch (const lock_limit_error& e) {
       out = e.what();
-      return e.requested_bytes() == 4 * mib && e.limit_bytes() == mib ? 0 : 2;
+      return e.requested_bytes() == 2 * mib && e.limit_bytes() == mib ? 0 : 2;
     } catch (const std::exception& e) {
       out = std::string("wrong exception: ") + e.what();
       return 3;
     }
   });
   EXPECT_EQ(code, 0) << message;
-  EXPECT_NE(message.find("cannot lock 4194304 bytes"), std::string::npos) << message;
+  EXPECT_NE(message.find("cannot lock 2097152 bytes"), std::string::npos) << message;
   EXPECT_NE(message.find("RLIMIT_MEMLOCK is 1048576 bytes"), std::string::npos) << message;
   EXPECT_NE(message.find("ulimit -l"), std::string::npos) << message;
 }
@@ -279,8 +281,8 @@ TEST(pinned_pool, unlocked_fallback_is_reported) {
   const auto [code, message] = in_limited_child([](std::string& out) {
     try {
       pinned_pool pool(pool_options{.slab_bytes = 4 * mib, .allow_unlocked_fallback = true});
-      void* p = pool.allocate(1000);
-      std::memset(p, 7, 1000);
+      void* p = pool.allocate(2 * mib);  // more than the limit: unlocked
+      std::memset(p, 7, 2 * mib);
       const pool_stats s = pool.stats();
       out = "fallbacks " + std::to_string(s.unlocked_fallbacks) + " locked " +
             std::to_string(s.locked_bytes);
@@ -291,6 +293,41 @@ TEST(pinned_pool, unlocked_fallback_is_reported) {
     }
   });
   EXPECT_EQ(code, 0) << message;
+}
+
+int lock_limited_pool_serves_small_requests(std::string& out, bool fallback) {
+  try {
+    pinned_pool pool(pool_options{.slab_bytes = 4 * mib, .allow_unlocked_fallback = fallback});
+    std::vector<void*> blocks;
+    for (int i = 0; i < 100; ++i) {
+      blocks.push_back(pool.allocate(1000));
+      std::memset(blocks.back(), i, 1000);
+    }
+    const pool_stats s = pool.stats();
+    out = "slabs " + std::to_string(s.slabs) + ", slab size now " + std::to_string(s.current_slab_bytes) +
+          ", locked " + std::to_string(s.locked_bytes) + ", unlocked fallbacks " + std::to_string(s.unlocked_fallbacks);
+    const bool shared = s.slabs == 1 && s.current_slab_bytes < 4 * mib && s.current_slab_bytes >= 100 * 1000;
+    const bool locked = s.unlocked_fallbacks == 0 && s.locked_bytes == s.current_slab_bytes;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (static_cast<unsigned char*>(blocks[i])[999] != static_cast<unsigned char>(i)) return 4;
+    }
+    return shared && locked ? 0 : 1;
+  } catch (const std::exception& e) {
+    out = e.what();
+    return 2;
+  }
+}
+
+// Under the limit (1 MiB) a pool of 4 MiB slabs still serves what fits, locked: the refused
+// slab is halved until one is locked, and later small allocations share it. With the
+// unlocked fallback allowed, such requests are still locked; only one past the limit is not.
+TEST(pinned_pool, requests_the_lock_limit_leaves_room_for_are_locked_in_smaller_slabs) {
+  for (const bool fallback : {false, true}) {
+    const auto body = fallback ? +[](std::string& out) { return lock_limited_pool_serves_small_requests(out, true); }
+                               : +[](std::string& out) { return lock_limited_pool_serves_small_requests(out, false); };
+    const auto [code, message] = in_limited_child(body);
+    EXPECT_EQ(code, 0) << (fallback ? "with the fallback: " : "") << message;
+  }
 }
 
 }  // namespace

@@ -46,11 +46,16 @@ struct pinned_stats {
 class pinned_host_resource final : public memory_resource {
  public:
   explicit pinned_host_resource(pinned_options options = {});
+  /// As `allocate`, but never unlocked: where locking is refused it throws lock_limit_error
+  /// even with `allow_unlocked_fallback` (a caller that can do with less asks for less).
+  /// Freed by `deallocate`.
+  void* allocate_locked(std::size_t bytes, std::size_t alignment);
   pinned_stats stats() const noexcept;
   static std::size_t page_bytes() noexcept;
 
  private:
   void* do_allocate(std::size_t bytes, std::size_t alignment) override;
+  void* map_and_lock(std::size_t bytes, std::size_t alignment, bool may_fall_back);
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
   memory_kind do_kind() const noexcept override { return memory_kind::pinned_host; }
   bool do_thread_safe() const noexcept override { return true; }

@@ -44,6 +44,9 @@ struct pool_stats {
   std::uint64_t system_calls = 0;        ///< mmap/mlock/munmap calls made for slabs
   std::uint64_t unlocked_fallbacks = 0;  ///< slabs handed out unlocked
   std::uint64_t registered_bytes = 0;    ///< bytes of slabs registered with CUDA
+  /// The size new shared slabs are made at: `slab_bytes`, or less once the memory-lock limit
+  /// refused a slab of that size (halved until one could be locked).
+  std::uint64_t current_slab_bytes = 0;
 };
 
 /// DeepSpeed-style pinned tensor memory, pooled. Slabs of `slab_bytes` are mapped and locked
@@ -52,6 +55,13 @@ struct pool_stats {
 /// kept for reuse until `trim()`; a slab made for one oversized allocation is released when
 /// that allocation is freed. The destructor releases every slab, live allocations included
 /// (their pointers dangle afterwards). Thread-safe: one mutex guards the pool.
+///
+/// Under a memory-lock limit (RLIMIT_MEMLOCK without CAP_IPC_LOCK: 8 MiB for most users) a
+/// shared slab the limit refuses is tried again at half the size, down to the pages of the
+/// request, and later shared slabs are made at the size that was locked
+/// (`pool_stats::current_slab_bytes`): an allocation the limit leaves room for succeeds,
+/// locked. One that does not fit throws lock_limit_error naming its own size, or, with
+/// `allow_unlocked_fallback`, gets a slab of its own size unlocked.
 class pinned_pool final : public memory_resource {
  public:
   explicit pinned_pool(pool_options options = {});
@@ -88,7 +98,7 @@ class pinned_pool final : public memory_resource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
   memory_kind do_kind() const noexcept override { return memory_kind::pinned_host; }
   bool do_thread_safe() const noexcept override { return true; }
-  slab& add_slab(std::size_t bytes, bool dedicated);
+  slab& add_slab(std::size_t bytes, bool dedicated, bool locked_only = false);
   std::pair<slab*, core::allocation> place(std::size_t need);
   void release_slab(slab* s) noexcept;
 
@@ -98,6 +108,7 @@ class pinned_pool final : public memory_resource {
   std::vector<std::unique_ptr<slab>> slabs_;
   std::unordered_map<const void*, live> live_;
   std::uint64_t slab_bytes_total_ = 0;
+  std::size_t slab_size_ = 0;  // of new shared slabs: options_.slab_bytes, halved by the lock limit
   std::uint64_t in_use_ = 0;
   std::uint64_t peak_in_use_ = 0;
   std::uint64_t total_allocations_ = 0;
