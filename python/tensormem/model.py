@@ -228,6 +228,18 @@ def _default_loss(module: torch.nn.Module, out):
     return sum(t.float().sum() for t in tensors)
 
 
+def _grad_mode_of(training: bool):
+    """Autograd on for a training step whatever the caller's mode (a plan asked for inside
+    ``torch.no_grad()``, an evaluation loop), off for inference. Inside
+    ``torch.inference_mode()`` no gradient can be taken at all: UnsupportedGraph says so."""
+    if not training:
+        return torch.no_grad()
+    if torch.is_inference_mode_enabled():
+        raise UnsupportedGraph("a training step cannot be traced inside torch.inference_mode(), where autograd is "
+                               "off for good: plan it outside that block")
+    return torch.enable_grad()
+
+
 def _require_module(module) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, not {type(module).__name__} "
@@ -348,14 +360,12 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
         return out
 
     from functorch import make_fx
+    grad_mode = _grad_mode_of(training)
     hooks = [] if isinstance(module, torch.jit.ScriptModule) else [  # (no hooks there; no trace either)
         module.register_forward_pre_hook(before_forward), module.register_forward_hook(after_forward)]
     try:
-        if training:
+        with grad_mode:
             gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)
-        else:
-            with torch.no_grad():
-                gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)
     except Exception as e:  # data-dependent control flow, unsupported Python constructs
         raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
     finally:
@@ -561,11 +571,8 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
             torch.autograd.grad(loss, [p for p in module.parameters() if p.requires_grad], allow_unused=True)
 
     def run():
-        if training:
+        with _grad_mode_of(training):
             call()
-        else:
-            with torch.no_grad():
-                call()
 
     try:  # exact: every allocation and free through PyTorch's allocator hook
         hook = _hook()

@@ -1247,3 +1247,25 @@ def test_the_largest_difference_tolerates_rounding_only():
     assert _largest_difference(torch.tensor([1, 2]), torch.tensor([1, 3])) is None  # integers: exact
     assert _largest_difference(torch.tensor([float("nan")]), torch.tensor([1.0])) is None
     assert _largest_difference(torch.zeros(2), torch.zeros(2)) == 0.0
+
+
+def test_a_training_step_is_planned_whatever_the_callers_grad_mode():
+    # Asked for inside torch.no_grad() (an evaluation loop), the training step is still traced
+    # and measured with autograd on; inside inference mode, where no gradient can be taken,
+    # it is refused in one clear line, before anything runs.
+    import warnings
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        plan = plan_module(model, x, training=True, time_limit=0.2)
+        graph = trace(model, x, training=True)
+        assert not torch.is_grad_enabled()
+    assert graph.training and len(graph.buffers) == len(plan.graph.buffers)
+    loss, grads = plan.run(x)
+    reference = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    assert len(grads) == 4 and all(torch.allclose(g, r) for g, r in zip(grads, reference))
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "memory check skipped" on the way
+        with pytest.raises(UnsupportedGraph, match=r"^a training step cannot be traced inside torch\.inference_mode"):
+            plan_module(model, x, training=True)
