@@ -228,6 +228,22 @@ def _default_loss(module: torch.nn.Module, out):
     return sum(t.float().sum() for t in tensors)
 
 
+def _loss_problem(loss) -> str:
+    """What makes ``loss`` no loss to differentiate, or "" (a scalar floating-point tensor that
+    requires a gradient; a tuple or list of them, whose gradients add up)."""
+    if isinstance(loss, (tuple, list)) and loss:
+        return next((p for p in map(_loss_problem, loss) if p), "")
+    if not isinstance(loss, torch.Tensor):
+        return f"a {type(loss).__name__}, not a tensor"
+    if loss.numel() != 1:
+        return f"a tensor of shape {tuple(loss.shape)}, not one value"
+    if not (loss.is_floating_point() or loss.is_complex()):
+        return f"a {loss.dtype} tensor, which has no gradient"
+    if not loss.requires_grad:
+        return "a tensor that does not depend on the parameters (detached, or computed without autograd)"
+    return ""
+
+
 def _grad_mode_of(training: bool):
     """Autograd on for a training step whatever the caller's mode (a plan asked for inside
     ``torch.no_grad()``, an evaluation loop), off for inference. Inside
@@ -333,7 +349,14 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
                                f"requires a gradient ({len(params)} parameters); plan it with training=False")
 
     def loss_of(out):
-        return loss_fn(out) if loss_fn is not None else _default_loss(module, out)
+        if loss_fn is None:
+            return _default_loss(module, out)
+        loss = loss_fn(out)
+        problem = _loss_problem(loss)
+        if problem:
+            raise UnsupportedGraph(f"loss_fn returned {problem}: a training step needs a scalar floating-point "
+                                   "tensor computed from the output (or a tuple or list of them)")
+        return loss
 
     structure = []  # the structure the traced call returns (the graph returns its leaves)
     buffer_names = [k for k, _ in module.named_buffers()]
@@ -366,6 +389,8 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
     try:
         with grad_mode:
             gm = make_fx(forward, tracing_mode=tracing_mode)(state, *example_inputs)
+    except UnsupportedGraph:  # said in full already (a loss that is no loss)
+        raise
     except Exception as e:  # data-dependent control flow, unsupported Python constructs
         raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
     finally:

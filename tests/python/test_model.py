@@ -1269,3 +1269,28 @@ def test_a_training_step_is_planned_whatever_the_callers_grad_mode():
         warnings.simplefilter("error")  # no "memory check skipped" on the way
         with pytest.raises(UnsupportedGraph, match=r"^a training step cannot be traced inside torch\.inference_mode"):
             plan_module(model, x, training=True)
+
+
+@pytest.mark.parametrize("loss_fn, problem", [
+    (lambda out: out, r"a tensor of shape \(4, 2\), not one value"),
+    (lambda out: 3.0, r"a float, not a tensor"),
+    (lambda out: out.argmax(), r"a torch\.int64 tensor, which has no gradient"),
+    (lambda out: out.sum().detach(), r"a tensor that does not depend on the parameters"),
+    (lambda out: (out.sum(), out), r"a tensor of shape \(4, 2\)"),
+])
+def test_a_loss_fn_that_returns_no_loss_is_named_as_such(loss_fn, problem):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with pytest.raises(UnsupportedGraph, match=r"^loss_fn returned " + problem):
+        plan_module(model, torch.randn(4, 8), training=True, loss_fn=loss_fn, time_limit=0)
+
+
+def test_a_loss_fn_may_return_several_losses():
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    plan = plan_module(model, x, training=True, loss_fn=lambda out: (out.sum(), out.pow(2).mean()), time_limit=0)
+    (total, mean_square), grads = plan.run(x)
+    out = model(x)
+    reference = torch.autograd.grad((out.sum(), out.pow(2).mean()), list(model.parameters()))
+    assert torch.allclose(total, out.sum()) and torch.allclose(mean_square, out.pow(2).mean())
+    assert all(torch.allclose(g, r) for g, r in zip(grads, reference))
