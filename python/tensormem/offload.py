@@ -357,19 +357,34 @@ class OffloadedSGD(_OffloadedOptimizer):
                                       nesterov=nesterov), **offload)
 
 
+def _global_rank(dist, group, rank: int) -> int:
+    """The global rank of ``group``'s member ``rank`` (``get_global_rank`` from PyTorch 2.0 on)."""
+    if group is None:
+        return rank
+    convert = getattr(dist, "get_global_rank", None) or dist.distributed_c10d._get_global_rank
+    return convert(group, rank)
+
+
 class ZeroOffloadedOptimizer:
     """ZeRO stage 2 at parameter granularity over ``torch.distributed`` (gloo or NCCL): each
     rank owns whole parameters (largest first, to the least-loaded rank), gradients are
     summed onto their owner (``reduce``) and averaged, the owner steps its offloaded optimizer
-    (swap files in ``<swap_dir>/rank<r>``) and broadcasts the new values to every rank."""
+    (swap files in ``<swap_dir>/rank<r>``, ``r`` the process's global rank) and broadcasts the
+    new values to every rank. ``group`` may be any process group that holds this process;
+    its members own the parameters."""
 
     def __init__(self, params: Iterable[torch.Tensor], optimizer_class=OffloadedAdamW, group=None, **kwargs):
         import torch.distributed as dist
         if not dist.is_initialized():
             raise RuntimeError("ZeroOffloadedOptimizer needs torch.distributed.init_process_group first")
         self.group = group
-        self.rank = dist.get_rank(group)
+        self.rank = dist.get_rank(group)  # within the group
+        if self.rank < 0:
+            raise RuntimeError(f"ZeroOffloadedOptimizer: this process (global rank {dist.get_rank()}) is not in the "
+                               "process group it was given")
         self.world = dist.get_world_size(group)
+        # reduce and broadcast name processes by their global ranks, also in a smaller group
+        self._global = [_global_rank(dist, group, r) for r in range(self.world)]
         self.params = list(params)
         load = [0] * self.world
         self.owner: List[int] = [0] * len(self.params)
@@ -378,7 +393,7 @@ class ZeroOffloadedOptimizer:
             self.owner[i] = r
             load[r] += self.params[i].numel()
         mine = [p for p, r in zip(self.params, self.owner) if r == self.rank]
-        self.local = optimizer_class(mine, rank=self.rank, **kwargs) if mine else None
+        self.local = optimizer_class(mine, rank=dist.get_rank(), **kwargs) if mine else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -394,13 +409,13 @@ class ZeroOffloadedOptimizer:
         for p, r in zip(self.params, self.owner):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.reduce(p.grad, dst=r, group=self.group)
+            dist.reduce(p.grad, dst=self._global[r], group=self.group)
             if r == self.rank:
                 p.grad.div_(self.world)
         if self.local is not None:
             self.local.step()
         for p, r in zip(self.params, self.owner):
-            dist.broadcast(p.data, src=r, group=self.group)
+            dist.broadcast(p.data, src=self._global[r], group=self.group)
 
     @property
     def last_stats(self) -> dict:

@@ -727,17 +727,27 @@ ZERO_SCRIPT = textwrap.dedent("""
     from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
     rank, world, store, swap, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    # With a third process, the optimizer works over the group of the last two; the first is
+    # refused by it and only waits.
+    group = dist.new_group([1, 2]) if world == 3 else None
     torch.manual_seed(0)
     m = mlp()
-    opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, lr=1e-3, swap_dirs=[swap],
-                                 group_bytes=16 << 10, pinned_budget=256 << 10)
-    for xs in zero_batches(4, world):
-        opt.zero_grad()
-        m(xs[rank]).pow(2).mean().backward()
-        opt.step()
-    assert os.path.isdir(os.path.join(swap, "rank%d" % rank))
-    if rank == 0:
-        torch.save(m.state_dict(), out)
+    kwargs = dict(lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10, pinned_budget=256 << 10)
+    if group is not None and rank == 0:
+        try:
+            ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, group=group, **kwargs)
+        except RuntimeError as e:
+            print("refused:", e)
+    else:
+        opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, group=group, **kwargs)
+        member = dist.get_rank(group)
+        for xs in zero_batches(4, 2 if group is not None else world):
+            opt.zero_grad()
+            m(xs[member]).pow(2).mean().backward()
+            opt.step()
+        assert os.path.isdir(os.path.join(swap, "rank%d" % rank))
+        if member == 0:
+            torch.save(m.state_dict(), out)
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -748,7 +758,10 @@ def zero_batches(steps, world):
     return [[torch.randn(8, 37, generator=gen) for _ in range(world)] for _ in range(steps)]
 
 
-def test_two_gloo_ranks_equal_one_rank(tmp_path):
+@pytest.mark.parametrize("processes", [2, 3])
+def test_two_gloo_ranks_equal_one_rank(tmp_path, processes):
+    """Two ranks: the whole world, or (of three processes) a group of the last two, whose
+    global ranks are not their ranks in the group."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     script = tmp_path / "zero.py"
@@ -756,11 +769,15 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(tmp_path / "store"), str(swap),
-                               str(tmp_path / "final.pt")], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(processes), str(tmp_path / "store"),
+                               str(swap), str(tmp_path / "final.pt")], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(processes)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
+    if processes == 3:
+        assert outs[0][0].strip() == ("refused: ZeroOffloadedOptimizer: this process (global rank 0) is not in the "
+                                      "process group it was given"), outs[0]
+        assert sorted(os.listdir(swap)) == ["rank1", "rank2"]  # by global rank
     # One rank: the gradient of each half batch, summed and halved as the reduction does.
     torch.manual_seed(0)
     m = mlp()
