@@ -393,7 +393,14 @@ class ZeroOffloadedOptimizer:
             self.owner[i] = r
             load[r] += self.params[i].numel()
         mine = [p for p, r in zip(self.params, self.owner) if r == self.rank]
-        self.local = optimizer_class(mine, rank=dist.get_rank(), **kwargs) if mine else None
+        # Made on every rank, or on none: a rank whose optimizer could not be made (a swap
+        # folder missing there, bad options) would leave the others waiting in the first step.
+        error = None
+        try:
+            self.local = optimizer_class(mine, rank=dist.get_rank(), **kwargs) if mine else None
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
+            error = e
+        self._raise_if_any_failed(error, "made")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -412,10 +419,29 @@ class ZeroOffloadedOptimizer:
             dist.reduce(p.grad, dst=self._global[r], group=self.group)
             if r == self.rank:
                 p.grad.div_(self.world)
+        # A step that fails on its rank (a full disk, a parameter changed there) fails on every
+        # rank, before any broadcast that would wait for that rank's values.
+        error = None
         if self.local is not None:
-            self.local.step()
+            try:
+                self.local.step()
+            except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
+                error = e
+        self._raise_if_any_failed(error, "stepped")
         for p, r in zip(self.params, self.owner):
             dist.broadcast(p.data, src=self._global[r], group=self.group)
+
+    def _raise_if_any_failed(self, error: Optional[BaseException], what: str) -> None:
+        """Counts the ranks where ``error`` is set (one all_reduce); re-raises this rank's
+        error, or says on how many other ranks the optimizer could not be ``what``."""
+        import torch.distributed as dist
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        dist.all_reduce(failed, group=self.group)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError(f"ZeroOffloadedOptimizer: the offloaded optimizer could not be {what} on "
+                               f"{failed.item()} other rank(s) of the group; their errors say why")
 
     @property
     def last_stats(self) -> dict:

@@ -753,6 +753,21 @@ ZERO_SCRIPT = textwrap.dedent("""
 """)
 
 
+def run_ranks(tmp_path, script_text, processes, argv_of, timeout=300):
+    """Runs ``script_text`` (formatted with this folder) as ``processes`` processes, process r
+    with the arguments ``argv_of(r)``, a swap folder ``tmp_path / "swap"`` made first (skips
+    without torch.distributed). Returns the processes and their (stdout, stderr)."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    script = tmp_path / "ranks.py"
+    script.write_text(script_text.format(here=HERE))
+    (tmp_path / "swap").mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), *argv_of(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(processes)]
+    return procs, [p.communicate(timeout=timeout) for p in procs]
+
+
 def zero_batches(steps, world):
     gen = torch.Generator().manual_seed(7)
     return [[torch.randn(8, 37, generator=gen) for _ in range(world)] for _ in range(steps)]
@@ -762,17 +777,10 @@ def zero_batches(steps, world):
 def test_two_gloo_ranks_equal_one_rank(tmp_path, processes):
     """Two ranks: the whole world, or (of three processes) a group of the last two, whose
     global ranks are not their ranks in the group."""
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed is not available")
-    script = tmp_path / "zero.py"
-    script.write_text(ZERO_SCRIPT.format(here=HERE))
     swap = tmp_path / "swap"
-    swap.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(processes), str(tmp_path / "store"),
-                               str(swap), str(tmp_path / "final.pt")], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(processes)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    procs, outs = run_ranks(tmp_path, ZERO_SCRIPT, processes,
+                            lambda r: [str(r), str(processes), str(tmp_path / "store"), str(swap),
+                                       str(tmp_path / "final.pt")])
     assert all(p.returncode == 0 for p in procs), outs
     if processes == 3:
         assert outs[0][0].strip() == ("refused: ZeroOffloadedOptimizer: this process (global rank 0) is not in the "
@@ -794,6 +802,45 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, processes):
         opt.step()
     final = torch.load(tmp_path / "final.pt")
     assert all(torch.equal(final[k], v) for k, v in m.state_dict().items())
+
+
+ZERO_FAILURE_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    rank, store, swap, failure = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = mlp()
+    # Rank 1's swap folder is missing ("make"), or a parameter it owns is given other memory
+    # before the step ("step"): rank 1 fails, and rank 0 must fail too, not wait for it.
+    folder = os.path.join(swap, "missing") if failure == "make" and rank == 1 else swap
+    try:
+        opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, lr=1e-3, swap_dirs=[folder])
+        m(torch.ones(8, 37)).sum().backward()
+        if rank == 1:
+            owned = [p for p, r in zip(opt.params, opt.owner) if r == 1]
+            owned[0].data = torch.zeros(3)
+        opt.step()
+        print("rank", rank, "stepped")
+    except Exception as e:
+        print("rank", rank, type(e).__name__ + ":", e)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("failure", ["make", "step"])
+def test_a_rank_that_fails_makes_every_rank_fail_not_wait(tmp_path, failure):
+    swap = tmp_path / "swap"
+    # (a rank left waiting ends the test at the timeout)
+    procs, outs = run_ranks(tmp_path, ZERO_FAILURE_SCRIPT, 2,
+                            lambda r: [str(r), str(tmp_path / "store"), str(swap), failure], timeout=120)
+    assert all(p.returncode == 0 for p in procs), outs
+    verb = "made" if failure == "make" else "stepped"
+    assert outs[0][0].strip() == ("rank 0 RuntimeError: ZeroOffloadedOptimizer: the offloaded optimizer could not be "
+                                  f"{verb} on 1 other rank(s) of the group; their errors say why"), outs
+    assert outs[1][0].startswith("rank 1 " + ("FileNotFoundError" if failure == "make" else "ValueError")), outs
 
 
 def test_the_training_example_matches_in_memory_adamw(tmp_path):
