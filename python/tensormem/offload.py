@@ -413,7 +413,14 @@ class ZeroOffloadedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         import torch.distributed as dist
-        for p, r in zip(self.params, self.owner):
+        # A parameter with no gradient on any rank (frozen, or not used this step) is left
+        # alone, as torch.optim leaves one whose gradient is None: a zero gradient would
+        # still move it (weight decay, the moments of earlier steps).
+        has_grad = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int64)
+        dist.all_reduce(has_grad, group=self.group)
+        for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()):
+            if not anywhere:
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.reduce(p.grad, dst=self._global[r], group=self.group)

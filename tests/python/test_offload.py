@@ -726,13 +726,15 @@ ZERO_SCRIPT = textwrap.dedent("""
     from test_offload import mlp, zero_batches
     from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
     rank, world, store, swap, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    frozen = sys.argv[6] == "frozen"  # the first layer's weight has no gradient
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
     # With a third process, the optimizer works over the group of the last two; the first is
     # refused by it and only waits.
     group = dist.new_group([1, 2]) if world == 3 else None
     torch.manual_seed(0)
     m = mlp()
-    kwargs = dict(lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10, pinned_budget=256 << 10)
+    m[0].weight.requires_grad_(not frozen)
+    kwargs = dict(lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10, pinned_budget=256 << 10, weight_decay=0.1)
     if group is not None and rank == 0:
         try:
             ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, group=group, **kwargs)
@@ -773,14 +775,15 @@ def zero_batches(steps, world):
     return [[torch.randn(8, 37, generator=gen) for _ in range(world)] for _ in range(steps)]
 
 
-@pytest.mark.parametrize("processes", [2, 3])
-def test_two_gloo_ranks_equal_one_rank(tmp_path, processes):
+@pytest.mark.parametrize("processes, frozen", [(2, False), (3, False), (2, True)])
+def test_two_gloo_ranks_equal_one_rank(tmp_path, processes, frozen):
     """Two ranks: the whole world, or (of three processes) a group of the last two, whose
-    global ranks are not their ranks in the group."""
+    global ranks are not their ranks in the group; with a frozen weight, which no rank
+    steps (as torch.optim skips a parameter without a gradient)."""
     swap = tmp_path / "swap"
     procs, outs = run_ranks(tmp_path, ZERO_SCRIPT, processes,
                             lambda r: [str(r), str(processes), str(tmp_path / "store"), str(swap),
-                                       str(tmp_path / "final.pt")])
+                                       str(tmp_path / "final.pt"), "frozen" if frozen else "trained"])
     assert all(p.returncode == 0 for p in procs), outs
     if processes == 3:
         assert outs[0][0].strip() == ("refused: ZeroOffloadedOptimizer: this process (global rank 0) is not in the "
@@ -789,19 +792,22 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, processes):
     # One rank: the gradient of each half batch, summed and halved as the reduction does.
     torch.manual_seed(0)
     m = mlp()
+    m[0].weight.requires_grad_(not frozen)
+    initial = m[0].weight.detach().clone()
     opt = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
-                         pinned_budget=BUDGET)
+                         pinned_budget=BUDGET, weight_decay=0.1)
     for xs in zero_batches(4, 2):
         grads = []
         for x in xs:
             m.zero_grad()
             m(x).pow(2).mean().backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
+            grads.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
         for p, g0, g1 in zip(m.parameters(), *grads):
-            p.grad = (g0 + g1) / 2
+            p.grad = None if g0 is None else (g0 + g1) / 2
         opt.step()
     final = torch.load(tmp_path / "final.pt")
     assert all(torch.equal(final[k], v) for k, v in m.state_dict().items())
+    assert torch.equal(final["0.weight"], initial) == frozen
 
 
 ZERO_FAILURE_SCRIPT = textwrap.dedent("""
