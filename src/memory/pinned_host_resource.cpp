@@ -206,7 +206,7 @@ void* pinned_host_resource::map_and_lock(std::size_t bytes, std::size_t alignmen
               std::to_string(process_locked_bytes()) +
               " bytes are locked already. Raise it with `ulimit -l` (in kB; or the memlock "
               "line of /etc/security/limits.conf, or LimitMEMLOCK= for a systemd service), "
-              "run with CAP_IPC_LOCK, or allow the unlocked fallback",
+              "run with CAP_IPC_LOCK" + std::string(lock_limit_error::fallback_hint),
           mapped, limit);
     }
     unlocked_fallbacks_.fetch_add(1, std::memory_order_relaxed);

@@ -14,6 +14,7 @@
 
 #include "tensormem/io/file_io.hpp"
 #include "tensormem/io/path_argument.hpp"
+#include "tensormem/memory/errors.hpp"
 #include "tensormem/swap/crc32c.hpp"
 
 namespace tensormem::offload {
@@ -257,14 +258,23 @@ void offloaded_optimizer::initialize(std::span<const float* const> params) {
   }
   std::uint64_t largest = 0;
   for (const group& g : groups_) largest = std::max(largest, record_bytes(g));
-  write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
-                     [&](const group& g, float* record) {
-    std::memset(record, 0, record_bytes(g));
-    if (!options_.offload_master) return;
-    for (const piece& p : g.pieces) {
-      std::memcpy(record + p.group_offset, params[p.param] + p.param_offset, p.count * 4);
-    }
-  });
+  try {
+    write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
+                       [&](const group& g, float* record) {
+      std::memset(record, 0, record_bytes(g));
+      if (!options_.offload_master) return;
+      for (const piece& p : g.pieces) {
+        std::memcpy(record + p.group_offset, params[p.param] + p.param_offset, p.count * 4);
+      }
+    });
+  } catch (const memory::lock_limit_error& e) {
+    // The first locked buffers: say which option sizes them (its pool has no unlocked
+    // fallback).
+    throw e.without_fallback(". The offloaded optimizer locks at least two records of its largest group (" +
+                             std::to_string(largest) + " bytes each, within a pinned budget of " +
+                             std::to_string(options_.pipeline.pinned_budget) +
+                             " bytes): a smaller group_bytes makes them smaller");
+  }
   std::fill(steps_.begin(), steps_.end(), 0);
   initialized_ = true;
 }

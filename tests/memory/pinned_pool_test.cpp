@@ -17,9 +17,12 @@
 #include "tensormem/memory/errors.hpp"
 #include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
+#include "limited_child.hpp"
 
 namespace tensormem::memory {
 namespace {
+
+using testing::in_limited_child;
 
 constexpr std::size_t mib = std::size_t{1} << 20;
 
@@ -183,42 +186,6 @@ TEST(pinned_pool, destructor_returns_every_locked_byte) {
     EXPECT_EQ(pool.stats().locked_bytes, 10 * 4 * mib);
   }
   EXPECT_EQ(process_locked_bytes(), before);
-}
-
-// Runs `body` in a child process that cannot bypass RLIMIT_MEMLOCK: the limit is lowered to
-// 1 MiB and, when running as root, the child becomes user nobody (dropping CAP_IPC_LOCK).
-// The child's exit code is body's result; its message comes back through a pipe.
-std::pair<int, std::string> in_limited_child(int (*body)(std::string&)) {
-  int fds[2];
-  if (pipe(fds) != 0) return {-1, "pipe failed"};
-  const pid_t pid = fork();
-  if (pid == 0) {
-    close(fds[0]);
-    std::string message;
-    int code = 0;
-    rlimit limit{mib, mib};
-    if (setrlimit(RLIMIT_MEMLOCK, &limit) != 0) {
-      message = "setrlimit failed";
-      code = 90;
-    } else if (geteuid() == 0 && (setgroups(0, nullptr) != 0 || setgid(65534) != 0 ||
-                                  setuid(65534) != 0)) {
-      message = "could not drop root";
-      code = 91;
-    } else {
-      code = body(message);
-    }
-    if (write(fds[1], message.data(), message.size()) < 0) code = 92;
-    _exit(code);
-  }
-  close(fds[1]);
-  std::string message;
-  char buffer[512];
-  ssize_t n = 0;
-  while ((n = read(fds[0], buffer, sizeof buffer)) > 0) message.append(buffer, static_cast<std::size_t>(n));
-  close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 99, message};
 }
 
 // A request the limit has no room for: the error names the request's own size (the pool

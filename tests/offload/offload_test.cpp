@@ -23,8 +23,10 @@
 #include <set>
 #include <thread>
 
+#include "tensormem/memory/errors.hpp"
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "../io/forked_child.hpp"
+#include "../memory/limited_child.hpp"
 #include "../swap/swap_test_support.hpp"
 
 namespace tensormem::offload {
@@ -479,6 +481,44 @@ optimizer_options small_options(const scratch_dir& dir) {
   o.group_bytes = 8192;
   o.pipeline.pinned_budget = 4 * 3 * 8192;
   return o;
+}
+
+// Under a memory-lock limit too small for two records of its largest group, the optimizer's
+// first step of locking says which option makes them smaller, and offers no fallback it has
+// not got.
+TEST(offload_optimizer, a_memory_lock_limit_too_small_names_group_bytes) {
+  const auto [code, message] = memory::testing::in_limited_child([](std::string& out) {
+    const scratch_dir dir;  // made by the limited user
+    if (dir.path.empty()) {
+      out = "no scratch folder";
+      return 3;
+    }
+    optimizer_options o = small_options(dir);
+    o.group_bytes = std::uint64_t{1} << 20;  // records of 3 MiB (AdamW with a master copy)
+    o.pipeline.pinned_budget = std::uint64_t{64} << 20;
+    try {
+      offloaded_optimizer opt({std::uint64_t{1} << 18}, o);
+      const std::vector<float> params(std::size_t{1} << 18, 1.0F);
+      const float* p = params.data();
+      opt.initialize(std::span<const float* const>(&p, 1));
+      out = "initialized past the limit";
+      return 1;
+    } catch (const memory::lock_limit_error& e) {
+      out = e.what();
+      return 0;
+    } catch (const std::exception& e) {
+      out = std::string("another error: ") + e.what();
+      return 2;
+    }
+  });
+  ASSERT_EQ(code, 0) << message;
+  EXPECT_NE(message.find("RLIMIT_MEMLOCK is 1048576 bytes"), std::string::npos) << message;
+  EXPECT_NE(message.find("run with CAP_IPC_LOCK. The offloaded optimizer locks at least two records of its largest "
+                         "group (3145728 bytes each, within a pinned budget of 67108864 bytes): a smaller "
+                         "group_bytes makes them smaller"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("unlocked fallback"), std::string::npos) << message;
 }
 
 struct model_params {

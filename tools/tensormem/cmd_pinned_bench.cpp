@@ -32,14 +32,8 @@ void add_pinned_bench_command(CLI::App& app) {
     memory::pinned_benchmark_result r;
     try {
       r = memory::run_pinned_benchmark(o->bench);
-    } catch (const memory::lock_limit_error& e) {
-      // The measure is of locked memory: the library's hint at its unlocked fallback does not
-      // apply here.
-      std::string message = e.what();
-      const std::string fallback = ", or allow the unlocked fallback";
-      if (message.ends_with(fallback)) message.resize(message.size() - fallback.size());
-      throw std::runtime_error(message + " (pinned-bench measures page-locked memory, so it has no unlocked "
-                               "fallback)");
+    } catch (const memory::lock_limit_error& e) {  // the measure is of locked memory: no fallback
+      throw e.without_fallback(" (pinned-bench measures page-locked memory, so it has no unlocked fallback)");
     }
     if (o->json) {
       nlohmann::json j;
