@@ -31,10 +31,10 @@ fork_guard::fork_guard() noexcept : made_at_(forks_seen()), pid_(static_cast<lon
 void fork_guard::fail(const char* what) const {
   throw forked_child_error(std::string(what) + " was made by process " + std::to_string(pid_) +
                            " and cannot be used in process " + std::to_string(static_cast<long>(::getpid())) +
-                           ", a child forked from it: fork() copies the object but not its threads, "
-                           "and an io_uring ring it drives stays the parent's; make a new one in this process, or start children by exec "
-                           "(Python's multiprocessing 'spawn' or 'forkserver'). Dropping it here frees nothing "
-                           "the parent uses and deletes no file.");
+                           ", a child forked from it: fork() copies the object but not its threads, and an "
+                           "io_uring ring it drives stays the parent's; make a new one in this process, or start "
+                           "children by exec (Python's multiprocessing 'spawn' or 'forkserver'). Dropping it here "
+                           "frees nothing the parent uses and deletes no file.");
 }
 
 }  // namespace tensormem::io::detail

@@ -301,7 +301,9 @@ void run_swap_bench(const swap_bench_options& o) {
                                                human_bytes(o.pack_below), human_bytes(s.pack_file_bytes))
                                  : std::string());
   if (!s.fallback.empty()) std::cout << "fallback: " << s.fallback << '\n';
-  if (unlocked_slabs != 0) std::cout << "memory: " << unlocked_memory_note(unlocked_slabs, "the tensors and staging") << '\n';
+  if (unlocked_slabs != 0) {
+    std::cout << "memory: " << unlocked_memory_note(unlocked_slabs, "the tensors and staging") << '\n';
+  }
   std::cout << fmt::format("write {:.2f} GB/s (fresh files {:.2f} GB/s), read {:.2f} GB/s\n",
                            total / rewrite_seconds / 1e9, total / fresh_seconds / 1e9,
                            total / read_seconds / 1e9);

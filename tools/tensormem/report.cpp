@@ -63,10 +63,11 @@ void refuse_trace_past_memory(const std::string& command, const std::string& pat
 
 std::string unlocked_memory_note(std::uint64_t slabs, const std::string& what) {
   const std::size_t limit = memory::memlock_limit_bytes();
+  const std::string limit_text =
+      limit == std::numeric_limits<std::size_t>::max() ? std::string("unlimited") : human_bytes(limit);
   return fmt::format("{} slab(s) could not be page-locked (RLIMIT_MEMLOCK is {}; raise it with `ulimit -l` or run "
                      "with CAP_IPC_LOCK): {} used unlocked memory",
-                     slabs, limit == std::numeric_limits<std::size_t>::max() ? std::string("unlimited") : human_bytes(limit),
-                     what);
+                     slabs, limit_text, what);
 }
 
 }  // namespace tensormem::cli
