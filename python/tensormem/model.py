@@ -1160,7 +1160,10 @@ def main(argv=None) -> int:
     try:
         plan = plan_module(model, *inputs, training=args.training, time_limit=args.time_limit)
     except UnsupportedGraph as e:  # e.g. a detection model's data-dependent control flow
-        print(f"{parser.prog}: {args.model}: {e}", file=sys.stderr)
+        hint = ""
+        if args.training and args.batch == 1 and "more than 1 value per channel when training" in str(e):
+            hint = " (batch norm in training mode needs 2 or more values per channel: try --batch 2)"
+        print(f"{parser.prog}: {args.model}: {e}{hint}", file=sys.stderr)
         return 1
     except MemoryError as e:  # refused before the model ran
         print(f"{parser.prog}: {args.model} at batch {args.batch}: {e}; try a smaller --batch", file=sys.stderr)

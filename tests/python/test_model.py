@@ -1294,3 +1294,13 @@ def test_a_loss_fn_may_return_several_losses():
     reference = torch.autograd.grad((out.sum(), out.pow(2).mean()), list(model.parameters()))
     assert torch.allclose(total, out.sum()) and torch.allclose(mean_square, out.pow(2).mean())
     assert all(torch.allclose(g, r) for g, r in zip(grads, reference))
+
+
+def test_command_line_says_what_batch_a_training_step_with_batch_norm_needs(capsys):
+    # deeplabv3's pooling branch normalizes one value per channel at batch 1: a real training
+    # step fails there in PyTorch too, and the command line says which batch works.
+    from tensormem.model import main
+    assert main(["plan", "deeplabv3_mobilenet_v3_large", "--training", "--time-limit", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Expected more than 1 value per channel when training" in err, err
+    assert err.rstrip().endswith("(batch norm in training mode needs 2 or more values per channel: try --batch 2)")
