@@ -163,16 +163,14 @@ std::ifstream open_input(const std::string& path) {
   io::check_path_argument("cannot read a trace", path);
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) {
-    const std::error_code ec(errno, std::generic_category());
-    throw trace_error(path + ":0: cannot open: " + ec.message());
+    throw std::system_error(errno, std::generic_category(), path + ":0: cannot open");
   }
   if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode)) {
     throw trace_error(path + ":0: not a regular file or a pipe");
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    const std::error_code ec(errno, std::generic_category());
-    throw trace_error(path + ":0: cannot open: " + ec.message());
+    throw std::system_error(errno, std::generic_category(), path + ":0: cannot open");
   }
   return in;
 }

@@ -109,6 +109,15 @@ def test_plan_and_validate_with_numpy():
     assert "overlap" in tensormem.validate(t["lower"], t["upper"], t["size"], bad, int(t["size"].max()))
 
 
+def test_a_trace_that_cannot_be_opened_is_an_os_error_with_its_errno(tmp_path):
+    missing = tmp_path / "missing.csv"
+    with pytest.raises(FileNotFoundError, match=r"missing\.csv:0: cannot open: No such file or directory") as e:
+        tensormem.read_trace(str(missing))
+    assert e.value.errno == errno.ENOENT
+    with pytest.raises(ValueError, match=r":0: not a regular file or a pipe"):  # (a folder: no trace at all)
+        tensormem.read_trace(str(tmp_path))
+
+
 def test_malformed_trace_is_a_value_error(tmp_path):
     f = tmp_path / "bad.csv"
     f.write_text("id,lower,upper,size\na,3,3,10\n")

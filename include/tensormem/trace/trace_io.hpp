@@ -23,8 +23,10 @@ class trace_error : public std::runtime_error {
 inline constexpr std::size_t max_line_bytes = 64 * 1024;
 
 /// Opens `path` for reading text input, accepting only a regular file or a pipe (a
-/// directory, /dev/zero or a terminal would never end or is not data). Throws trace_error
-/// `path:0: why` otherwise.
+/// directory, /dev/zero or a terminal would never end or is not data): trace_error
+/// `path:0: why` otherwise. A file that cannot be opened (missing, no permission) throws
+/// std::system_error with its errno, "path:0: cannot open: <strerror>" (Python: OSError,
+/// FileNotFoundError or PermissionError).
 std::ifstream open_input(const std::string& path);
 
 /// Reads one line (without its '\n') of at most `max_bytes` bytes. Returns false at the end
@@ -69,8 +71,9 @@ std::string brief(std::string_view field);
 /// non-numeric, negative or out-of-range value, lower >= upper, duplicate id, no buffers);
 /// nothing is returned then.
 std::vector<core::buffer> read_trace(std::istream& in, const std::string& name);
-/// As above, from a file; a file that cannot be opened is a trace_error naming it; an empty
-/// path or one holding a NUL byte is std::invalid_argument (io::check_path_argument).
+/// As above, from a file; a file that cannot be opened is a std::system_error naming it
+/// with its errno (open_input), a directory or device a trace_error; an empty path or one
+/// holding a NUL byte is std::invalid_argument (io::check_path_argument).
 std::vector<core::buffer> read_trace(const std::string& path);
 
 /// Writes `buffers` with a header; the offset column is written when every buffer has one.
