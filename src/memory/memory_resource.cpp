@@ -20,6 +20,10 @@ std::string_view to_string(memory_kind kind) noexcept {
 }
 
 void* memory_resource::allocate(std::size_t bytes, std::size_t alignment) {
+  return do_allocate(checked_request(bytes, alignment), alignment);
+}
+
+std::size_t memory_resource::checked_request(std::size_t bytes, std::size_t alignment) {
   if (!std::has_single_bit(alignment)) {
     throw std::invalid_argument("memory_resource: alignment " + std::to_string(alignment) +
                                 " is not a power of two");
@@ -31,7 +35,7 @@ void* memory_resource::allocate(std::size_t bytes, std::size_t alignment) {
                         std::to_string(alignment) + " cannot be represented");
   }
   // A zero-byte request gets a distinct pointer: one byte is reserved behind it.
-  return do_allocate(bytes == 0 ? 1 : bytes, alignment);
+  return bytes == 0 ? 1 : bytes;
 }
 
 void memory_resource::deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept {

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <bit>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -14,7 +13,6 @@
 #include <limits>
 #include <optional>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 
@@ -141,11 +139,7 @@ void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment
 }
 
 void* pinned_host_resource::allocate_locked(std::size_t bytes, std::size_t alignment) {
-  if (!std::has_single_bit(alignment)) {
-    throw std::invalid_argument("pinned_host_resource: alignment " + std::to_string(alignment) +
-                                " is not a power of two");
-  }
-  return map_and_lock(bytes == 0 ? 1 : bytes, alignment, false);  // (zero bytes: a distinct pointer, as allocate)
+  return map_and_lock(checked_request(bytes, alignment), alignment, false);
 }
 
 void* pinned_host_resource::map_and_lock(std::size_t bytes, std::size_t alignment, bool may_fall_back) {

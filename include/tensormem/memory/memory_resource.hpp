@@ -42,6 +42,12 @@ class memory_resource {
   /// True when the host may read and write the memory directly.
   bool host_accessible() const noexcept { return kind() != memory_kind::cuda_device; }
 
+ protected:
+  /// The checks of `allocate` (an alignment that is a power of two, a size that can be padded
+  /// to it): the size an implementation is asked for (1 for 0). For allocation paths of a
+  /// resource's own beside `allocate`.
+  static std::size_t checked_request(std::size_t bytes, std::size_t alignment);
+
  private:
   virtual void* do_allocate(std::size_t bytes, std::size_t alignment) = 0;
   virtual void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept = 0;
