@@ -1117,20 +1117,27 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(flat_x.view(as_int[x.element_size()]), flat_y.view(as_int[y.element_size()]))
 
 
-def _bitwise_equal(a, b) -> bool:
-    """The same structure (tensor, or tuples, lists and dicts of them) with bitwise equal
-    tensors and equal other leaves."""
+def _tensor_pairs(a, b) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """The tensors of ``a`` and ``b`` in pairs, leaf by leaf, when both have the same
+    structure (tuples, lists and dicts) and equal leaves that are not tensors; else None."""
     leaves_a, shape_a = tree_flatten(a)
     leaves_b, shape_b = tree_flatten(b)
     if shape_a != shape_b:
-        return False
+        return None
+    pairs = []
     for x, y in zip(leaves_a, leaves_b):
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _same_bits(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            pairs.append((x, y))
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+            return None
+    return pairs
+
+
+def _bitwise_equal(a, b) -> bool:
+    """The same structure (tensor, or tuples, lists and dicts of them) with bitwise equal
+    tensors and equal other leaves."""
+    pairs = _tensor_pairs(a, b)
+    return pairs is not None and all(_same_bits(x, y) for x, y in pairs)
 
 
 def main(argv=None) -> int:
@@ -1216,16 +1223,11 @@ def _largest_difference(a, b) -> Optional[float]:
     more than its own size), or None when it is above, or when they differ in structure,
     dtype, shape, where NaNs are, integer values or other leaves. Memory that two buffers of
     a wrong plan shared would change values by far more."""
-    leaves_a, shape_a = tree_flatten(a)
-    leaves_b, shape_b = tree_flatten(b)
-    if shape_a != shape_b:
+    pairs = _tensor_pairs(a, b)
+    if pairs is None:
         return None
     difference = scale = 0.0
-    for x, y in zip(leaves_a, leaves_b):
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-            if x != y:
-                return None
-            continue
+    for x, y in pairs:
         if x.dtype != y.dtype or x.shape != y.shape:
             return None
         if not x.is_floating_point():  # integers, booleans: equal or not

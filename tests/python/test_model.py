@@ -1247,6 +1247,7 @@ def test_the_largest_difference_tolerates_rounding_only():
     assert _largest_difference(torch.tensor([1, 2]), torch.tensor([1, 3])) is None  # integers: exact
     assert _largest_difference(torch.tensor([float("nan")]), torch.tensor([1.0])) is None
     assert _largest_difference(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert _largest_difference((torch.tensor(1.0),), (1.0,)) is None  # a tensor against a number
 
 
 def test_a_training_step_is_planned_whatever_the_callers_grad_mode():
