@@ -9,8 +9,10 @@
 
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -213,6 +215,19 @@ TEST(pinned_pool, lock_limit_gives_a_clear_error) {
 
 // A refused lock gives the mapping back: nothing stays mapped (the process's address space
 // is as before) and the stats count mmap, mlock and munmap.
+// allocate_locked takes allocate's checks: a bad alignment, a size past the address space.
+TEST(pinned_host_resource, allocate_locked_refuses_what_allocate_refuses) {
+  pinned_host_resource resource;
+  EXPECT_THROW(resource.allocate_locked(4096, 3), std::invalid_argument);
+  EXPECT_THROW(resource.allocate_locked(std::numeric_limits<std::size_t>::max() - 100, 4096), out_of_memory);
+  EXPECT_EQ(resource.stats().mappings, 0U);
+  void* p = resource.allocate_locked(0, 4096);  // a distinct pointer, as allocate gives
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(resource.stats().locked_bytes, 4096U);
+  resource.deallocate(p, 0, 4096);
+  EXPECT_EQ(resource.stats().mappings, 0U);
+}
+
 TEST(pinned_pool, a_refused_lock_unmaps_and_counts_its_calls) {
   const auto [code, message] = in_limited_child([](std::string& out) {
     const auto mapped_pages = [] {  // the process's virtual size, in pages

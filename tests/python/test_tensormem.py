@@ -191,6 +191,7 @@ def test_pinned_buffers_cross_without_copies():
     assert buf.address % 4096 == 0
     stats = pool.stats()
     assert stats["allocations"] == 1 and stats["locked_bytes"] >= 1 << 20
+    assert stats["current_slab_bytes"] == 1 << 20  # no memory-lock limit refused a slab here
     calls = stats["system_calls"]
     more = [pool.allocate(1000) for _ in range(10)]
     assert pool.stats()["system_calls"] == calls          # fits the slab: no system call
