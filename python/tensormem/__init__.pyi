@@ -10,7 +10,8 @@ __version__: str
 
 class ForkedChildError(RuntimeError):
     """A call on an object that runs threads of its own (TensorSwapper, AsyncFileIO, an offloaded
-    optimizer), in a child process forked after the object was made."""
+    optimizer), or an allocation from a PinnedPool, in a child process forked after the object was
+    made."""
 
 class Allocation:
     offset: int

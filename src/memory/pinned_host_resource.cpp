@@ -135,10 +135,12 @@ pinned_host_resource::pinned_host_resource(pinned_options options) : options_(op
 }
 
 void* pinned_host_resource::do_allocate(std::size_t bytes, std::size_t alignment) {
+  made_.refuse_allocation_in_child("a pinned_host_resource");
   return map_and_lock(bytes, alignment, options_.allow_unlocked_fallback);
 }
 
 void* pinned_host_resource::allocate_locked(std::size_t bytes, std::size_t alignment) {
+  made_.refuse_allocation_in_child("a pinned_host_resource");
   return map_and_lock(checked_request(bytes, alignment), alignment, false);
 }
 
@@ -232,8 +234,9 @@ void pinned_host_resource::do_deallocate(void* p, std::size_t bytes,
       unlocked_live_.fetch_sub(1, std::memory_order_relaxed);
     }
   }
+  // In a forked child the registration is the parent's CUDA context's, not this process's.
   if (options_.register_with_cuda) {
-    cuda_unregister_host(p);
+    if (!made_.forked()) cuda_unregister_host(p);
     registered_bytes_.fetch_sub(mapped, std::memory_order_relaxed);
   }
   munmap(p, mapped);  // unlocks as it unmaps
@@ -244,8 +247,10 @@ void pinned_host_resource::do_deallocate(void* p, std::size_t bytes,
 }
 
 pinned_stats pinned_host_resource::stats() const noexcept {
-  return {mappings_.load(), mapped_bytes_.load(), locked_bytes_.load(), system_calls_.load(),
-          unlocked_fallbacks_.load(), registered_bytes_.load()};
+  // In a forked child every mapping is from before the fork: none is locked or registered there.
+  const bool forked = made_.forked();
+  return {mappings_.load(), mapped_bytes_.load(), forked ? 0 : locked_bytes_.load(), system_calls_.load(),
+          unlocked_fallbacks_.load(), forked ? 0 : registered_bytes_.load()};
 }
 
 }  // namespace tensormem::memory

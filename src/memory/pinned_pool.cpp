@@ -87,6 +87,7 @@ std::pair<pinned_pool::slab*, core::allocation> pinned_pool::place(std::size_t n
 }
 
 void* pinned_pool::do_allocate(std::size_t bytes, std::size_t alignment) {
+  made_.refuse_allocation_in_child("a pinned_pool");
   // Alignments above the pool's unit (up to a page): a block of whole alignment units is
   // tried first and kept when it starts aligned, which it always does in a pool used with one
   // such alignment (slabs start on a page, and every block and hole is then a multiple of the

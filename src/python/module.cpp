@@ -637,11 +637,15 @@ PYBIND11_MODULE(_tensormem, m) {
   m.doc() = "tensormem: tensor memory planning, arenas, pinned memory and swapping";
   m.attr("__version__") = TENSORMEM_VERSION;
 
-  // A call in a child forked after its object was made (the object's threads stayed behind).
-  py::register_exception<io::forked_child_error>(m, "ForkedChildError", PyExc_RuntimeError);
+  // A call in a child forked after its object was made (the object's threads stayed behind,
+  // or its memory is no longer locked there).
+  static PyObject* forked_child = nullptr;  // the class, kept alive by the module
+  forked_child = py::register_exception<io::forked_child_error>(m, "ForkedChildError", PyExc_RuntimeError).ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const memory::forked_child_error& e) {
+      PyErr_SetString(forked_child, e.what());
     } catch (const memory::out_of_memory& e) {
       PyErr_SetString(PyExc_MemoryError, e.what());
     } catch (const std::system_error& e) {

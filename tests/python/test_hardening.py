@@ -1334,6 +1334,40 @@ def test_a_forked_child_is_refused_even_while_a_parent_thread_held_the_aio_handl
     assert "parent 1" in lines, r.stdout
 
 
+def test_a_forked_child_frees_what_a_pinned_pool_gave_before_and_is_refused_new_allocations():
+    # fork() passes no memory lock on: in a child the pool's slabs are not locked. The child
+    # frees a buffer from before the fork, is refused a new one (ForkedChildError, not an
+    # unlocked buffer called pinned), sees no locked bytes in the stats, and can make a pool
+    # of its own. (The pool's lock across a fork while another thread is inside it:
+    # pinned_pool_fork.* in the C++ tests.)
+    script = NOT_REFUSED + textwrap.dedent("""
+        import os, signal
+        import tensormem
+        pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+        mine = pool.allocate(4096)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a hang ends the child by SIGALRM
+            mine.free()
+            refused = not_refused([("allocate", lambda: pool.allocate(4096))])
+            s = pool.stats()
+            fresh = tensormem.PinnedPool(slab_bytes=1 << 20)
+            b = fresh.allocate(4096)
+            print("child:", refused, s["allocations"], s["locked_bytes"], fresh.stats()["locked_bytes"], flush=True)
+            os._exit(0)
+        print("child status", os.waitpid(pid, 0)[1])
+        print("parent", pool.stats()["allocations"], mine.freed, pool.allocate(4096).freed,
+              pool.stats()["locked_bytes"])
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert f"child: [] 0 0 {1 << 20}" in lines, r.stdout
+    assert "child status 0" in lines, r.stdout
+    assert f"parent 1 False False {1 << 20}" in lines, r.stdout
+
+
 def test_tensors_whose_memory_is_not_their_values_are_refused_by_the_swapper(tmp_path):
     # A conjugate or negative view reads its memory through an operation, a sparse tensor has
     # no one block: swapping the memory would save or fill other values than the tensor's.

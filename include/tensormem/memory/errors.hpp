@@ -55,4 +55,12 @@ class device_unavailable : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// An allocation asked of a pinned resource or pool in a child process forked after it was
+/// made, where none of its memory is locked (detail::fork_record). Python:
+/// `tensormem.ForkedChildError`, as the I/O objects' refusal.
+class forked_child_error : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
 }  // namespace tensormem::memory

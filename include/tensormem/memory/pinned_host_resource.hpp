@@ -8,6 +8,7 @@
 #include <optional>
 #include <unordered_set>
 
+#include "tensormem/memory/detail/fork_safe_mutex.hpp"
 #include "tensormem/memory/memory_resource.hpp"
 
 namespace tensormem::memory {
@@ -38,7 +39,9 @@ struct pinned_stats {
 /// allocation is its own anonymous mapping, populated (MAP_POPULATE) and locked (mlock);
 /// sizes round up to whole pages and pointers are page-aligned at least (4096 bytes, or the
 /// requested alignment if larger). One allocation costs several system calls: use
-/// pinned_pool for many small ones. Thread-safe.
+/// pinned_pool for many small ones. Thread-safe. In a child forked after it was made,
+/// `allocate` throws forked_child_error (none of its memory is locked there); deallocating
+/// still works, without a CUDA call.
 ///
 /// When mlock fails (RLIMIT_MEMLOCK reached without CAP_IPC_LOCK), allocate throws
 /// lock_limit_error naming the bytes asked, the limit and how to raise it, unless
@@ -61,6 +64,7 @@ class pinned_host_resource final : public memory_resource {
   bool do_thread_safe() const noexcept override { return true; }
 
   pinned_options options_;
+  detail::fork_record made_;
   std::atomic<std::uint64_t> mappings_{0};
   std::atomic<std::uint64_t> mapped_bytes_{0};
   std::atomic<std::uint64_t> locked_bytes_{0};
@@ -68,7 +72,7 @@ class pinned_host_resource final : public memory_resource {
   std::atomic<std::uint64_t> unlocked_fallbacks_{0};
   std::atomic<std::uint64_t> registered_bytes_{0};
   // Mappings handed out unlocked (fallback only; usually empty).
-  std::mutex unlocked_mutex_;
+  detail::fork_safe_mutex unlocked_mutex_;
   std::unordered_set<void*> unlocked_;
   std::atomic<std::uint64_t> unlocked_live_{0};
 };

@@ -54,7 +54,11 @@ struct pool_stats {
 /// allocation that fits in an existing slab makes no system call. Empty standard slabs are
 /// kept for reuse until `trim()`; a slab made for one oversized allocation is released when
 /// that allocation is freed. The destructor releases every slab, live allocations included
-/// (their pointers dangle afterwards). Thread-safe: one mutex guards the pool.
+/// (their pointers dangle afterwards). Thread-safe: one mutex guards the pool, and fork()
+/// waits for a thread inside it (detail::fork_safe_mutex), so a child never inherits it held.
+/// In a child forked after the pool was made its memory is not locked (memory locks do not
+/// pass to a child): `allocate` throws forked_child_error there, while buffers from before
+/// the fork can still be used and freed, and `stats` reports no locked or registered bytes.
 ///
 /// Under a memory-lock limit (RLIMIT_MEMLOCK without CAP_IPC_LOCK: 8 MiB for most users) a
 /// shared slab the limit refuses is tried again at half the size, down to the pages of the
@@ -104,7 +108,8 @@ class pinned_pool final : public memory_resource {
 
   pool_options options_;
   pinned_host_resource upstream_;
-  mutable std::mutex mutex_;
+  detail::fork_record made_;
+  mutable detail::fork_safe_mutex mutex_;
   std::vector<std::unique_ptr<slab>> slabs_;
   std::unordered_map<const void*, live> live_;
   std::uint64_t slab_bytes_total_ = 0;

@@ -9,6 +9,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "tensormem/memory/detail/fork_safe_mutex.hpp"
 #include "tensormem/memory/memory_resource.hpp"
 
 namespace tensormem::memory {
@@ -37,7 +38,7 @@ class statistics_adaptor final : public memory_resource {
   bool do_thread_safe() const noexcept override { return upstream_.thread_safe(); }
 
   memory_resource& upstream_;
-  mutable std::mutex mutex_;
+  mutable detail::fork_safe_mutex mutex_;
   resource_counters c_;
 };
 
@@ -62,7 +63,7 @@ class tracking_adaptor final : public memory_resource {
     std::uint64_t sequence;
   };
   memory_resource& upstream_;
-  mutable std::mutex mutex_;
+  mutable detail::fork_safe_mutex mutex_;
   std::unordered_map<void*, record> live_;
   std::uint64_t sequence_ = 0;
 };
@@ -91,7 +92,7 @@ class trace_log_adaptor final : public memory_resource {
   };
   memory_resource& upstream_;
   std::ostream& out_;
-  std::mutex mutex_;
+  detail::fork_safe_mutex mutex_;
   std::unordered_map<void*, open_buffer> live_;
   std::uint64_t clock_ = 0;
   std::uint64_t next_id_ = 0;
