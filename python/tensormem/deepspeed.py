@@ -80,12 +80,23 @@ class _PinnedTensors:
 
     A tensor keeps its memory alive: ``free`` forgets it at once (and returns False for a
     tensor it does not manage, as DeepSpeed does), and the bytes go back to the pool when the
-    last view of the tensor is gone, so no live tensor ever points at reused memory."""
+    last view of the tensor is gone, so no live tensor ever points at reused memory.
+
+    Per process, as DeepSpeed's: a child forked from a process that used it makes a pool of
+    its own at its first allocation (the inherited pool's memory is not locked in a child, and
+    refuses to allocate there), and takes a new lock (another thread of the parent may have
+    held the old one at the fork). Inherited tensors stay usable and can be freed."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._pool: Optional[_tensormem.PinnedPool] = None
+        self._pool_pid = 0  # the process that made _pool
         self._regions = {}  # start address -> (end address, PinnedBuffer)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
 
     def alloc(self, num_elem: int, dtype: torch.dtype) -> torch.Tensor:
         num_elem = int(num_elem)
@@ -93,8 +104,9 @@ class _PinnedTensors:
             raise ValueError(f"new_cpu_locked_tensor: num_elem must be >= 0, not {num_elem}")
         nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            if self._pool is None:
+            if self._pool is None or self._pool_pid != os.getpid():
                 self._pool = _tensormem.PinnedPool()
+                self._pool_pid = os.getpid()
             buffer = self._pool.allocate(max(nbytes, 1))
             start = buffer.address
             self._regions[start] = (start + nbytes, buffer)

@@ -1368,6 +1368,48 @@ def test_a_forked_child_frees_what_a_pinned_pool_gave_before_and_is_refused_new_
     assert f"parent 1 False False {1 << 20}" in lines, r.stdout
 
 
+def test_deepspeeds_locked_tensors_work_in_a_forked_child():
+    # DeepSpeed's pinned tensors are per process: a child forked from a process that made some
+    # gets locked memory of its own (a new pool), even while a parent thread held the
+    # manager's lock at the fork, and can free what it inherited.
+    script = textwrap.dedent("""
+        import os, signal, threading
+        import torch
+        from tensormem import deepspeed as ds
+        example = torch.empty(0, dtype=torch.float32)
+        inherited = ds.new_cpu_locked_tensor(1024, example)
+        inherited.fill_(3)
+        taken, release = threading.Event(), threading.Event()
+        def inside():
+            with ds._PINNED._lock:
+                taken.set()
+                release.wait()
+        t = threading.Thread(target=inside)
+        t.start()
+        taken.wait()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)  # a hang ends the child by SIGALRM
+            mine = ds.new_cpu_locked_tensor(1 << 20, example)
+            mine.fill_(1)
+            s = ds._PINNED.stats()
+            print("child", float(inherited.sum()), ds.free_cpu_locked_tensor(inherited),
+                  ds.is_pinned(mine), s["locked_bytes"] > 0, s["allocations"], flush=True)
+            os._exit(0)
+        print("child status", os.waitpid(pid, 0)[1])
+        release.set()
+        t.join()
+        print("parent", float(inherited.sum()), ds.is_pinned(inherited), ds._PINNED.stats()["allocations"])
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "child 3072.0 True True True 1" in lines, r.stdout
+    assert "child status 0" in lines, r.stdout  # 14 (SIGALRM) when the child waited on the lock
+    assert "parent 3072.0 True 1" in lines, r.stdout
+
+
 def test_tensors_whose_memory_is_not_their_values_are_refused_by_the_swapper(tmp_path):
     # A conjugate or negative view reads its memory through an operation, a sparse tensor has
     # no one block: swapping the memory would save or fill other values than the tensor's.
