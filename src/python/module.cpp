@@ -833,13 +833,13 @@ PYBIND11_MODULE(_tensormem, m) {
     if (off.size() != buffers.size()) throw std::invalid_argument("offsets: one per buffer");
     py::gil_scoped_release release;
     if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".html") == 0) {
-      trace::write_plan_html(path, buffers, off, arena_bytes, lower_bound, title);
-    } else {
-      trace::write_plan_svg(path, buffers, off, arena_bytes, lower_bound);
+      return trace::write_plan_html(path, buffers, off, arena_bytes, lower_bound, title);
     }
+    return trace::write_plan_svg(path, buffers, off, arena_bytes, lower_bound);
   }, py::arg("path"), py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("offsets"), py::arg("arena_bytes"),
      py::arg("lower_bound"), py::arg("title") = "plan", py::arg("ids") = py::none(),
-     "Draws a plan: an interactive page when the path ends in .html, else an SVG picture.");
+     "Draws a plan: an interactive page when the path ends in .html, else an SVG picture. Returns what is "
+     "wrong with the plan (validate's message, also shown in the picture), empty when it is valid.");
 
   m.def("validate", [](const py::handle& lower, const py::handle& upper, const py::handle& size,
                        const py::handle& offsets, u64 arena_bytes, u64 alignment) {

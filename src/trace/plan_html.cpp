@@ -50,7 +50,7 @@ body{margin:0;font:13px sans-serif;color:#222;background:#fff;overflow:hidden}
 .key{display:inline-block;width:18px;height:0;vertical-align:middle;margin-right:4px}
 .hint{color:#666}
 </style></head><body>
-<div id="bar"><b id="title"></b><span>drawn: <span id="drawn">0</span> buffers</span>
+<div id="bar"><b id="title"></b><b id="invalid" style="color:#c00"></b><span>drawn: <span id="drawn">0</span> buffers</span>
 <span><span class="key" style="border-top:2px dashed #c00"></span>lower bound</span>
 <span><span class="key" style="border-top:2px solid #000"></span>arena</span>
 <span class="hint">wheel: zoom (shift: time only, alt: bytes only) &middot; drag: pan &middot; double-click: reset</span>
@@ -217,6 +217,7 @@ window.addEventListener("resize", draw);
 document.getElementById("title").textContent = P.title + ": " + N + " buffers, arena " + human(P.arena) +
     ", lower bound " + human(P.lb) + " (" + (P.lb > 0 ? (P.arena / P.lb).toFixed(4) : P.arena === 0 ? "1.0000" : "n/a") + " x)";
 document.title = "tensormem plan: " + P.title;
+if (P.invalid) document.getElementById("invalid").textContent = "not a valid plan: " + P.invalid;
 draw();
 if (location.hash === "#selftest" && N > 0) {
   // Zoom in once about the centre of the buffer with the largest area, then hover it there.
@@ -238,12 +239,15 @@ if (location.hash === "#selftest" && N > 0) {
 
 }  // namespace
 
-void write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
-                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                     std::uint64_t lower_bound, const std::string& title) {
+std::string write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
+                            std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                            std::uint64_t lower_bound, const std::string& title) {
   const std::size_t n = buffers.size();
+  const std::string problem = plan_problem(buffers, offsets, arena_bytes);
   out << page_head << "title:";
   js_string(out, title);
+  out << ",\ninvalid:";
+  js_string(out, problem);
   out << ",\narena:" << arena_bytes << ",\nlb:" << lower_bound << ",\nids:[";
   for (std::size_t i = 0; i < n; ++i) {
     if (i) out << ',';
@@ -255,14 +259,17 @@ void write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
   js_numbers(out, "offset", n, [&](std::size_t i) { return offsets[i]; });
   js_numbers(out, "bytes", n, [&](std::size_t i) { return buffers[i].bytes; });
   out << page_tail;
+  return problem;
 }
 
-void write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
-                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                     std::uint64_t lower_bound, const std::string& title) {
+std::string write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
+                            std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                            std::uint64_t lower_bound, const std::string& title) {
+  std::string problem;
   detail::write_file(path, [&](std::ostream& out) {
-    write_plan_html(out, buffers, offsets, arena_bytes, lower_bound, title);
+    problem = write_plan_html(out, buffers, offsets, arena_bytes, lower_bound, title);
   });
+  return problem;
 }
 
 }  // namespace tensormem::trace

@@ -6,9 +6,12 @@
 #include <cstdio>
 #include <fstream>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <vector>
+
+#include "tensormem/core/planner.hpp"
 
 #include "svg_support.hpp"
 #include "write_file.hpp"
@@ -26,9 +29,19 @@ constexpr std::size_t one_by_one_up_to = 20'000;  // above: their union, per pix
 
 }  // namespace
 
-void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
-                    std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                    std::uint64_t lower_bound) {
+std::string plan_problem(std::span<const core::buffer> buffers, std::span<const std::uint64_t> offsets,
+                         std::uint64_t arena_bytes) {
+  if (offsets.size() != buffers.size()) {
+    throw std::invalid_argument("plan picture: " + std::to_string(offsets.size()) + " offsets for " +
+                                std::to_string(buffers.size()) + " buffers");
+  }
+  return core::validate(buffers, offsets, arena_bytes);
+}
+
+std::string write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
+                           std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                           std::uint64_t lower_bound) {
+  const std::string problem = plan_problem(buffers, offsets, arena_bytes);
   constexpr double width = 1280;
   constexpr double height = 720;
   constexpr double left = 90;    // y tick labels
@@ -64,6 +77,12 @@ void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
   out << " x)</text>\n";
   out.unsetf(std::ios::floatfield);
   out.precision(6);
+  // A plan that does not validate is drawn as it is (to see what is wrong), and says so.
+  if (!problem.empty()) {
+    constexpr std::size_t shown = 160;
+    out << "<text x=\"" << left << "\" y=\"46\" font-size=\"13\" fill=\"#c00\">not a valid plan: "
+        << escape(problem.size() > shown ? problem.substr(0, shown) + "..." : problem) << "</text>\n";
+  }
 
   // Buffers: one rectangle each (outlined while few), or above one_by_one_up_to the union of
   // the buffers in each pixel column (a 2-D difference array: O(buffers + pixels)), so
@@ -192,12 +211,17 @@ void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
         << "\">drawn as their union</text>\n";
   }
   out << "</g>\n</svg>\n";
+  return problem;
 }
 
-void write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
-                    std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                    std::uint64_t lower_bound) {
-  detail::write_file(path, [&](std::ostream& out) { write_plan_svg(out, buffers, offsets, arena_bytes, lower_bound); });
+std::string write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
+                           std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                           std::uint64_t lower_bound) {
+  std::string problem;
+  detail::write_file(path, [&](std::ostream& out) {
+    problem = write_plan_svg(out, buffers, offsets, arena_bytes, lower_bound);
+  });
+  return problem;
 }
 
 }  // namespace tensormem::trace

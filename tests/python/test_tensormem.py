@@ -499,9 +499,17 @@ def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path):
     lower, upper, size = [0, 1], [2, 3], [256, 512]
     p = tensormem.plan(lower, upper, size, time_limit=0)
     args = (lower, upper, size, p["offsets"], p["arena_bytes"], p["lower_bound"])
-    tensormem.write_plan_picture(str(tmp_path / "p.svg"), *args, ids=["a<b", "c"])
+    assert tensormem.write_plan_picture(str(tmp_path / "p.svg"), *args, ids=["a<b", "c"]) == ""
     svg = (tmp_path / "p.svg").read_text()
-    assert svg.startswith("<svg") and "a&lt;b" in svg and "1.0000 x" in svg
+    assert svg.startswith("<svg") and "a&lt;b" in svg and "1.0000 x" in svg and "not a valid plan" not in svg
+    # A plan that does not validate is drawn, and says what is wrong (as validate does).
+    overlapping = np.array([0, 128], dtype=np.uint64)
+    problem = tensormem.validate(lower, upper, size, overlapping, 768)
+    assert problem and tensormem.write_plan_picture(str(tmp_path / "bad.svg"), lower, upper, size,
+                                                    overlapping, 768, 768) == problem
+    assert "not a valid plan: " in (tmp_path / "bad.svg").read_text()
+    assert tensormem.write_plan_picture(str(tmp_path / "bad.html"), lower, upper, size, overlapping, 768,
+                                        768) == problem
     tensormem.write_plan_picture(str(tmp_path / "p.html"), *args, title="t")
     assert "<script" in (tmp_path / "p.html").read_text()
     with pytest.raises(ValueError, match="ids: one per buffer"):

@@ -5,9 +5,12 @@
 
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "tensormem/core/planner.hpp"
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/plan_svg.hpp"
@@ -41,6 +44,38 @@ TEST(plan_svg, axes_labels_and_legend) {
   }
   EXPECT_EQ(count(svg, "class=\"lower-bound\""), 1U);
   EXPECT_EQ(count(svg, "class=\"arena\""), 1U);
+}
+
+// A plan that does not validate is drawn as given (to see what is wrong) and says so, in the
+// picture and to the caller; a valid one carries no such line.
+TEST(plan_svg, a_plan_that_does_not_validate_says_what_is_wrong) {
+  const std::vector<core::buffer> buffers = {{"a", 0, 10, 1 << 20, {}}, {"b<x>", 5, 20, 2 << 20, {}}};
+  std::ostringstream valid;
+  EXPECT_EQ(write_plan_svg(valid, buffers, std::vector<std::uint64_t>{0, 1 << 20}, 3 << 20, 3 << 20), "");
+  EXPECT_EQ(valid.str().find("not a valid plan"), std::string::npos);
+  for (const auto& [offsets, arena] : {std::pair{std::vector<std::uint64_t>{0, 1 << 19}, std::uint64_t{3} << 20},
+                                       std::pair{std::vector<std::uint64_t>{0, 1 << 20}, std::uint64_t{2} << 20}}) {
+    std::ostringstream svg;
+    std::ostringstream html;
+    const std::string problem = write_plan_svg(svg, buffers, offsets, arena, 3 << 20);
+    EXPECT_EQ(problem, core::validate(buffers, offsets, arena));
+    ASSERT_FALSE(problem.empty());
+    EXPECT_NE(svg.str().find("fill=\"#c00\">not a valid plan: "), std::string::npos);
+    EXPECT_NE(svg.str().find("b&lt;x&gt;"), std::string::npos);
+    EXPECT_EQ(count(svg.str(), "class=\"buffer\""), 2U);  // drawn all the same
+    EXPECT_EQ(write_plan_html(html, buffers, offsets, arena, 3 << 20, "t"), problem);
+    EXPECT_NE(html.str().find("invalid:\""), std::string::npos);
+    EXPECT_EQ(html.str().find("invalid:\"\","), std::string::npos);  // the message is there, escaped
+    EXPECT_NE(html.str().find("\"not a valid plan: \" + P.invalid"), std::string::npos);
+  }
+  std::ostringstream html;
+  EXPECT_EQ(write_plan_html(html, buffers, std::vector<std::uint64_t>{0, 1 << 20}, 3 << 20, 3 << 20, "t"), "");
+  EXPECT_NE(html.str().find("invalid:\"\","), std::string::npos);
+  std::ostringstream unused;
+  EXPECT_THROW(write_plan_svg(unused, buffers, std::vector<std::uint64_t>{0}, 3 << 20, 3 << 20),
+               std::invalid_argument);
+  EXPECT_THROW(write_plan_html(unused, buffers, std::vector<std::uint64_t>{0, 1, 2}, 3 << 20, 3 << 20, "t"),
+               std::invalid_argument);
 }
 
 // Ids given through the API (not read from a trace) may hold any bytes: the picture stays

@@ -10,16 +10,24 @@
 
 namespace tensormem::trace {
 
+/// What is wrong with a plan to be drawn (core::validate's message), empty when it is valid.
+/// Throws std::invalid_argument when there is not one offset per buffer.
+std::string plan_problem(std::span<const core::buffer> buffers, std::span<const std::uint64_t> offsets,
+                         std::uint64_t arena_bytes);
+
 /// Draws a plan: x is time, y is offset (0 at the bottom), one rectangle per buffer with its
-/// id as a tooltip, a dashed line at the lower bound and a solid one at the arena size.
-void write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
-                    std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                    std::uint64_t lower_bound);
+/// id as a tooltip, a dashed line at the lower bound and a solid one at the arena size. A
+/// plan that does not validate (plan_problem) is drawn as given, under a red line that says
+/// what is wrong. Returns that message (empty for a valid plan). std::invalid_argument when
+/// there is not one offset per buffer.
+std::string write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
+                           std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                           std::uint64_t lower_bound);
 /// As above, to a file; throws std::system_error when it cannot be written, and
 /// std::invalid_argument for an empty path or one holding a NUL byte (io::check_path_argument).
-void write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
-                    std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                    std::uint64_t lower_bound);
+std::string write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
+                           std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                           std::uint64_t lower_bound);
 
 /// An interactive page of a plan: one self-contained HTML file (no network), the buffers
 /// drawn on a canvas by the page's own script; the wheel zooms about the pointer (shift: time
@@ -27,14 +35,17 @@ void write_plan_svg(const std::string& path, std::span<const core::buffer> buffe
 /// its id, size, lifetime and offset. The number of buffers drawn in the current view is kept
 /// in the element `#drawn`. Opened with `#selftest` at the end of its address, the page
 /// hovers its largest buffer and zooms once by itself and writes what it saw into
-/// `#selftest` (for a headless browser). Values are exact up to 2^53.
-void write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
-                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                     std::uint64_t lower_bound, const std::string& title);
+/// `#selftest` (for a headless browser). Values are exact up to 2^53. A plan that does not
+/// validate is drawn as given, and the bar says what is wrong (`#invalid`); returns that
+/// message (empty for a valid plan).
+/// std::invalid_argument when there is not one offset per buffer.
+std::string write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
+                            std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                            std::uint64_t lower_bound, const std::string& title);
 /// As above, to a file; throws std::system_error when it cannot be written, and
 /// std::invalid_argument for an empty path or one holding a NUL byte (io::check_path_argument).
-void write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
-                     std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                     std::uint64_t lower_bound, const std::string& title);
+std::string write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
+                            std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
+                            std::uint64_t lower_bound, const std::string& title);
 
 }  // namespace tensormem::trace
