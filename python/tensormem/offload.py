@@ -435,8 +435,10 @@ class ZeroOffloadedOptimizer:
             except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
                 error = e
         self._raise_if_any_failed(error, "stepped")
-        for p, r in zip(self.params, self.owner):
-            dist.broadcast(p.data, src=self._global[r], group=self.group)
+        # Only what was stepped: a parameter no rank had a gradient for kept its value.
+        for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()):
+            if anywhere:
+                dist.broadcast(p.data, src=self._global[r], group=self.group)
 
     def _raise_if_any_failed(self, error: Optional[BaseException], what: str) -> None:
         """Counts the ranks where ``error`` is set (one all_reduce); re-raises this rank's

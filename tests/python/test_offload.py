@@ -4,6 +4,7 @@ import copy
 import errno
 import gc
 import os
+import re
 import resource
 import shutil
 import signal
@@ -743,13 +744,18 @@ ZERO_SCRIPT = textwrap.dedent("""
     else:
         opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, group=group, **kwargs)
         member = dist.get_rank(group)
+        broadcasts = []  # the parameters each step sends (a frozen one keeps its value: not sent)
+        broadcast = dist.broadcast
+        dist.broadcast = lambda tensor, *args, **kw: (broadcasts.append(tensor.shape), broadcast(tensor, *args, **kw))[1]
         for xs in zero_batches(4, 2 if group is not None else world):
             opt.zero_grad()
             m(xs[member]).pow(2).mean().backward()
             opt.step()
+        dist.broadcast = broadcast
         assert os.path.isdir(os.path.join(swap, "rank%d" % rank))
         if member == 0:
             torch.save(m.state_dict(), out)
+            print("broadcasts", len(broadcasts), "of", 4 * sum(p.requires_grad for p in m.parameters()))
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -785,6 +791,9 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, processes, frozen):
                             lambda r: [str(r), str(processes), str(tmp_path / "store"), str(swap),
                                        str(tmp_path / "final.pt"), "frozen" if frozen else "trained"])
     assert all(p.returncode == 0 for p in procs), outs
+    member0 = outs[1 if processes == 3 else 0][0]
+    count = re.search(r"broadcasts (\d+) of (\d+)", member0)
+    assert count and count[1] == count[2], member0
     if processes == 3:
         assert outs[0][0].strip() == ("refused: ZeroOffloadedOptimizer: this process (global rank 0) is not in the "
                                       "process group it was given"), outs[0]
