@@ -28,60 +28,91 @@ pinned_pool::~pinned_pool() {
   for (auto& s : slabs_) upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
 }
 
-pinned_pool::slab& pinned_pool::add_slab(std::size_t bytes, bool dedicated, bool locked_only) {
-  if (bytes > options_.max_locked_bytes - std::min<std::uint64_t>(slab_bytes_total_, options_.max_locked_bytes)) {
+// Maps a slab of `bytes` (outside the pool's lock, which `lock` holds on entry and on
+// return) and adds it. The bytes count against max_locked_bytes while they are mapped, so
+// that threads mapping at once cannot pass the cap together. Other threads allocate from
+// existing slabs and free meanwhile, and a fork() does not wait for the system calls.
+pinned_pool::slab& pinned_pool::add_slab(pool_lock& lock, std::size_t bytes, bool dedicated, bool locked_only) {
+  const std::uint64_t committed = slab_bytes_total_ + mapping_bytes_;
+  if (bytes > options_.max_locked_bytes - std::min<std::uint64_t>(committed, options_.max_locked_bytes)) {
     throw out_of_memory("pinned_pool: a slab of " + std::to_string(bytes) +
                         " bytes would pass the cap of " + std::to_string(options_.max_locked_bytes) +
                         " locked bytes (" + std::to_string(slab_bytes_total_) + " in slabs, " +
-                        std::to_string(in_use_) + " in use)");
+                        std::to_string(mapping_bytes_) + " being mapped, " + std::to_string(in_use_) +
+                        " in use)");
   }
   const std::size_t page = pinned_host_resource::page_bytes();
-  auto* base = static_cast<std::byte*>(locked_only ? upstream_.allocate_locked(bytes, page)
-                                                   : upstream_.allocate(bytes, page));
+  mapping_bytes_ += bytes;
+  std::byte* base = nullptr;
+  lock.unlock();
+  try {
+    base = static_cast<std::byte*>(locked_only ? upstream_.allocate_locked(bytes, page)
+                                               : upstream_.allocate(bytes, page));
+    detail::poison(base, bytes);  // nothing in it is handed out yet
+  } catch (...) {
+    lock.lock();
+    mapping_bytes_ -= bytes;
+    throw;
+  }
+  lock.lock();
+  mapping_bytes_ -= bytes;
   try {
     slabs_.push_back(std::make_unique<slab>(base, bytes, dedicated, options_.alignment));
   } catch (...) {
-    upstream_.deallocate(base, bytes, pinned_host_resource::page_bytes());
+    detail::unpoison(base, bytes);
+    upstream_.deallocate(base, bytes, page);
     throw;
   }
-  detail::poison(base, bytes);  // nothing in it is handed out yet
   slab_bytes_total_ += bytes;
   return *slabs_.back();
 }
 
-void pinned_pool::release_slab(slab* s) noexcept {
-  detail::unpoison(s->base, s->bytes);  // the pages may be mapped again for anything
-  upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
+// Takes slab s out of the pool; its memory stays mapped until unmap_slab.
+void pinned_pool::detach_slab(slab* s) noexcept {
   slab_bytes_total_ -= s->bytes;
   const auto it = std::find_if(slabs_.begin(), slabs_.end(),
                                [s](const std::unique_ptr<slab>& x) { return x.get() == s; });
-  if (it != slabs_.end()) slabs_.erase(it);
+  if (it != slabs_.end()) {
+    it->release();  // the caller's s now owns it
+    slabs_.erase(it);
+  }
+}
+
+void pinned_pool::unmap_slab(slab* s) noexcept {
+  detail::unpoison(s->base, s->bytes);  // the pages may be mapped again for anything
+  upstream_.deallocate(s->base, s->bytes, pinned_host_resource::page_bytes());
+  delete s;
 }
 
 // A block of `need` bytes in the first shared slab that has room, else in a new slab (its
 // own when `need` is more than a slab). Where the memory-lock limit refuses a shared slab,
 // slabs of half the size are tried, down to the pages `need` takes, and later shared slabs
 // are made at the size that was locked: a request the limit leaves room for is locked (the
-// unlocked fallback, where allowed, only for one that does not fit).
-std::pair<pinned_pool::slab*, core::allocation> pinned_pool::place(std::size_t need) {
-  for (auto& s : slabs_) {
-    if (s->dedicated) continue;
-    if (const auto where = s->offsets.allocate(need)) return {s.get(), *where};
-  }
+// unlocked fallback, where allowed, only for one that does not fit). While a slab is mapped
+// the lock is let go (add_slab): another thread may add a slab meanwhile, which is looked
+// at again before this one is mapped.
+std::pair<pinned_pool::slab*, core::allocation> pinned_pool::place(pool_lock& lock, std::size_t need) {
   const std::size_t page = pinned_host_resource::page_bytes();
   const std::size_t own = (need + page - 1) / page * page;
-  if (need > slab_size_) {
-    slab& s = add_slab(own, true);
-    return {&s, *s.offsets.allocate(need)};
-  }
   for (;;) {
-    const bool smallest = slab_size_ <= own;  // no smaller slab holds the request
-    try {
-      slab& s = add_slab(slab_size_, false, !smallest);
+    for (auto& s : slabs_) {
+      if (s->dedicated) continue;
+      if (const auto where = s->offsets.allocate(need)) return {s.get(), *where};
+    }
+    if (need > slab_size_) {
+      slab& s = add_slab(lock, own, true);
       return {&s, *s.offsets.allocate(need)};
+    }
+    const std::size_t size = slab_size_;
+    const bool smallest = size <= own;  // no smaller slab holds the request
+    try {
+      slab& s = add_slab(lock, size, false, !smallest);
+      if (const auto where = s.offsets.allocate(need)) return {&s, *where};
+      // (a new shared slab of at least `own` bytes always holds the request)
     } catch (const lock_limit_error&) {
       if (smallest) throw;
-      slab_size_ = std::max(own, (slab_size_ / 2 + page - 1) / page * page);
+      // Halved once for this refusal, unless another thread has changed the size meanwhile.
+      if (slab_size_ == size) slab_size_ = std::max(own, (size / 2 + page - 1) / page * page);
     }
   }
 }
@@ -98,12 +129,12 @@ void* pinned_pool::do_allocate(std::size_t bytes, std::size_t alignment) {
     throw out_of_memory("pinned_pool: " + std::to_string(bytes) + " bytes cannot be allocated");
   }
   const bool try_whole_units = slack != 0 && alignment <= pinned_host_resource::page_bytes();
-  const std::lock_guard lock(mutex_);
-  auto [owner, where] = place(try_whole_units ? (bytes + alignment - 1) / alignment * alignment : bytes + slack);
+  pool_lock lock(mutex_);
+  auto [owner, where] = place(lock, try_whole_units ? (bytes + alignment - 1) / alignment * alignment : bytes + slack);
   auto addr = reinterpret_cast<std::uintptr_t>(owner->base + where.offset);
   if (try_whole_units && addr % alignment != 0) {
     owner->offsets.deallocate(where);  // (an existing shared slab: a new one starts on a page)
-    std::tie(owner, where) = place(bytes + slack);
+    std::tie(owner, where) = place(lock, bytes + slack);
     addr = reinterpret_cast<std::uintptr_t>(owner->base + where.offset);
   }
   addr = (addr + alignment - 1) / alignment * alignment;
@@ -131,15 +162,22 @@ void* pinned_pool::allocate(std::size_t elements, dtype type) {
 }
 
 bool pinned_pool::free(void* p) noexcept {
-  const std::lock_guard lock(mutex_);
-  const auto it = live_.find(p);
-  if (it == live_.end()) return false;
-  const live l = it->second;
-  live_.erase(it);
-  l.owner->offsets.deallocate(l.where);
-  detail::poison(l.owner->base + l.where.offset, static_cast<std::size_t>(l.where.bytes));
-  in_use_ -= l.where.bytes;
-  if (l.owner->dedicated) release_slab(l.owner);
+  slab* emptied = nullptr;  // a slab of its own, unmapped after the lock is let go
+  {
+    const std::lock_guard lock(mutex_);
+    const auto it = live_.find(p);
+    if (it == live_.end()) return false;
+    const live l = it->second;
+    live_.erase(it);
+    l.owner->offsets.deallocate(l.where);
+    detail::poison(l.owner->base + l.where.offset, static_cast<std::size_t>(l.where.bytes));
+    in_use_ -= l.where.bytes;
+    if (l.owner->dedicated) {
+      detach_slab(l.owner);
+      emptied = l.owner;
+    }
+  }
+  if (emptied != nullptr) unmap_slab(emptied);
   return true;
 }
 
@@ -159,7 +197,9 @@ void pinned_pool::trim() noexcept {
     const auto it = std::find_if(slabs_.begin(), slabs_.end(),
                                  [](const std::unique_ptr<slab>& s) { return s->offsets.used() == 0; });
     if (it == slabs_.end()) return;
-    release_slab(it->get());
+    slab* s = it->get();
+    detach_slab(s);
+    unmap_slab(s);
   }
 }
 

@@ -144,22 +144,19 @@ TEST(pinned_pool_fork, a_child_forked_while_a_thread_is_inside_the_pool_finds_it
       while (!stop.load()) {
         const auto round = static_cast<std::size_t>(rounds.load());
         held.push_back(pool.allocate(4096 + 4096 * (round % 7)));
-        if (round % 5 == 0) held.push_back(pool.allocate(2 << 20));  // a slab of its own
+        if (round % 50 == 0) held.push_back(pool.allocate(2 << 20));  // a slab of its own
         if (held.size() > 16) {
           for (void* p : held) pool.free(p);
           held.clear();
           pool.trim();
         }
-        rounds.fetch_add(1);
-        // A pause between rounds, as a program has: a thread that takes the lock again at
-        // once, with slabs mapped and locked inside it, can keep fork() waiting for seconds.
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        rounds.fetch_add(1);  // (no pause: the slabs' system calls are made outside the lock)
       }
       for (void* p : held) pool.free(p);
     });
     while (rounds.load() < 10) std::this_thread::yield();
     int bad = 0;
-    for (int i = 0; i < 30; ++i) {
+    for (int i = 0; i < 60; ++i) {
       auto* mine = static_cast<unsigned char*>(pool.allocate(8192));
       std::memset(mine, 0x5a, 8192);
       const pid_t pid = fork();

@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -14,6 +16,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tensormem/memory/errors.hpp"
@@ -177,6 +180,76 @@ TEST(pinned_pool, cap_on_locked_bytes_is_a_typed_error_that_changes_nothing) {
   EXPECT_TRUE(pool.free(a));
   EXPECT_NE(pool.allocate(mib), nullptr);  // fits the freed space
   EXPECT_TRUE(pool.free(b));
+}
+
+// A slab is mapped, populated and locked, and unmapped, with the pool's lock let go: while one
+// thread maps 256 MiB (tens of milliseconds) and then frees it, another allocates and frees
+// in an existing slab. Before, the second waited for the whole mapping. Timed by completion
+// order, not by a bound: with the system calls under the lock the small calls can never end
+// first. Three tries, for a scheduler that leaves the second thread unscheduled throughout.
+TEST(pinned_pool, other_threads_allocate_and_free_while_a_slab_is_mapped_or_unmapped) {
+  bool before_mapped = false;
+  bool before_unmapped = false;
+  const auto small_calls = [](pinned_pool& pool) {
+    for (int i = 0; i < 100; ++i) ASSERT_TRUE(pool.free(pool.allocate(4096)));
+  };
+  for (int attempt = 0; attempt < 3 && !(before_mapped && before_unmapped); ++attempt) {
+    pinned_pool pool(pool_options{.slab_bytes = 1 * mib});
+    pool.free(pool.allocate(4096));  // a shared slab to allocate from
+    std::atomic<int> stage{0};  // 1: mapping, 2: mapped, 3: unmapping, 4: unmapped
+    std::thread grower([&] {
+      stage = 1;
+      void* big = pool.allocate(256 * mib);
+      stage = 2;
+      while (stage.load() != 3) std::this_thread::yield();
+      pool.free(big);
+      stage = 4;
+    });
+    while (stage.load() != 1) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    small_calls(pool);
+    before_mapped = before_mapped || stage.load() == 1;
+    while (stage.load() != 2) std::this_thread::yield();
+    stage = 3;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    small_calls(pool);
+    before_unmapped = before_unmapped || stage.load() == 3;
+    grower.join();
+    EXPECT_EQ(pool.stats().slabs, 1U);  // the big slab was its own, gone with its buffer
+  }
+  EXPECT_TRUE(before_mapped) << "the small calls always waited for the 256 MiB slab's mapping";
+  EXPECT_TRUE(before_unmapped) << "the small calls always waited for the 256 MiB slab's unmapping";
+}
+
+// Slabs being mapped by several threads at once count against the cap together: of two
+// concurrent 200 MiB requests under a 300 MiB cap, one is refused (without it, both passed
+// the check before either was added).
+TEST(pinned_pool, slabs_mapped_at_once_stay_within_the_cap) {
+  pinned_pool pool(pool_options{.slab_bytes = 1 * mib, .max_locked_bytes = 300 * mib});
+  std::atomic<int> ready{0};
+  std::atomic<int> refused{0};
+  std::vector<void*> got(2, nullptr);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) std::this_thread::yield();
+      try {
+        got[static_cast<std::size_t>(t)] = pool.allocate(200 * mib);
+      } catch (const out_of_memory& e) {
+        EXPECT_NE(std::string(e.what()).find("would pass the cap"), std::string::npos) << e.what();
+        refused.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(refused.load(), 1);
+  EXPECT_LE(pool.stats().slab_bytes, 300 * mib);
+  for (void* p : got) {
+    if (p != nullptr) {
+      EXPECT_TRUE(pool.free(p));
+    }
+  }
 }
 
 TEST(pinned_pool, destructor_returns_every_locked_byte) {

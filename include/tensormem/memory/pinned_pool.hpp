@@ -56,6 +56,8 @@ struct pool_stats {
 /// that allocation is freed. The destructor releases every slab, live allocations included
 /// (their pointers dangle afterwards). Thread-safe: one mutex guards the pool, and fork()
 /// waits for a thread inside it (detail::fork_safe_mutex), so a child never inherits it held.
+/// A slab is mapped and locked (and unmapped) with the lock let go: other threads allocate
+/// from the existing slabs and free meanwhile.
 /// In a child forked after the pool was made its memory is not locked (memory locks do not
 /// pass to a child): `allocate` throws forked_child_error there, while buffers from before
 /// the fork can still be used and freed, and `stats` reports no locked or registered bytes.
@@ -98,13 +100,17 @@ class pinned_pool final : public memory_resource {
     core::allocation where;
   };
 
+  using pool_lock = std::unique_lock<detail::fork_safe_mutex>;
+
   void* do_allocate(std::size_t bytes, std::size_t alignment) override;
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
   memory_kind do_kind() const noexcept override { return memory_kind::pinned_host; }
   bool do_thread_safe() const noexcept override { return true; }
-  slab& add_slab(std::size_t bytes, bool dedicated, bool locked_only = false);
-  std::pair<slab*, core::allocation> place(std::size_t need);
-  void release_slab(slab* s) noexcept;
+  slab& add_slab(pool_lock& lock, std::size_t bytes, bool dedicated,
+                 bool locked_only = false);
+  std::pair<slab*, core::allocation> place(pool_lock& lock, std::size_t need);
+  void detach_slab(slab* s) noexcept;
+  void unmap_slab(slab* s) noexcept;
 
   pool_options options_;
   pinned_host_resource upstream_;
@@ -113,6 +119,7 @@ class pinned_pool final : public memory_resource {
   std::vector<std::unique_ptr<slab>> slabs_;
   std::unordered_map<const void*, live> live_;
   std::uint64_t slab_bytes_total_ = 0;
+  std::uint64_t mapping_bytes_ = 0;  // of slabs being mapped by allocate, outside the lock
   std::size_t slab_size_ = 0;  // of new shared slabs: options_.slab_bytes, halved by the lock limit
   std::uint64_t in_use_ = 0;
   std::uint64_t peak_in_use_ = 0;
