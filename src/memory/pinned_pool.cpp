@@ -191,14 +191,18 @@ bool pinned_pool::owns(const void* p) const {
 }
 
 void pinned_pool::trim() noexcept {
-  const std::lock_guard lock(mutex_);
-  // Releases one empty slab at a time: no list of them is built, so nothing allocates.
+  // Releases one empty slab at a time (no list of them is built, so nothing allocates), each
+  // unmapped with the lock let go.
   for (;;) {
-    const auto it = std::find_if(slabs_.begin(), slabs_.end(),
-                                 [](const std::unique_ptr<slab>& s) { return s->offsets.used() == 0; });
-    if (it == slabs_.end()) return;
-    slab* s = it->get();
-    detach_slab(s);
+    slab* s = nullptr;
+    {
+      const std::lock_guard lock(mutex_);
+      const auto it = std::find_if(slabs_.begin(), slabs_.end(),
+                                   [](const std::unique_ptr<slab>& x) { return x->offsets.used() == 0; });
+      if (it == slabs_.end()) return;
+      s = it->get();
+      detach_slab(s);
+    }
     unmap_slab(s);
   }
 }

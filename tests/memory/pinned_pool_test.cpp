@@ -221,6 +221,32 @@ TEST(pinned_pool, other_threads_allocate_and_free_while_a_slab_is_mapped_or_unma
   EXPECT_TRUE(before_unmapped) << "the small calls always waited for the 256 MiB slab's unmapping";
 }
 
+// trim() unmaps each empty slab with the lock let go, as a free does: a 256 MiB slab being
+// trimmed keeps no other thread from allocating and freeing in another slab.
+TEST(pinned_pool, other_threads_allocate_and_free_while_a_slab_is_trimmed) {
+  bool before_trimmed = false;
+  for (int attempt = 0; attempt < 3 && !before_trimmed; ++attempt) {
+    pinned_pool pool(pool_options{.slab_bytes = 256 * mib});
+    void* a = pool.allocate(200 * mib);
+    pool.free(pool.allocate(200 * mib));  // a second slab, now empty
+    ASSERT_EQ(pool.stats().slabs, 2U);
+    std::atomic<int> stage{0};  // 1: trimming, 2: trimmed
+    std::thread trimmer([&] {
+      stage = 1;
+      pool.trim();
+      stage = 2;
+    });
+    while (stage.load() != 1) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    for (int i = 0; i < 100; ++i) ASSERT_TRUE(pool.free(pool.allocate(4096)));  // in the first slab
+    before_trimmed = stage.load() == 1;
+    trimmer.join();
+    EXPECT_EQ(pool.stats().slabs, 1U);
+    EXPECT_TRUE(pool.free(a));
+  }
+  EXPECT_TRUE(before_trimmed) << "the small calls always waited for the trim's unmapping";
+}
+
 // Slabs being mapped by several threads at once count against the cap together: of two
 // concurrent 200 MiB requests under a 300 MiB cap, one is refused (without it, both passed
 // the check before either was added).
