@@ -177,13 +177,15 @@ struct pinned_buffer {
                              " view(s) of it are alive (memoryview, numpy array, DLPack tensor); "
                              "release them first");
     }
-    release();
+    live = false;  // (under the GIL: no other Python thread sees it live meanwhile)
+    py::gil_scoped_release unlocked;  // a slab of its own is unmapped (a tenth of a second for 256 MiB)
+    if (pool) pool->free(data);
   }
   void release() noexcept {
     if (live && pool) pool->free(data);
     live = false;
   }
-  ~pinned_buffer() { release(); }
+  ~pinned_buffer() { release(); }  // with the GIL: a last reference may go during the interpreter's teardown
 };
 
 // Buffer protocol of PinnedBuffer, counting exports. Never lets a C++ exception out: a
@@ -931,7 +933,10 @@ PYBIND11_MODULE(_tensormem, m) {
       .def("allocate", [](std::shared_ptr<memory::pinned_pool> pool, whole<std::size_t> bytes) {
              auto buffer = std::make_shared<pinned_buffer>();
              buffer->pool = pool;
-             buffer->data = static_cast<std::byte*>(pool->allocate(bytes, 4096));
+             {
+               py::gil_scoped_release release;  // a new slab is mapped, populated and locked
+               buffer->data = static_cast<std::byte*>(pool->allocate(bytes, 4096));
+             }
              buffer->bytes = bytes;
              return buffer;
            }, py::arg("bytes"), "A 4096-aligned locked buffer (PinnedBuffer).")
@@ -946,8 +951,15 @@ PYBIND11_MODULE(_tensormem, m) {
         d["unlocked_fallbacks"] = s.unlocked_fallbacks;
         d["current_slab_bytes"] = s.current_slab_bytes;
         d["registered_bytes"] = s.registered_bytes;
+        d["slab_bytes"] = s.slab_bytes;
+        d["peak_in_use_bytes"] = s.peak_in_use_bytes;
+        d["total_allocations"] = s.total_allocations;
         return d;
-      });
+      })
+      .def("trim", [](memory::pinned_pool& pool) {
+             py::gil_scoped_release release;
+             pool.trim();
+           }, "Unmaps the slabs no live buffer uses (kept for reuse until then).");
 
   m.attr("PYBIND11_VERSION") = python::pybind11_version();  // the pybind11 this module was built with
   m.def("numpy_abi_problem", &python::numpy_abi_problem,

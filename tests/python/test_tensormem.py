@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -198,6 +199,75 @@ def test_pinned_buffers_cross_without_copies():
     for m in more:
         m.free()
     assert pool.stats()["allocations"] == 1
+
+
+def test_a_pinned_pool_reports_its_slabs_and_trims_the_empty_ones():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    keep = pool.allocate(4096)
+    big = [pool.allocate((1 << 20) + 4096) for _ in range(2)]  # more than a slab: a slab of its own each
+    extra = [pool.allocate(600 << 10) for _ in range(2)]  # one in the first slab, one in a second
+    s = pool.stats()
+    assert s["total_allocations"] == 5 and s["allocations"] == 5
+    assert s["slab_bytes"] == s["locked_bytes"] and s["slab_bytes"] >= 4 << 20
+    assert s["peak_in_use_bytes"] >= s["in_use_bytes"] > 2 << 20
+    for b in big + extra:
+        b.free()
+    assert pool.stats()["slabs"] == 2  # the shared slabs stay for reuse
+    pool.trim()
+    s = pool.stats()
+    assert s["slabs"] == 1 and s["slab_bytes"] == s["locked_bytes"] == 1 << 20  # the one `keep` is in
+    assert s["peak_in_use_bytes"] > s["in_use_bytes"] == 4096
+    keep.free()
+    pool.trim()
+    assert pool.stats()["slabs"] == 0 and pool.stats()["locked_bytes"] == 0
+
+
+def test_other_python_threads_run_while_a_pinned_pool_maps_or_unmaps_a_slab():
+    # allocate and free let the GIL go while a slab is mapped, populated and locked, or
+    # unmapped (0.3 s and 0.06 s for 512 MiB here): a Python thread that notes the time in a
+    # loop never stops for as long as such a call lasts. (Holding the GIL, a call would stop
+    # it for its whole length.)
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+
+    def longest_pause_beside(calls):
+        # The thread keeps only its longest pause: growing a list would fault in pages, which
+        # waits for the mapping's own kernel lock whatever the GIL does.
+        longest, stop = [0.0], threading.Event()
+
+        def note():
+            last = time.perf_counter()
+            while not stop.is_set():
+                now = time.perf_counter()
+                longest[0] = max(longest[0], now - last)
+                last = now
+
+        t = threading.Thread(target=note)
+        t.start()
+        took = []
+        try:
+            time.sleep(0.05)  # (the thread is running)
+            for call in calls:
+                start = time.perf_counter()
+                call()
+                took.append(time.perf_counter() - start)
+        finally:
+            stop.set()
+            t.join()
+        return longest[0], took
+
+    # Three tries, for a busy machine that pauses the thread on its own; holding the GIL, no
+    # try can pass (the pause is then as long as the call).
+    seen = []
+    for _ in range(3):
+        buffers = []
+        allocated = longest_pause_beside([lambda: buffers.append(pool.allocate(512 << 20))] * 2)
+        freed = longest_pause_beside([b.free for b in buffers])
+        assert pool.stats()["slabs"] == 0
+        seen.append((allocated, freed))
+        if all(pause < min(took) / 2 for pause, took in (allocated, freed)):
+            break
+    else:
+        raise AssertionError(f"another thread waited as long as a call (pause, durations): {seen}")
 
 
 def test_out_of_memory_is_a_memory_error():
