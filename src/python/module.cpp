@@ -315,8 +315,10 @@ held_view hold(const py::handle& object, bool writable) {
 /// outstanding ones keep their buffers held, to be waited for again.
 class py_swapper {
  public:
-  py_swapper(std::shared_ptr<memory::pinned_pool> pool, swap::swap_options options)
-      : pool_(std::move(pool)), swapper_(std::make_unique<swap::tensor_swapper>(*pool_, options)) {}
+  py_swapper(std::shared_ptr<memory::pinned_pool> pool, swap::swap_options options) : pool_(std::move(pool)) {
+    py::gil_scoped_release release;  // staging buffers (maybe a new slab), a ring, threads
+    swapper_ = std::make_unique<swap::tensor_swapper>(*pool_, options);
+  }
   ~py_swapper() {
     {
       py::gil_scoped_release release;
