@@ -57,7 +57,9 @@ pinned_pool::slab& pinned_pool::add_slab(pool_lock& lock, std::size_t bytes, boo
   lock.lock();
   mapping_bytes_ -= bytes;
   try {
-    slabs_.push_back(std::make_unique<slab>(base, bytes, dedicated, options_.alignment));
+    auto made = std::make_unique<slab>(base, bytes, dedicated, options_.alignment);
+    made->offsets.reserve(2);  // the first allocation in it then allocates no node (cannot fail)
+    slabs_.push_back(std::move(made));
   } catch (...) {
     detail::unpoison(base, bytes);
     upstream_.deallocate(base, bytes, page);
@@ -91,7 +93,8 @@ void pinned_pool::unmap_slab(slab* s) noexcept {
 // unlocked fallback, where allowed, only for one that does not fit). While a slab is mapped
 // the lock is let go (add_slab): another thread may add a slab meanwhile, which is looked
 // at again before this one is mapped.
-std::pair<pinned_pool::slab*, core::allocation> pinned_pool::place(pool_lock& lock, std::size_t need) {
+std::pair<pinned_pool::slab*, core::allocation> pinned_pool::place(pool_lock& lock, std::size_t need, bool& made) {
+  made = false;
   const std::size_t page = pinned_host_resource::page_bytes();
   const std::size_t own = (need + page - 1) / page * page;
   for (;;) {
@@ -101,12 +104,14 @@ std::pair<pinned_pool::slab*, core::allocation> pinned_pool::place(pool_lock& lo
     }
     if (need > slab_size_) {
       slab& s = add_slab(lock, own, true);
+      made = true;
       return {&s, *s.offsets.allocate(need)};
     }
     const std::size_t size = slab_size_;
     const bool smallest = size <= own;  // no smaller slab holds the request
     try {
       slab& s = add_slab(lock, size, false, !smallest);
+      made = true;
       if (const auto where = s.offsets.allocate(need)) return {&s, *where};
       // (a new shared slab of at least `own` bytes always holds the request)
     } catch (const lock_limit_error&) {
@@ -130,11 +135,13 @@ void* pinned_pool::do_allocate(std::size_t bytes, std::size_t alignment) {
   }
   const bool try_whole_units = slack != 0 && alignment <= pinned_host_resource::page_bytes();
   pool_lock lock(mutex_);
-  auto [owner, where] = place(lock, try_whole_units ? (bytes + alignment - 1) / alignment * alignment : bytes + slack);
+  bool made = false;  // whether place made the slab (which the strong guarantee then takes away)
+  auto [owner, where] =
+      place(lock, try_whole_units ? (bytes + alignment - 1) / alignment * alignment : bytes + slack, made);
   auto addr = reinterpret_cast<std::uintptr_t>(owner->base + where.offset);
   if (try_whole_units && addr % alignment != 0) {
     owner->offsets.deallocate(where);  // (an existing shared slab: a new one starts on a page)
-    std::tie(owner, where) = place(lock, bytes + slack);
+    std::tie(owner, where) = place(lock, bytes + slack, made);
     addr = reinterpret_cast<std::uintptr_t>(owner->base + where.offset);
   }
   addr = (addr + alignment - 1) / alignment * alignment;
@@ -143,6 +150,10 @@ void* pinned_pool::do_allocate(std::size_t bytes, std::size_t alignment) {
     live_.emplace(p, live{owner, where});
   } catch (...) {
     owner->offsets.deallocate(where);
+    if (made) {  // no slab stays behind a failed allocation (an empty one of its own would until trim)
+      detach_slab(owner);
+      unmap_slab(owner);
+    }
     throw;
   }
   in_use_ += where.bytes;

@@ -20,6 +20,7 @@
 #include "tensormem/core/planner.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/memory/pinned_pool.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
 // The replacement operators below pair malloc with free by construction; GCC 12 reports
@@ -271,6 +272,48 @@ TEST(reserve, tlsf_reserve_without_memory_changes_nothing) {
 }
 TEST(reserve, best_fit_reserve_without_memory_changes_nothing) {
   reserve_without_memory_changes_nothing<core::best_fit_allocator>();
+}
+
+// The pinned pool: an allocation that fails for lack of memory (its slab's record, the live
+// table) leaves every count as it was and no slab mapped behind it (a slab's mapping is
+// undone); frees and trims allocate nothing.
+TEST(strong_guarantee, pinned_pool_allocate_free_and_trim) {
+  memory::pinned_pool pool(memory::pool_options{.slab_bytes = 1 << 20});
+  std::mt19937_64 rng(5);
+  std::vector<void*> live;
+  int injected = 0;
+  for (int step = 0; step < 200; ++step) {
+    if (live.empty() || rng() % 100 < 60) {
+      // Mostly fits a slab; sometimes a new shared slab or one of its own.
+      const std::size_t bytes = rng() % 10 == 0 ? (1 << 20) + 1 + rng() % (1 << 20) : 1 + rng() % (300 << 10);
+      const memory::pool_stats before = pool.stats();
+      void* got = nullptr;
+      injected += inject_until_success([&] { got = pool.allocate(bytes, 256); }, [&] {
+        const memory::pool_stats now = pool.stats();
+        ASSERT_EQ(now.slabs, before.slabs);
+        ASSERT_EQ(now.slab_bytes, before.slab_bytes);
+        ASSERT_EQ(now.locked_bytes, before.locked_bytes);  // no mapping left behind
+        ASSERT_EQ(now.allocations, before.allocations);
+        ASSERT_EQ(now.in_use_bytes, before.in_use_bytes);
+        ASSERT_EQ(now.total_allocations, before.total_allocations);
+      });
+      ASSERT_NE(got, nullptr);
+      live.push_back(got);
+    } else {
+      const std::size_t i = rng() % live.size();
+      countdown = 0;  // frees and trims must not allocate: any allocation here would throw
+      ASSERT_TRUE(pool.free(live[i]));
+      if (step % 7 == 0) pool.trim();
+      countdown = -1;
+      live[i] = live.back();
+      live.pop_back();
+    }
+    ASSERT_EQ(pool.stats().locked_bytes, pool.stats().slab_bytes) << "step " << step;
+  }
+  EXPECT_GT(injected, 0);
+  for (void* p : live) EXPECT_TRUE(pool.free(p));
+  pool.trim();
+  EXPECT_EQ(pool.stats().locked_bytes, 0U);
 }
 
 std::byte pattern(std::uint64_t id, std::uint64_t i) {

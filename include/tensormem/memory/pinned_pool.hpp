@@ -108,7 +108,7 @@ class pinned_pool final : public memory_resource {
   bool do_thread_safe() const noexcept override { return true; }
   slab& add_slab(pool_lock& lock, std::size_t bytes, bool dedicated,
                  bool locked_only = false);
-  std::pair<slab*, core::allocation> place(pool_lock& lock, std::size_t need);
+  std::pair<slab*, core::allocation> place(pool_lock& lock, std::size_t need, bool& made);
   void detach_slab(slab* s) noexcept;
   void unmap_slab(slab* s) noexcept;
 
