@@ -196,38 +196,70 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
   // Blocks of block_bytes (a multiple of 4096 under O_DIRECT), dealt out to the rings.
   std::uint64_t block = options_.block_bytes;
   if (direct) block = (block + direct_alignment - 1) / direct_alignment * direct_alignment;
-  std::unique_lock lock(mutex_);
-  if (wanted_direct && !direct && stats_.fallback.empty()) {
-    stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
+  // A request that cannot be queued for lack of memory leaves nothing behind: no op that
+  // wait() would wait for, no part of the transfer queued, the file closed.
+  std::vector<std::size_t> pushed;  // requests of this op queued on each ring
+  try {
+    pushed.assign(rings_.size(), 0);
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
-  const std::uint64_t id = next_id_++;
-  op& o = (*ops_)[id];
-  o = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, {}};
+  std::unique_lock lock(mutex_);
+  const std::uint64_t id = next_id_;
+  op* made = nullptr;
+  try {
+    if (wanted_direct && !direct && stats_.fallback.empty()) {
+      stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
+    }
+    made = &ops_->try_emplace(id).first->second;
+    *made = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, {}};  // (copies the path)
+  } catch (...) {
+    if (made != nullptr) ops_->erase(id);
+    ::close(fd);
+    throw;
+  }
+  ++next_id_;
+  op& o = *made;
   ++unfinished_ops_;
   ++(direct ? stats_.direct_ops : stats_.buffered_ops);
   if (bytes == 0) {
     finish(o);
     return id;
   }
-  std::vector<bool> woken(rings_.size(), false);
-  for (std::uint64_t done = 0; done < bytes; done += block) {
-    ring& r = *rings_[next_ring_];
-    woken[next_ring_] = true;
-    next_ring_ = (next_ring_ + 1) % rings_.size();
-    io_request q;
-    q.fd = fd;
-    q.offset = file_offset + done;
-    q.buffer = buffer + done;
-    q.bytes = static_cast<std::size_t>(std::min<std::uint64_t>(block, bytes - done));
-    q.write = write;
-    q.user_data = id;
-    r.queued->push_back(q);
-    ++o.unfinished;
-    ++stats_.requests;
+  std::size_t next = next_ring_;
+  try {
+    for (std::uint64_t done = 0; done < bytes; done += block) {
+      io_request q;
+      q.fd = fd;
+      q.offset = file_offset + done;
+      q.buffer = buffer + done;
+      q.bytes = static_cast<std::size_t>(std::min<std::uint64_t>(block, bytes - done));
+      q.write = write;
+      q.user_data = id;
+      rings_[next]->queued->push_back(q);
+      ++pushed[next];
+      next = (next + 1) % rings_.size();
+    }
+  } catch (...) {
+    // Under the lock all along: no ring has taken any of them; they are the last queued.
+    for (std::size_t i = 0; i < rings_.size(); ++i) {
+      for (std::size_t k = 0; k < pushed[i]; ++k) rings_[i]->queued->pop_back();
+    }
+    --unfinished_ops_;
+    --(direct ? stats_.direct_ops : stats_.buffered_ops);
+    ops_->erase(id);
+    ::close(fd);
+    throw;
+  }
+  next_ring_ = next;
+  for (const std::size_t n : pushed) {
+    o.unfinished += n;
+    stats_.requests += n;
   }
   lock.unlock();
   for (std::size_t i = 0; i < rings_.size(); ++i) {
-    if (woken[i]) rings_[i]->work->notify_one();
+    if (pushed[i] != 0) rings_[i]->work->notify_one();
   }
   return id;
 }

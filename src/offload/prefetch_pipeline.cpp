@@ -37,21 +37,31 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
                                   " bytes cannot hold a staging buffer of " + std::to_string(cost) + " bytes");
     }
     const std::size_t count = static_cast<std::size_t>(std::min<std::uint64_t>(fit, items_->size()));
+    // Room first, so that a buffer taken from the pool is never lost to a failing push_back.
+    buffers_.reserve(count);
+    free_->reserve(count);
     try {
       for (std::size_t i = 0; i < count; ++i) buffers_.push_back(static_cast<std::byte*>(pool_.allocate(bytes, 4096)));
     } catch (...) {
       for (std::byte* b : buffers_) pool_.free(b);
       throw;
     }
-    *free_ = buffers_;
+    *free_ = buffers_;  // (within the room reserved: no allocation)
     stats_.buffers = buffers_.size();
     stats_.pinned_bytes = buffers_.size() * cost;
   }
-  {
-    const std::lock_guard lock(mutex_);
-    pump();
+  try {
+    {
+      const std::lock_guard lock(mutex_);
+      pump();
+    }
+    *collector_ = std::thread([this] { collect_writes(); });
+  } catch (...) {
+    // No collector (the constructor runs no destructor): the reads started end, and every
+    // buffer goes back to the pool.
+    end_reads_and_give_back_buffers();
+    throw;
   }
-  *collector_ = std::thread([this] { collect_writes(); });
 }
 
 prefetch_pipeline::~prefetch_pipeline() {
@@ -65,7 +75,11 @@ prefetch_pipeline::~prefetch_pipeline() {
   }
   changed_->notify_all();
   collector_->join();
-  // Reads still in flight (the caller stopped early) must end before their buffers go back.
+  end_reads_and_give_back_buffers();
+}
+
+// Reads still in flight (the caller stopped early) end before their buffers go back.
+void prefetch_pipeline::end_reads_and_give_back_buffers() noexcept {
   for (item& it : *items_) {
     if (it.s == state::reading && !it.error) {
       try {

@@ -234,26 +234,34 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
                                 std::to_string(options_.block_bytes) + " bytes are more than this machine's " +
                                 std::to_string(physical) + " bytes of memory");
   }
+  // Room first: once a buffer is taken from the pool nothing allocates until the buffers are
+  // registered, and a failure there gives every one back (the constructor runs no destructor).
+  staging_.reserve(count + headers);
+  free_staging_->reserve(count);
+  free_headers_->reserve(headers);
+  std::vector<std::span<std::byte>> regions;
+  regions.reserve(count + 1);
   try {
     for (std::size_t i = 0; i < count; ++i) {
       staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));
       free_staging_->push_back(i);
     }
     header_slab_ = static_cast<std::byte*>(pool_.allocate(headers * header_bytes, io_alignment));
+    data_staging_ = count;
+    for (std::size_t i = 0; i < headers; ++i) {
+      free_headers_->push_back(staging_.size());
+      staging_.push_back(header_slab_ + i * header_bytes);
+    }
+    // Fixed buffers where io_uring allows them; plain requests otherwise.
+    for (std::size_t i = 0; i < data_staging_; ++i) regions.emplace_back(staging_[i], options_.block_bytes);
+    regions.emplace_back(header_slab_, headers * header_bytes);
+    stats_.registered_staging = engine_->register_buffers(regions);
   } catch (...) {
-    for (std::byte* b : staging_) pool_.free(b);
+    engine_.reset();  // unregisters whatever it registered before the buffers go back
+    for (std::size_t i = 0; i < std::min(count, staging_.size()); ++i) pool_.free(staging_[i]);
+    if (header_slab_ != nullptr) pool_.free(header_slab_);
     throw;
   }
-  data_staging_ = staging_.size();
-  for (std::size_t i = 0; i < headers; ++i) {
-    free_headers_->push_back(staging_.size());
-    staging_.push_back(header_slab_ + i * header_bytes);
-  }
-  // Fixed buffers where io_uring allows them; plain requests otherwise.
-  std::vector<std::span<std::byte>> regions;
-  for (std::size_t i = 0; i < data_staging_; ++i) regions.emplace_back(staging_[i], options_.block_bytes);
-  regions.emplace_back(header_slab_, headers * header_bytes);
-  stats_.registered_staging = engine_->register_buffers(regions);
   try {
     *reaper_ = std::thread([this] { run_reaper(); });
     *committer_ = std::thread([this] { run_committer(); });

@@ -4,12 +4,18 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <map>
 #include <new>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -21,6 +27,10 @@
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
+#include "tensormem/io/file_io.hpp"
+#include "tensormem/offload/prefetch_pipeline.hpp"
+#include "tensormem/offload/swap_space.hpp"
+#include "tensormem/swap/tensor_swapper.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
 // The replacement operators below pair malloc with free by construction; GCC 12 reports
@@ -314,6 +324,123 @@ TEST(strong_guarantee, pinned_pool_allocate_free_and_trim) {
   for (void* p : live) EXPECT_TRUE(pool.free(p));
   pool.trim();
   EXPECT_EQ(pool.stats().locked_bytes, 0U);
+}
+
+// A swapper that cannot be made for lack of memory (its staging buffers' records, its
+// engine, its threads' state) gives back every staging buffer it took from the pool.
+TEST(strong_guarantee, a_swapper_that_cannot_be_made_gives_its_staging_buffers_back) {
+  memory::pinned_pool pool(memory::pool_options{.slab_bytes = 4 << 20});
+  for (const auto engine : {io::engine_kind::uring, io::engine_kind::threads}) {
+    const int injected = inject_until_success(
+        [&] { swap::tensor_swapper s(pool, swap::swap_options{.engine = engine, .staging_buffers = 4}); },
+        [&] { ASSERT_EQ(pool.stats().allocations, 0U); });
+    EXPECT_GT(injected, 3);
+    EXPECT_EQ(pool.stats().allocations, 0U);
+  }
+}
+
+std::size_t open_descriptors() {
+  return static_cast<std::size_t>(std::distance(std::filesystem::directory_iterator("/proc/self/fd"),
+                                                std::filesystem::directory_iterator{}));
+}
+
+// A read or write that cannot be queued for lack of memory (its op, its requests on each
+// ring) leaves nothing behind: wait() has nothing to wait for, the file is closed, and no
+// part of a write reaches the file. Before, an op was registered before its requests were
+// queued: a failure in between left one that wait() waited for for ever, or a write of
+// which some blocks went out after the caller was told it failed.
+TEST(strong_guarantee, a_transfer_that_cannot_be_queued_leaves_nothing_behind) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  ASSERT_NE(::mkdtemp(templ), nullptr);
+  const std::string dir = templ;
+  constexpr std::size_t bytes = 64 * 4096;
+  auto* data = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
+  for (const unsigned rings : {1U, 3U}) {
+    io::file_io_options options;
+    options.block_bytes = 4096;
+    options.rings = rings;
+    options.engine = io::engine_kind::threads;
+    io::async_file_io io(options);
+    const std::string path = dir + "/f" + std::to_string(rings);
+    std::memset(data, 1, bytes);
+    io.write(data, bytes, path, 0);
+    ASSERT_TRUE(io.wait().errors.empty());
+    const std::size_t descriptors = open_descriptors();
+    int failed = 0;
+    for (long n = 0; n < 200; ++n) {
+      std::memset(data, 2, bytes);
+      countdown = n;
+      bool queued = true;
+      try {
+        io.write(data, bytes, path, 0);
+      } catch (const std::bad_alloc&) {
+        queued = false;
+        ++failed;
+      }
+      countdown = -1;
+      const auto done = io.wait_until(std::chrono::steady_clock::now() + std::chrono::seconds(10));
+      ASSERT_TRUE(done.has_value()) << "allocation " << n << ": wait() waits for an op that was never queued";
+      ASSERT_TRUE(done->errors.empty());
+      ASSERT_EQ(open_descriptors(), descriptors) << "allocation " << n;
+      // The file holds the old bytes (1) after a refused write, the new (2) after a queued one.
+      std::memset(data, 0, bytes);
+      io.read(data, bytes, path, 0);
+      ASSERT_TRUE(io.wait().errors.empty());
+      for (std::size_t i = 0; i < bytes; i += 4096) {
+        ASSERT_EQ(data[i], std::byte{static_cast<unsigned char>(queued ? 2 : 1)}) << "allocation " << n << ", byte " << i;
+      }
+      std::memset(data, 1, bytes);  // back to the old bytes for the next round
+      io.write(data, bytes, path, 0);
+      ASSERT_TRUE(io.wait().errors.empty());
+      if (queued && n > 20) break;
+    }
+    EXPECT_GT(failed, 0);
+  }
+  std::free(data);
+  std::filesystem::remove_all(dir);
+}
+
+// A prefetch pipeline that cannot be made for lack of memory (its buffers' list, the reads
+// it starts, its collector thread) gives back every buffer it took, after any read it
+// started into one has ended.
+TEST(strong_guarantee, a_prefetch_pipeline_that_cannot_be_made_gives_its_buffers_back) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  ASSERT_NE(::mkdtemp(templ), nullptr);
+  const std::string dir = templ;
+  {
+    offload::swap_space_options options;
+    options.folders = {dir};
+    offload::swap_space space(options);
+    std::vector<std::size_t> ids;
+    std::vector<std::byte> bytes(8192, std::byte{7});
+    for (int i = 0; i < 6; ++i) {
+      ids.push_back(space.add("t" + std::to_string(i), 8192));
+      void* staged = std::aligned_alloc(4096, 8192);
+      std::memcpy(staged, bytes.data(), bytes.size());
+      auto t = space.write(ids.back(), static_cast<std::byte*>(staged));
+      space.finish(t);
+      space.commit(ids.back());
+      std::free(staged);
+    }
+    memory::pinned_pool pool(memory::pool_options{.slab_bytes = 1 << 20});
+    // Every allocation of the construction in turn, whether or not it ends the construction
+    // (a read that cannot start is the item's error, reported when it is acquired).
+    int failed = 0;
+    for (long n = 0; n < 400; ++n) {
+      std::optional<offload::prefetch_pipeline> p;
+      countdown = n;
+      try {
+        p.emplace(space, pool, ids, offload::pipeline_options{3 * 8192, 0});
+      } catch (const std::bad_alloc&) {
+        ++failed;
+      }
+      countdown = -1;
+      p.reset();
+      ASSERT_EQ(pool.stats().allocations, 0U) << "allocation " << n << " failed";
+    }
+    EXPECT_GT(failed, 3);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 std::byte pattern(std::uint64_t id, std::uint64_t i) {

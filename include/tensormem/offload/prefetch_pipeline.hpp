@@ -79,6 +79,7 @@ class prefetch_pipeline {
 
   void pump();  // starts reads while buffers are free; under mutex_
   void collect_writes();
+  void end_reads_and_give_back_buffers() noexcept;
 
   static constexpr const char* who = "a prefetch pipeline";
   io::detail::fork_guard made_;
