@@ -230,6 +230,7 @@ void write_every_record(const std::vector<offloaded_optimizer::group>& groups, s
     }
     for (std::byte* b : buffers) pool.free(b);
   };
+  buffers.reserve(count);  // a buffer taken is never lost to a failing push_back
   try {
     for (std::size_t i = 0; i < count; ++i) buffers.push_back(static_cast<std::byte*>(pool.allocate(bytes, 4096)));
     for (const auto& g : groups) {

@@ -28,6 +28,7 @@
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
 #include "tensormem/io/file_io.hpp"
+#include "tensormem/offload/offloaded_optimizer.hpp"
 #include "tensormem/offload/prefetch_pipeline.hpp"
 #include "tensormem/offload/swap_space.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
@@ -337,6 +338,44 @@ TEST(strong_guarantee, a_swapper_that_cannot_be_made_gives_its_staging_buffers_b
     EXPECT_GT(injected, 3);
     EXPECT_EQ(pool.stats().allocations, 0U);
   }
+}
+
+// An offloaded optimizer's first state written under memory failures: every failure gives
+// the pinned buffers back; the state is written once a try gets through.
+TEST(strong_guarantee, an_optimizer_whose_first_state_cannot_be_written_keeps_no_pinned_buffer) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  ASSERT_NE(::mkdtemp(templ), nullptr);
+  const std::string dir = templ;
+  {
+    offload::optimizer_options options;
+    options.swap.folders = {dir};
+    options.group_bytes = 16 << 10;
+    options.pipeline.pinned_budget = 256 << 10;
+    offload::offloaded_optimizer opt({10000, 3000, 20000}, options);
+    std::vector<std::vector<float>> values = {std::vector<float>(10000, 1.0F), std::vector<float>(3000, 2.0F),
+                                              std::vector<float>(20000, 3.0F)};
+    const std::vector<const float*> params = {values[0].data(), values[1].data(), values[2].data()};
+    int failed = 0;
+    {
+      // What is read once per process (the machine's memory, cached on the first call, which
+      // falls back to "unknown" where it cannot be read) is read here, before any fault.
+      offload::offloaded_optimizer first({10000, 3000, 20000}, options);
+      first.initialize(params);
+    }
+    for (long n = 0; n < 400 && !opt.initialized(); ++n) {
+      countdown = n;
+      try {
+        opt.initialize(params);
+      } catch (const std::bad_alloc&) {
+        ++failed;
+      }
+      countdown = -1;
+      ASSERT_EQ(opt.pool().stats().allocations, 0U) << "allocation " << n << " failed";
+    }
+    EXPECT_TRUE(opt.initialized());
+    EXPECT_GT(failed, 0);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 std::size_t open_descriptors() {
