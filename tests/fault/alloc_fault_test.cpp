@@ -425,8 +425,9 @@ TEST(strong_guarantee, a_transfer_that_cannot_be_queued_leaves_nothing_behind) {
       std::memset(data, 0, bytes);
       io.read(data, bytes, path, 0);
       ASSERT_TRUE(io.wait().errors.empty());
+      const auto expected = std::byte{static_cast<unsigned char>(queued ? 2 : 1)};
       for (std::size_t i = 0; i < bytes; i += 4096) {
-        ASSERT_EQ(data[i], std::byte{static_cast<unsigned char>(queued ? 2 : 1)}) << "allocation " << n << ", byte " << i;
+        ASSERT_EQ(data[i], expected) << "allocation " << n << ", byte " << i;
       }
       std::memset(data, 1, bytes);  // back to the old bytes for the next round
       io.write(data, bytes, path, 0);

@@ -746,7 +746,10 @@ ZERO_SCRIPT = textwrap.dedent("""
         member = dist.get_rank(group)
         broadcasts = []  # the parameters each step sends (a frozen one keeps its value: not sent)
         broadcast = dist.broadcast
-        dist.broadcast = lambda tensor, *args, **kw: (broadcasts.append(tensor.shape), broadcast(tensor, *args, **kw))[1]
+        def counted(tensor, *args, **kw):
+            broadcasts.append(tensor.shape)
+            return broadcast(tensor, *args, **kw)
+        dist.broadcast = counted
         for xs in zero_batches(4, 2 if group is not None else world):
             opt.zero_grad()
             m(xs[member]).pow(2).mean().backward()
