@@ -36,7 +36,8 @@ void* tracking_adaptor::do_allocate(std::size_t bytes, std::size_t alignment) {
   void* p = upstream_.allocate(bytes, alignment);
   try {
     const std::lock_guard lock(mutex_);
-    live_.emplace(p, record{bytes, sequence_++});
+    live_.emplace(p, record{bytes, sequence_});
+    ++sequence_;  // (only once recorded: a failed allocation leaves no gap in the numbers)
   } catch (...) {
     upstream_.deallocate(p, bytes, alignment);
     throw;
@@ -89,7 +90,9 @@ void* trace_log_adaptor::do_allocate(std::size_t bytes, std::size_t alignment) {
   void* p = upstream_.allocate(bytes, alignment);
   try {
     const std::lock_guard lock(mutex_);
-    live_.emplace(p, open_buffer{next_id_++, clock_++, bytes});
+    live_.emplace(p, open_buffer{next_id_, clock_, bytes});
+    ++next_id_;  // (only once recorded: a failed allocation takes no id and no time step)
+    ++clock_;
   } catch (...) {
     upstream_.deallocate(p, bytes, alignment);
     throw;

@@ -17,6 +17,7 @@
 #include <new>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/memory/host_resource.hpp"
 #include "tensormem/memory/pinned_pool.hpp"
+#include "tensormem/memory/statistics_adaptor.hpp"
 #include "tensormem/io/file_io.hpp"
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "tensormem/offload/prefetch_pipeline.hpp"
@@ -376,6 +378,40 @@ TEST(strong_guarantee, an_optimizer_whose_first_state_cannot_be_written_keeps_no
     EXPECT_GT(failed, 0);
   }
   std::filesystem::remove_all(dir);
+}
+
+// The tracking and trace-log adaptors: an allocation refused for lack of memory takes no
+// sequence number, id or time step, so the report and the trace are those of the
+// allocations that were made.
+TEST(strong_guarantee, adaptors_number_only_the_allocations_made) {
+  memory::host_resource host;
+  memory::tracking_adaptor tracking(host);
+  std::ostringstream log;
+  std::vector<std::pair<void*, std::size_t>> made;
+  made.reserve(6);  // (the test's own list allocates nothing under the faults)
+  {
+    memory::trace_log_adaptor logger(tracking, log);
+    int failed = 0;
+    for (std::size_t i = 0; i < 6; ++i) {
+      failed += inject_until_success([&] { made.emplace_back(logger.allocate(64 * (i + 1), 64), 64 * (i + 1)); },
+                                     [] {});
+    }
+    EXPECT_GT(failed, 0);
+    for (const auto& [p, bytes] : made) logger.deallocate(p, bytes, 64);
+  }
+  // Trace lines "a<id>,<lower>,<upper>,<size>": ids 0-5, allocations at steps 0-5, frees 6-11.
+  EXPECT_EQ(log.str(), "id,lower,upper,size\na0,0,6,64\na1,1,7,128\na2,2,8,192\na3,3,9,256\na4,4,10,320\n"
+                       "a5,5,11,384\n");
+  // Straight on a tracking adaptor: three allocations made through faults, then a fourth.
+  memory::tracking_adaptor counted(host);
+  std::vector<void*> kept(3, nullptr);
+  int failed = 0;
+  for (void*& p : kept) failed += inject_until_success([&] { p = counted.allocate(8, 8); }, [] {});
+  EXPECT_GT(failed, 0);
+  for (void* p : kept) counted.deallocate(p, 8, 8);
+  void* p = counted.allocate(8, 8);
+  EXPECT_EQ(counted.leak_report().rfind("#3 ", 0), 0U) << counted.leak_report();  // three before it
+  counted.deallocate(p, 8, 8);
 }
 
 std::size_t open_descriptors() {
