@@ -1223,6 +1223,33 @@ NOT_REFUSED = textwrap.dedent("""
         return wrong
 """)
 
+# Put before a forking script: `release = held_by_a_thread(*locks)` returns once a thread of
+# this process holds every lock (as a thread inside a long wait would); `release()` lets it go.
+HELD_BY_A_THREAD = textwrap.dedent("""
+    import threading as _threading
+
+    def held_by_a_thread(*locks):
+        taken, release = _threading.Event(), _threading.Event()
+
+        def hold():
+            for lock in locks:
+                lock.acquire()
+            taken.set()
+            release.wait()
+            for lock in reversed(locks):
+                lock.release()
+
+        t = _threading.Thread(target=hold)
+        t.start()
+        taken.wait()
+
+        def let_go():
+            release.set()
+            t.join()
+        return let_go
+""")
+
+
 
 def test_a_forked_child_is_refused_and_leaves_the_parents_objects_and_files_alone(tmp_path):
     # A script that forks while a swap-out and a write are in flight, as a data-loader worker
@@ -1291,21 +1318,14 @@ def test_a_forked_child_is_refused_even_while_a_parent_thread_held_the_aio_handl
     # A thread of the parent is inside the handle (its locks taken, as during a long wait)
     # when another thread forks. The child's copies of those locks stay taken: each call in
     # the child must be refused before it waits on one, not hang.
-    script = NOT_REFUSED + textwrap.dedent(f"""
-        import os, signal, threading
+    script = NOT_REFUSED + HELD_BY_A_THREAD + textwrap.dedent(f"""
+        import os, signal
         import torch
         import tensormem
         from tensormem.deepspeed import aio_handle
         d = {str(tmp_path)!r}
         handle = aio_handle(block_size=1 << 20, queue_depth=8)
-        taken, release = threading.Event(), threading.Event()
-        def inside():
-            with handle._lock, handle._sync_lock:
-                taken.set()
-                release.wait()
-        t = threading.Thread(target=inside)
-        t.start()
-        taken.wait()
+        let_go = held_by_a_thread(handle._lock, handle._sync_lock)
         pid = os.fork()
         if pid == 0:
             signal.alarm(20)  # a hang ends the child by SIGALRM
@@ -1319,8 +1339,7 @@ def test_a_forked_child_is_refused_even_while_a_parent_thread_held_the_aio_handl
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         print("child status", status)
-        release.set()
-        t.join()
+        let_go()
         x = torch.arange(4096, dtype=torch.float32)
         handle.async_pwrite(x, d + "/parent")
         print("parent", handle.wait())
@@ -1372,21 +1391,14 @@ def test_deepspeeds_locked_tensors_work_in_a_forked_child():
     # DeepSpeed's pinned tensors are per process: a child forked from a process that made some
     # gets locked memory of its own (a new pool), even while a parent thread held the
     # manager's lock at the fork, and can free what it inherited.
-    script = textwrap.dedent("""
-        import os, signal, threading
+    script = HELD_BY_A_THREAD + textwrap.dedent("""
+        import os, signal
         import torch
         from tensormem import deepspeed as ds
         example = torch.empty(0, dtype=torch.float32)
         inherited = ds.new_cpu_locked_tensor(1024, example)
         inherited.fill_(3)
-        taken, release = threading.Event(), threading.Event()
-        def inside():
-            with ds._PINNED._lock:
-                taken.set()
-                release.wait()
-        t = threading.Thread(target=inside)
-        t.start()
-        taken.wait()
+        let_go = held_by_a_thread(ds._PINNED._lock)
         pid = os.fork()
         if pid == 0:
             signal.alarm(10)  # a hang ends the child by SIGALRM
@@ -1397,8 +1409,7 @@ def test_deepspeeds_locked_tensors_work_in_a_forked_child():
                   ds.is_pinned(mine), s["locked_bytes"] > 0, s["allocations"], flush=True)
             os._exit(0)
         print("child status", os.waitpid(pid, 0)[1])
-        release.set()
-        t.join()
+        let_go()
         print("parent", float(inherited.sum()), ds.is_pinned(inherited), ds._PINNED.stats()["allocations"])
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
