@@ -213,7 +213,7 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
       stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
     }
     made = &ops_->try_emplace(id).first->second;
-    *made = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, {}};  // (copies the path)
+    *made = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, 0, 0, {}};  // (copies the path)
   } catch (...) {
     if (made != nullptr) ops_->erase(id);
     ::close(fd);
@@ -266,16 +266,29 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
 
 // A ring's thread: hands queued requests to its engine and collects completions; the engine
 // is touched by this thread only.
+//
+// Nothing this thread does may throw: an exception would end the process. Out of memory
+// (the engines throw only std::bad_alloc) fails what it was submitting with ENOMEM, or, for a
+// wait, is retried after a pause (the requests in flight hold their buffers; they cannot be
+// given up). The batch changes hands with the ring's queue by a swap, without allocating.
 void async_file_io::run(ring& r) {
   std::unique_lock lock(mutex_);
   std::vector<io_request> batch;
   for (;;) {
     if (!r.queued->empty()) {
-      batch.assign(r.queued->begin(), r.queued->end());
-      r.queued->clear();
+      batch.swap(*r.queued);
       lock.unlock();
-      r.engine->submit(batch);
+      bool submitted = true;
+      try {
+        r.engine->submit(batch);
+      } catch (...) {  // std::bad_alloc, nothing submitted
+        submitted = false;
+      }
       lock.lock();
+      if (!submitted) {
+        for (const io_request& q : batch) complete({q.user_data, -ENOMEM, q.total()});
+      }
+      batch.clear();
       continue;
     }
     if (r.engine->outstanding() == 0) {
@@ -284,25 +297,36 @@ void async_file_io::run(ring& r) {
       continue;
     }
     lock.unlock();
-    const std::vector<io_completion> done = r.engine->wait(1);
+    std::vector<io_completion> done;
+    try {
+      done = r.engine->wait(1);
+    } catch (...) {  // std::bad_alloc, the completions kept by the engine
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     lock.lock();
     for (const io_completion& c : done) complete(c);
   }
 }
 
-void async_file_io::complete(const io_completion& c) {
-  op& o = ops_->at(c.user_data);
+void async_file_io::complete(const io_completion& c) noexcept {
+  op& o = ops_->find(c.user_data)->second;
   if (o.error == 0 && (c.result < 0 || static_cast<std::size_t>(c.result) < c.bytes)) {
-    if (c.result < 0) {
-      o.error = static_cast<int>(-c.result);
-      o.message = std::string(o.write ? "write to " : "read from ") + o.path + " failed: " + describe(o.error);
-    } else {
-      o.error = EIO;
-      o.message = std::string(o.write ? "short write to " : "short read from ") + o.path + ": " +
-                  std::to_string(c.result) + " of " + std::to_string(c.bytes) + " bytes";
-    }
+    o.error = c.result < 0 ? static_cast<int>(-c.result) : EIO;
+    o.moved = c.result;
+    o.asked = c.bytes;
   }
   if (--o.unfinished == 0) finish(o);
+}
+
+// On the collecting thread: a failure's message, unless the validation made one.
+void async_file_io::make_message(op& o) {
+  if (o.error == 0 || !o.message.empty()) return;
+  if (o.moved < 0) {
+    o.message = std::string(o.write ? "write to " : "read from ") + o.path + " failed: " + describe(o.error);
+  } else {
+    o.message = std::string(o.write ? "short write to " : "short read from ") + o.path + ": " +
+                std::to_string(o.moved) + " of " + std::to_string(o.asked) + " bytes";
+  }
 }
 
 void async_file_io::finish(op& o) {
@@ -335,13 +359,20 @@ std::optional<async_file_io::wait_result> async_file_io::wait_until(std::chrono:
   std::map<std::uint64_t, op> finished;
   finished.swap(*ops_);
   lock.unlock();
-  wait_result result;
-  for (auto& [id, o] : finished) {
-    ++result.completed;
-    check_validation(o);
-    if (o.error != 0) result.errors.push_back({o.path, o.error, o.message, id});
+  try {
+    wait_result result;
+    for (auto& [id, o] : finished) {
+      ++result.completed;
+      check_validation(o);
+      make_message(o);
+      if (o.error != 0) result.errors.push_back({o.path, o.error, o.message, id});
+    }
+    return result;
+  } catch (...) {  // std::bad_alloc: nothing is collected; a later wait reports them all
+    const std::lock_guard again(mutex_);
+    ops_->merge(finished);  // moves the nodes back, allocating nothing
+    throw;
   }
-  return result;
 }
 
 file_io_error async_file_io::wait_for(std::uint64_t ticket) {
@@ -359,11 +390,18 @@ file_io_error async_file_io::wait_for(std::uint64_t ticket) {
   });
   const auto it = ops_->find(ticket);
   if (it == ops_->end()) throw unknown();
-  op o = std::move(it->second);
-  ops_->erase(it);
+  auto taken = ops_->extract(it);
   lock.unlock();
-  check_validation(o);
-  return o.error != 0 ? file_io_error{o.path, o.error, o.message, ticket} : file_io_error{};
+  try {
+    op& o = taken.mapped();
+    check_validation(o);
+    make_message(o);
+    return o.error != 0 ? file_io_error{o.path, o.error, o.message, ticket} : file_io_error{};
+  } catch (...) {  // std::bad_alloc: not collected; a later wait_for or wait reports it
+    const std::lock_guard again(mutex_);
+    ops_->insert(std::move(taken));
+    throw;
+  }
 }
 
 // Reads a finished, validated operation's range back through the page cache and compares.

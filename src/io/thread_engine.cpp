@@ -58,7 +58,10 @@ class thread_engine final : public io_engine {
   void submit(std::span<const io_request> requests) override {
     made_.require_same_process(who);
     {
+      // Room for every completion first, so that a worker never allocates (on its thread a
+      // std::bad_alloc would end the process); a deque's insert at its end is all or nothing.
       const std::lock_guard lock(mutex_);
+      done_->reserve(outstanding_ + requests.size());
       queue_->insert(queue_->end(), requests.begin(), requests.end());
     }
     outstanding_ += requests.size();

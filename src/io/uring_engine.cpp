@@ -29,6 +29,10 @@ class uring_engine final : public io_engine {
     const int rc = io_uring_queue_init(depth_, &ring_, 0);
     if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_queue_init");
     slots_.resize(depth_);
+    // A slot is in at most one of these at a time: reaping and failing never allocate.
+    free_slots_->reserve(depth_);
+    retry_->reserve(depth_);
+    unsubmitted_->reserve(depth_);
     for (unsigned i = 0; i < depth_; ++i) free_slots_->push_back(i);
   }
 
@@ -43,9 +47,22 @@ class uring_engine final : public io_engine {
     io_uring_queue_exit(&ring_);
   }
 
+  // Strong guarantee: room for every completion is made first, so that reaping never
+  // allocates (a completion taken from the ring and then lost to std::bad_alloc would leave
+  // its request outstanding for ever), and a failed push takes back the ones before it.
   void submit(std::span<const io_request> requests) override {
     made_.require_same_process(who);
-    for (const io_request& r : requests) pending_->push_back({r, 0});
+    ready_->reserve(outstanding_ + requests.size());
+    std::size_t pushed = 0;
+    try {
+      for (const io_request& r : requests) {
+        pending_->push_back({r, 0});
+        ++pushed;
+      }
+    } catch (...) {
+      for (; pushed != 0; --pushed) pending_->pop_back();
+      throw;
+    }
     outstanding_ += requests.size();
     pump();
   }
@@ -58,7 +75,7 @@ class uring_engine final : public io_engine {
       if (ready_->size() >= min_completions) break;
       // Every outstanding request is pending, queued, in flight or ready; with nothing in
       // flight and nothing to submit the loop could not progress, so that is a failure.
-      if (in_flight_ == 0 && unsubmitted_->empty() && pending_->empty()) break;
+      if (in_flight_ == 0 && unsubmitted_->empty() && pending_->empty() && retry_->empty()) break;
       reap(1);
     }
     reap(0);  // whatever else is ready, without blocking
@@ -213,18 +230,18 @@ class uring_engine final : public io_engine {
     io_uring_cq_advance(&ring_, seen);
     in_flight_ -= seen;
     bool resubmit = false;
+    std::size_t kept = 0;
     for (const unsigned slot : *retry_) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-      if (sqe == nullptr) {  // cannot happen: a slot frees an entry; be safe anyway
-        pending_->push_front(slots_[slot]);
-        free_slots_->push_back(slot);
+      if (sqe == nullptr) {  // cannot happen (a slot frees an entry); kept for the next reap
+        (*retry_)[kept++] = slot;
         continue;
       }
       prepare(sqe, slot);
       unsubmitted_->push_back(slot);
       resubmit = true;
     }
-    retry_->clear();
+    retry_->resize(kept);
     if (resubmit) submit_queued();
   }
 

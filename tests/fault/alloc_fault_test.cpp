@@ -13,13 +13,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <new>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tensormem/arena/contiguous_arena.hpp"
@@ -473,6 +476,179 @@ TEST(strong_guarantee, a_transfer_that_cannot_be_queued_leaves_nothing_behind) {
     EXPECT_GT(failed, 0);
   }
   std::free(data);
+  std::filesystem::remove_all(dir);
+}
+
+// An I/O engine out of memory loses no completion and returns none twice: `submit` takes
+// every request or none, a `wait` that fails keeps what it had reaped (reaping itself never
+// allocates: a completion taken from the ring and then lost would leave its request
+// outstanding for ever), and the thread engine's workers never allocate, since on their
+// threads a std::bad_alloc would end the process (every allocation off the caller's thread
+// fails here).
+TEST(strong_guarantee, io_engines_lose_no_completion_when_out_of_memory) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  const int file = ::mkstemp(templ);
+  ASSERT_GE(file, 0);
+  constexpr std::size_t count = 16;
+  constexpr std::size_t bytes = 4096;
+  std::vector<std::byte> contents(count * bytes);
+  for (std::size_t i = 0; i < contents.size(); ++i) contents[i] = std::byte{static_cast<unsigned char>(i / bytes + 1)};
+  ASSERT_EQ(::pwrite(file, contents.data(), contents.size(), 0), static_cast<ssize_t>(contents.size()));
+  std::vector<std::byte> into(contents.size());
+  for (const io::engine_kind kind : {io::engine_kind::uring, io::engine_kind::threads}) {
+    SCOPED_TRACE(std::string(io::to_string(kind)));
+    const disarm_on_exit disarm;
+    int failed_submits = 0;
+    int failed_waits = 0;
+    for (long n = 0; n < 60; ++n) {  // a new engine each round: its first allocations fail
+      std::unique_ptr<io::io_engine> engine;
+      try {
+        engine = kind == io::engine_kind::uring ? io::make_uring_engine(4) : io::make_thread_engine(4, 2);
+      } catch (const std::system_error& e) {
+        std::cerr << "io_uring unavailable here (" << e.what() << "): its engine not tested\n";
+        break;
+      }
+      armed_thread = std::this_thread::get_id();
+      fail_on_other_threads = true;
+      std::fill(into.begin(), into.end(), std::byte{0});
+      std::vector<io::io_request> requests(count);
+      for (std::size_t i = 0; i < count; ++i) {
+        requests[i].fd = file;
+        requests[i].offset = i * bytes;
+        requests[i].buffer = into.data() + i * bytes;
+        requests[i].bytes = bytes;
+        requests[i].user_data = i;
+      }
+      countdown = n % 4;
+      try {
+        engine->submit(requests);
+      } catch (const std::bad_alloc&) {
+        countdown = -1;
+        ++failed_submits;
+        ASSERT_EQ(engine->outstanding(), 0U) << "a refused submit kept some of its requests";
+        engine->submit(requests);
+      }
+      countdown = -1;
+      ASSERT_EQ(engine->outstanding(), count);
+      std::map<std::uint64_t, int> seen;
+      long failing_waits = n % 5;  // this round's first waits each fail at one allocation
+      while (engine->outstanding() != 0) {
+        countdown = failing_waits-- > 0 ? n % 3 : -1;
+        std::vector<io::io_completion> done;
+        try {
+          done = engine->wait(static_cast<std::size_t>(1 + n % 3));
+        } catch (const std::bad_alloc&) {
+          ++failed_waits;
+        }
+        countdown = -1;
+        for (const io::io_completion& c : done) {
+          ++seen[c.user_data];
+          EXPECT_EQ(c.result, static_cast<std::int64_t>(bytes)) << c.user_data;
+        }
+      }
+      ASSERT_EQ(seen.size(), count) << "round " << n << ": a completion was lost";
+      for (const auto& [id, times] : seen) {
+        ASSERT_LT(id, count);
+        ASSERT_EQ(times, 1) << "round " << n << ": completion " << id << " returned twice";
+      }
+      ASSERT_EQ(into, contents) << "round " << n;
+      engine.reset();
+      fail_on_other_threads = false;
+    }
+    fail_on_other_threads = false;
+    if (failed_submits + failed_waits == 0) continue;  // (io_uring unavailable)
+    EXPECT_GT(failed_submits, 0);
+    EXPECT_GT(failed_waits, 0);
+  }
+  ::close(file);
+  ::unlink(templ);
+}
+
+// A ring's thread out of memory (every allocation off the caller's thread fails) does not
+// end the process: what it cannot hand to its engine fails with ENOMEM, what it cannot
+// collect yet it collects once memory is back, and the handle goes on working.
+TEST(strong_guarantee, a_ring_thread_out_of_memory_fails_operations_and_goes_on) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  ASSERT_NE(::mkdtemp(templ), nullptr);
+  const std::string path = std::string(templ) + "/f";
+  constexpr std::size_t bytes = 64 * 4096;
+  auto* data = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
+  for (const io::engine_kind kind : {io::engine_kind::uring, io::engine_kind::threads}) {
+    SCOPED_TRACE(std::string(io::to_string(kind)));
+    io::file_io_options options;
+    options.block_bytes = 4096;
+    options.rings = 2;
+    options.engine = kind;
+    io::async_file_io io(options);
+    int failed = 0;
+    for (std::size_t blocks = 1; blocks <= 64; blocks *= 2) {  // more than before: the engines must grow
+      std::memset(data, static_cast<int>(blocks), bytes);
+      armed_thread = std::this_thread::get_id();
+      fail_on_other_threads = true;
+      io.write(data, blocks * 4096, path, 0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      fail_on_other_threads = false;
+      const auto r = io.wait_until(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+      ASSERT_TRUE(r.has_value()) << blocks;
+      for (const auto& e : r->errors) {
+        EXPECT_EQ(e.error, ENOMEM) << e.message;
+        ++failed;
+      }
+      io.write(data, blocks * 4096, path, 0);  // memory is back
+      ASSERT_TRUE(io.wait().errors.empty());
+      std::memset(data, 0, bytes);
+      io.read(data, blocks * 4096, path, 0);
+      ASSERT_TRUE(io.wait().errors.empty());
+      for (std::size_t i = 0; i < blocks * 4096; i += 512) {
+        ASSERT_EQ(data[i], std::byte{static_cast<unsigned char>(blocks)}) << i;
+      }
+    }
+    EXPECT_GT(failed, 0);
+  }
+  std::free(data);
+  std::filesystem::remove_all(templ);
+}
+
+// A wait or wait_for that runs out of memory (its result, a validation's read-back buffer)
+// collects nothing: the operations stay pending and a later call reports them.
+TEST(strong_guarantee, a_wait_out_of_memory_collects_nothing) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  ASSERT_NE(::mkdtemp(templ), nullptr);
+  const std::string dir = templ;
+  std::vector<std::byte> data(3 * 8192, std::byte{7});
+  io::file_io_options options;
+  options.block_bytes = 4096;
+  options.engine = io::engine_kind::threads;
+  io::async_file_io io(options);
+  int failed = 0;
+  failed += inject_until_success(
+      [&] {
+        if (io.pending() == 0) {  // queued without faults: only the wait's allocations fail
+          const long armed = std::exchange(countdown, -1);
+          for (int i = 0; i < 3; ++i) io.write(data.data() + i * 8192, 8192, dir + "/" + std::to_string(i), 0, true);
+          countdown = armed;
+        }
+        const io::async_file_io::wait_result r = io.wait();
+        countdown = -1;
+        EXPECT_EQ(r.completed, 3U);
+        EXPECT_TRUE(r.errors.empty());
+      },
+      [&] { ASSERT_EQ(io.pending(), 3U) << "a failed wait collected operations"; });
+  std::uint64_t ticket = 0;
+  failed += inject_until_success(
+      [&] {
+        if (io.pending() == 0) {
+          const long armed = std::exchange(countdown, -1);
+          ticket = io.write(data.data(), 8192, dir + "/t", 0, true);
+          countdown = armed;
+        }
+        const io::file_io_error e = io.wait_for(ticket);
+        countdown = -1;
+        EXPECT_EQ(e.error, 0) << e.message;
+      },
+      [&] { ASSERT_EQ(io.pending(), 1U) << "a failed wait_for collected its operation"; });
+  EXPECT_EQ(io.pending(), 0U);
+  EXPECT_GE(failed, 4);
   std::filesystem::remove_all(dir);
 }
 

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -342,6 +343,64 @@ class truncating_engine final : public swap::testing::forwarding_engine {
  private:
   std::string path_;
 };
+
+// An engine out of memory for its first `submits` submissions and `waits` waits: it throws
+// std::bad_alloc, as a real engine does, taking or returning nothing.
+class out_of_memory_engine final : public swap::testing::forwarding_engine {
+ public:
+  out_of_memory_engine(std::unique_ptr<io_engine> inner, std::shared_ptr<std::atomic<int>> submits,
+                       std::shared_ptr<std::atomic<int>> waits)
+      : forwarding_engine(std::move(inner)), submits_(std::move(submits)), waits_(std::move(waits)) {}
+  void submit(std::span<const io_request> requests) override {
+    if (submits_->fetch_sub(1) > 0) throw std::bad_alloc();
+    inner_->submit(requests);
+  }
+  std::vector<io_completion> wait(std::size_t min_completions) override {
+    if (waits_->fetch_sub(1) > 0) throw std::bad_alloc();
+    return inner_->wait(min_completions);
+  }
+
+ private:
+  std::shared_ptr<std::atomic<int>> submits_, waits_;
+};
+
+// A ring's thread out of memory does not end the process (an exception escaping a thread
+// would): the requests its engine could not take fail their operation with ENOMEM, the
+// completions it could not collect are collected after a pause, and the handle goes on.
+TEST(file_io, a_ring_out_of_memory_fails_what_it_could_not_submit_and_waits_again) {
+  scratch_dir dir;
+  auto submits = std::make_shared<std::atomic<int>>(1);
+  auto waits = std::make_shared<std::atomic<int>>(0);
+  file_io_options o;
+  o.block_bytes = 4096;
+  o.make_engine = [&](unsigned qd) {
+    return std::make_unique<out_of_memory_engine>(make_thread_engine(qd, 2), submits, waits);
+  };
+  async_file_io io(o);
+  aligned_buffer b(16384);
+  std::memcpy(b.data, pattern(16384, 8).data(), 16384);
+  const std::string path = dir.file("f");
+  const std::uint64_t refused = io.write(b.data, 16384, path, 0);
+  auto r = io.wait_until(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+  ASSERT_TRUE(r.has_value()) << "an operation whose requests were lost is waited for for ever";
+  EXPECT_EQ(r->completed, 1U);
+  ASSERT_EQ(r->errors.size(), 1U);
+  EXPECT_EQ(r->errors[0].ticket, refused);
+  EXPECT_EQ(r->errors[0].error, ENOMEM);
+  EXPECT_EQ(r->errors[0].message, "write to " + path + " failed: " + std::generic_category().message(ENOMEM));
+  EXPECT_EQ(io.stats().failed, 1U);
+  EXPECT_EQ(io.stats().bytes_written, 0U);
+  // Three waits fail: the ring waits again and the completions come.
+  waits->store(3);
+  io.write(b.data, 16384, path, 0);
+  r = io.wait_until(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->completed, 1U);
+  EXPECT_TRUE(r->errors.empty());
+  EXPECT_LT(waits->load(), 0) << "the engine's waits did not fail";
+  EXPECT_EQ(file_bytes(path), pattern(16384, 8));
+  EXPECT_EQ(io.stats().bytes_written, 16384U);
+}
 
 // A wait with a deadline that passes collects nothing: the operations stay pending, their
 // buffers in use, and the next wait collects them all.

@@ -126,7 +126,9 @@ struct file_io_stats {
 /// the file as the failure found it: bytes outside the write unchanged, bytes of its
 /// requests that succeeded written, and a file the write created (possibly empty) in place.
 /// The largest file a file system takes (16 TiB on ext4 with 4 KiB blocks) is not known
-/// before writing: a write past it, or past RLIMIT_FSIZE, fails with EFBIG. Thread-safe.
+/// before writing: a write past it, or past RLIMIT_FSIZE, fails with EFBIG. Out of memory on
+/// a background thread, the requests its engine could not take fail their operation with
+/// ENOMEM; `wait` and `wait_for` that throw std::bad_alloc collect nothing. Thread-safe.
 /// In a child forked after it was made, every call but `options` throws forked_child_error,
 /// and the destructor waits for nothing and frees nothing the object's threads change (the
 /// child's copies of queued operations' descriptors stay open until it exits or execs).
@@ -185,11 +187,15 @@ class async_file_io {
     std::size_t unfinished = 0;  // requests not yet completed
     bool finished = false;
     int error = 0;
-    std::string message;
+    // A short transfer: the bytes moved of the bytes asked. The message is made where the
+    // operation is collected, on the caller's thread: a ring's thread never allocates for it.
+    std::int64_t moved = 0;
+    std::size_t asked = 0;
+    std::string message;  // made by failure_message, or by the validation
   };
   struct ring {
     std::unique_ptr<io_engine> engine;
-    detail::unless_forked<std::deque<io_request>> queued;  // requests not yet given to the engine
+    detail::unless_forked<std::vector<io_request>> queued;  // requests not yet given to the engine
     detail::unless_forked<std::condition_variable> work;
     detail::unless_forked<std::thread> thread;
   };
@@ -197,8 +203,9 @@ class async_file_io {
   std::uint64_t queue(bool write, std::byte* buffer, std::size_t bytes, const std::string& path,
                       std::uint64_t file_offset, bool validate);
   void check_validation(op& o);
+  static void make_message(op& o);
   void run(ring& r);
-  void complete(const io_completion& c);
+  void complete(const io_completion& c) noexcept;
   void finish(op& o);
 
   static constexpr const char* who = "an async_file_io";

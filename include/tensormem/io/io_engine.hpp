@@ -43,7 +43,10 @@ enum class engine_kind { uring, threads };
 /// engine keeps at most `queue_depth` in flight and starts the rest as others complete).
 /// `wait(n)` blocks until at least n completions are ready (n is clamped to what is
 /// outstanding) and returns every ready one. Errors are per request, never exceptions;
-/// `submit` throws only std::bad_alloc. The destructor waits for everything in flight.
+/// `submit` and `wait` throw only std::bad_alloc, and then `submit` has taken none of the
+/// requests and `wait` keeps every completion for a later call (room for the completions is
+/// made by `submit`, so reaping and the engines' own threads never allocate). The destructor
+/// waits for everything in flight.
 /// Not thread-safe: one thread submits and waits. In a child forked after an engine was made,
 /// `submit`, `wait` and `register_buffers` throw forked_child_error and the destructor waits
 /// for nothing (the requests in flight are the parent's; an io_uring ring is shared with it).
