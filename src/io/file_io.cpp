@@ -213,7 +213,8 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
       stats_.fallback = "O_DIRECT refused by the filesystem of " + path + "; buffered I/O";
     }
     made = &ops_->try_emplace(id).first->second;
-    *made = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, 0, 0, {}};  // (copies the path)
+    // (copies the path)
+    *made = {path, fd, write, validate, direct, buffer, bytes, file_offset, 0, false, 0, 0, 0, {}};
   } catch (...) {
     if (made != nullptr) ops_->erase(id);
     ::close(fd);
