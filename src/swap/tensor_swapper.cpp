@@ -142,7 +142,7 @@ struct tensor_swapper::job {
   std::uint64_t ticket = 0;
   std::string path;
   std::string key;        // identity recorded in (swap-out) or expected of (swap-in) the file
-  std::string temp_path;  // swap-out writes here, then renames onto `path`
+  std::string temp_path;  // swap-out writes here, then renames onto `path` (packed: the spare's name)
   bool own_temp = false;  // temp_path is a name of this job's (not the path's spare)
   tensor_ref tensor;
   bool out = true;
@@ -165,6 +165,8 @@ struct tensor_swapper::job {
   pack_file* pack = nullptr;
   std::uint64_t data_start = header_bytes;  // file offset of the first byte (a pack slot's start)
   std::uint64_t slot_bytes = 0;   // packed swap-out: the slot taken
+  packed_index::node_type index_node;  // packed swap-out of a path not packed before: its entry, made ahead
+  job* next_commit = nullptr;          // the committer's queue
   std::chrono::steady_clock::time_point started;
   std::chrono::steady_clock::time_point finished;
   bool fully_queued() const noexcept { return header_queued && next_offset >= tensor.bytes; }
@@ -237,6 +239,12 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   // Room first: once a buffer is taken from the pool nothing allocates until the buffers are
   // registered, and a failure there gives every one back (the constructor runs no destructor).
   staging_.reserve(count + headers);
+  // So is the room the worker needs (a request's record and its place in a batch, at most
+  // max_queued_ of them; the timers it adds to): its thread must not run out of memory there.
+  requests_->reserve(max_queued_);
+  free_requests_->reserve(max_queued_);
+  batch_->reserve(max_queued_);
+  for (const char* name : {"checksum", "staging_copy", "wait"}) timers_->emplace(name, 0.0);
   free_staging_->reserve(count);
   free_headers_->reserve(headers);
   std::vector<std::span<std::byte>> regions;
@@ -279,7 +287,14 @@ tensor_swapper::~tensor_swapper() {
   // transfers are the parent's, and so are the files (a swap-out's file beside its path is
   // neither committed nor removed here). Nothing is waited for or given back to the pool.
   if (made_.forked()) return;
-  synchronize();
+  try {
+    synchronize();
+  } catch (...) {  // std::bad_alloc collecting the results: every transfer still ends first
+    std::unique_lock lock(mutex_);
+    done_cv_->wait(lock, [this] {
+      return std::all_of(tickets_->begin(), tickets_->end(), [](const auto& t) { return t.second.unfinished == 0; });
+    });
+  }
   stop_threads_and_free_staging();
 }
 
@@ -319,19 +334,39 @@ const char* other_than_a_file(const std::string& path) {
 // Why a swap-out must not replace what is at `path`, or empty when it may: nothing there, or
 // a regular file. The commit exchanges the new file with whatever the path names, so a
 // directory would be moved aside (with everything in it) and a symbolic link replaced.
+std::string not_replaceable_message(const std::string& path, const char* kind) {
+  return path + " is " + kind + "; a swap-out replaces only a regular file (or makes a new one)";
+}
+
 std::string not_replaceable(const std::string& path, int& error) {
   const auto there = io::not_a_file_at(path);
   if (!there) return {};
   error = there->error;
-  return path + " is " + there->kind + "; a swap-out replaces only a regular file (or makes a new one)";
+  return not_replaceable_message(path, there->kind);
+}
+
+// Sets a failure's message. Out of memory it stays empty, and the call that collects the job
+// makes a plain one from its errno: the swapper's threads must not fail while they report.
+template <class Make>
+void set_message(std::string& message, Make&& make) noexcept {
+  try {
+    message = make();
+  } catch (...) {
+    message.clear();
+  }
 }
 
 }  // namespace
 
 // Buffered I/O where O_DIRECT was asked for: reported (the first reason is kept).
-void tensor_swapper::note_buffered(const std::string& where) {
+void tensor_swapper::note_buffered(const std::string& where) noexcept {
   stats_.direct = false;
-  if (stats_.fallback.empty()) stats_.fallback = "O_DIRECT refused by the filesystem of " + where + "; buffered I/O";
+  if (!stats_.fallback.empty()) return;
+  try {
+    stats_.fallback = "O_DIRECT refused by the filesystem of " + where + "; buffered I/O";
+  } catch (...) {
+    stats_.fallback = "buffered I/O";  // short enough to allocate nothing: reported still
+  }
 }
 
 int tensor_swapper::open_file(const std::string& path, bool out, bool truncate, bool& direct,
@@ -407,7 +442,12 @@ void tensor_swapper::run() {
       continue;
     }
     lock.unlock();
-    std::vector<io::io_completion> completions = engine_->wait(1);
+    std::vector<io::io_completion> completions;
+    try {
+      completions = engine_->wait(1);
+    } catch (...) {  // std::bad_alloc: the engine keeps the completions; the requests hold their buffers
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     lock.lock();
     for (const io::io_completion& c : completions) on_completion(lock, c);
   }
@@ -421,8 +461,20 @@ void tensor_swapper::queue_ready(std::unique_lock<std::mutex>& lock) {
 
 // Hands the queued requests to the engine with the lock released (only the worker touches
 // batch_ and the engine), then empties the batch.
+// Out of memory the engine takes none of them: each completes failed with ENOMEM, as a
+// request the disk refused would.
 void tensor_swapper::submit_batch_outside(std::unique_lock<std::mutex>& lock) {
-  outside(lock, [this] { engine_->submit(*batch_); });
+  bool submitted = true;
+  outside(lock, [&] {
+    try {
+      engine_->submit(*batch_);
+    } catch (...) {  // std::bad_alloc
+      submitted = false;
+    }
+  });
+  if (!submitted) {
+    for (const io::io_request& q : *batch_) on_completion(lock, {q.user_data, -ENOMEM, q.total()});
+  }
   batch_->clear();
 }
 
@@ -446,40 +498,55 @@ void tensor_swapper::queue_jobs(std::unique_lock<std::mutex>& lock) {
   }
 }
 
+// Everything a job needs in memory (names, its checksums' table, a pack's index entry) is
+// made before its file is opened or its slot taken: out of memory, it fails with ENOMEM having
+// opened, taken and written nothing. Nothing after that allocates but a failure's message.
 void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j) {
   j.opened = true;
   if (j.tensor.data == nullptr && j.tensor.bytes != 0) {
     j.error = EINVAL;
-    j.message = "null tensor";
-    finish(id, j);
+    set_message(j.message, [] { return std::string("null tensor"); });
+    finish(j);
     return;
   }
-  // A swap-out replaces what is at its path (by an exchange, or, packed, by removing a stale
-  // file there) only when that is a regular file: checked before any byte is written.
-  if (j.out) {
-    if (std::string why = not_replaceable(j.path, j.error); !why.empty()) {
-      j.message = std::move(why);
-      finish(id, j);
+  std::string own_name;  // a name no other file has: this process, this swapper, this job
+  try {
+    // A swap-out replaces what is at its path (by an exchange, or, packed, by removing a stale
+    // file there) only when that is a regular file: checked before any byte is written.
+    if (j.out) {
+      if (std::string why = not_replaceable(j.path, j.error); !why.empty()) {
+        j.message = std::move(why);
+        finish(j);
+        return;
+      }
+    }
+    if (j.packed) {
+      start_packed(j);
       return;
     }
-  }
-  if (j.packed) {
-    start_packed(id, j);
+    if (j.out) {
+      // With reuse, the spare file (the version before the last) is overwritten in place:
+      // its blocks are allocated already. Without, a name unique per job: a displaced version
+      // still waiting for the reaper never shares a name with a file being written. The own
+      // name also serves where the spare is another swap-out's.
+      own_name = j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." + std::to_string(number_) + "." +
+                 std::to_string(id);
+      j.own_temp = !options_.reuse_files;
+      j.temp_path = j.own_temp ? std::move(own_name) : spare_path(j.path);
+    } else {
+      j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
+    }
+  } catch (...) {  // std::bad_alloc
+    j.error = ENOMEM;
+    j.message.clear();
+    finish(j);
     return;
   }
-  // With reuse, the spare file (the version before the last) is overwritten in place: its
-  // blocks are allocated already. Without, a name unique per job: a displaced version still
-  // waiting for the reaper never shares a name with a file being written.
-  // A name no other file has (this process, this swapper, this job): without reuse, and where
-  // the spare is another swap-out's.
-  const auto own_name = [&] {
-    return j.path + ".tensormem-tmp." + std::to_string(getpid()) + "." + std::to_string(number_) + "." +
-           std::to_string(id);
-  };
-  if (j.out) {
-    j.own_temp = !options_.reuse_files;
-    j.temp_path = j.own_temp ? own_name() : spare_path(j.path);
-  }
+  open_job_file(lock, j, own_name);
+}
+
+// Opens a (not packed) job's file: allocates nothing, but a failure's message.
+void tensor_swapper::open_job_file(std::unique_lock<std::mutex>& lock, job& j, std::string& own_name) noexcept {
   const std::string& file = j.out ? j.temp_path : j.path;
   const char* refused = nullptr;
   int e = 0;
@@ -498,7 +565,7 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
     if (j.fd >= 0 && j.out && !j.own_temp && flock(j.fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
       close(j.fd);
       j.own_temp = true;
-      j.temp_path = own_name();
+      j.temp_path.swap(own_name);
       j.fd = open_file(j.temp_path, true, true, j.direct, refused);
       e = errno;
     }
@@ -509,25 +576,33 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
     if (j.fd >= 0 && !j.out) static_cast<void>(flock(j.fd, LOCK_SH | LOCK_NB));
     struct stat st {};
     if (j.fd >= 0 && !j.out && fstat(j.fd, &st) == 0) size = st.st_size;
-    if (size >= 0) short_file = why_short(j, static_cast<std::uint64_t>(size), short_error);
+    if (size >= 0) {
+      try {
+        short_file = why_short(j, static_cast<std::uint64_t>(size), short_error);
+      } catch (...) {  // std::bad_alloc, making the message of a file too short
+        short_error = ENOMEM;
+        short_file.clear();
+      }
+    }
   });
   if (j.fd < 0) {
     j.error = e;
     // A swap-out creates a file beside its path: the message names both.
-    j.message = (j.out ? "swap-out of " + j.path + ": cannot create " : std::string("cannot open ")) +
-                (j.out ? j.temp_path : file) + ": " +
-                (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
-                                    : std::string(std::strerror(e))) +
-                (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
-    finish(id, j);
+    set_message(j.message, [&] {
+      return (j.out ? "swap-out of " + j.path + ": cannot create " : std::string("cannot open ")) +
+             (j.out ? j.temp_path : file) + ": " +
+             (refused != nullptr ? std::string("it is ") + refused + "; swap files are regular files"
+                                 : std::string(std::strerror(e))) +
+             (!j.out && e == ENOENT ? " (never swapped out, or discarded or removed since)" : "");
+    });
+    finish(j);
     return;
   }
   if (options_.direct && !j.direct) note_buffered(file);
   ++open_files_;
-  if (!j.out) j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
   // Too short for its tensor: said so (a short read of it would look like an I/O error).
   // queue_more then queues nothing and finishes the job; the committer closes the file.
-  if (!short_file.empty()) {
+  if (short_error != 0) {
     j.error = short_error;
     j.message = std::move(short_file);
   }
@@ -564,47 +639,62 @@ std::string tensor_swapper::why_short(const job& j, std::uint64_t file_bytes, in
 
 // A packed job: a swap-out takes a new slot in its directory's pack (the current version
 // stays where it is until this one is complete); a swap-in reads the slot of the current one.
-void tensor_swapper::start_packed(std::uint64_t id, job& j) {
+// Throws std::bad_alloc only before it has taken anything.
+void tensor_swapper::start_packed(job& j) {
   if (j.out) {
     std::string error;
     pack_file* pack = pack_for(j.path, error);
-    const auto slot = pack == nullptr ? std::nullopt : pack->space.allocate(round_up(j.tensor.bytes, io_alignment));
+    if (pack == nullptr) {
+      j.error = errno;
+      j.message = std::move(error);
+      finish(j);
+      return;
+    }
+    // The index's entry for a path packed for the first time, made now: the commit, which
+    // removes the files of the path's earlier version, must not fail for want of it.
+    // So is the name of the path's spare, whose file the commit removes too.
+    j.first_pack = !packed_->contains(j.path);
+    if (j.first_pack) {
+      packed_index made;
+      j.index_node = made.extract(made.try_emplace(j.path).first);
+      j.temp_path = spare_path(j.path);
+    }
+    const auto slot = pack->space.allocate(round_up(j.tensor.bytes, io_alignment));
     if (!slot) {
-      j.error = pack == nullptr ? errno : EFBIG;
-      j.message = pack == nullptr ? error : "no room for " + j.path + " in its pack file";
-      finish(id, j);
+      j.error = EFBIG;
+      set_message(j.message, [&] { return "no room for " + j.path + " in its pack file"; });
+      finish(j);
       return;
     }
     if (const int e = reserve_pack(*pack, slot->offset + slot->bytes); e != 0) {
       pack->space.free(slot->offset, slot->bytes);
       j.error = e;
-      j.message = "cannot grow the pack file for " + j.path + ": " + std::strerror(e);
-      finish(id, j);
+      set_message(j.message, [&] { return "cannot grow the pack file for " + j.path + ": " + std::strerror(e); });
+      finish(j);
       return;
     }
     j.pack = pack;
     j.data_start = slot->offset;
     j.slot_bytes = slot->bytes;
-    j.first_pack = !packed_->contains(j.path);
   } else {
     const packed_entry& e = packed_->find(j.path)->second;
     if (e.bytes != j.tensor.bytes) {
       j.error = EINVAL;
-      j.message = holds_another_size(j.path, e.bytes, j.tensor.bytes);
-      finish(id, j);
+      set_message(j.message, [&] { return holds_another_size(j.path, e.bytes, j.tensor.bytes); });
+      finish(j);
       return;
     }
+    j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
     j.pack = e.pack;
     j.data_start = e.offset;
     j.header_read = true;  // what a header would say, the index knows
     j.file_crc = e.crc;
     j.file_has_crc = e.has_crc;
-    j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
   }
   j.fd = j.pack->fd;
   j.direct = j.pack->direct;
   j.header_queued = true;  // a slot holds the bytes alone
-  if (j.tensor.bytes == 0) finish(id, j);  // nothing to move
+  if (j.tensor.bytes == 0) finish(j);  // nothing to move
 }
 
 // Allocates the pack's blocks ahead of the writes (fallocate, in steps of at least 64 MiB or
@@ -664,7 +754,10 @@ tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std
   std::string dir = std::filesystem::path(path).parent_path().string();
   if (dir.empty()) dir = ".";
   if (const auto it = packs_->find(dir); it != packs_->end()) return it->second.get();
+  // Its memory first (the pack and its place in the map): out of memory, no file is left open.
   auto pack = std::make_unique<pack_file>();
+  packs_by_dir made;
+  auto entry = made.extract(made.try_emplace(dir).first);
   // Opened buffered, then O_DIRECT set where the file system allows it: an O_DIRECT open that
   // failed after creating a named file would take that name from its own retry.
   int fd = open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
@@ -679,7 +772,8 @@ tensor_swapper::pack_file* tensor_swapper::pack_for(const std::string& path, std
   if (options_.direct && !direct) note_buffered(dir);
   pack->fd = fd;
   pack->direct = direct;
-  return packs_->emplace(dir, std::move(pack)).first->second.get();
+  entry.mapped() = std::move(pack);
+  return packs_->insert(std::move(entry)).position->second.get();
 }
 
 // Queues the job's next requests. The header rides with the first data block where it can:
@@ -693,7 +787,7 @@ bool tensor_swapper::queue_more(std::unique_lock<std::mutex>& lock, std::uint64_
   if (j.error != 0) {  // a request failed already: queue nothing more (no header either)
     j.next_offset = j.tensor.bytes;
     j.header_queued = true;
-    if (j.requests_left == 0) finish(id, j);
+    if (j.requests_left == 0) finish(j);
     return true;
   }
   const bool header_with_first = j.tensor.bytes > 0 && (!j.out || j.tensor.bytes <= options_.block_bytes);
@@ -787,14 +881,16 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
   free_requests_->push_back(static_cast<std::size_t>(c.user_data));
   --queued_;
   job& j = jobs_->at(r.job);
-  const auto fail = [&](int error, std::string message) {
+  const auto fail = [&](int error, auto make_message) {
     if (j.error != 0) return;  // the first problem is the one reported
     j.error = error;
-    j.message = std::move(message);
+    set_message(j.message, make_message);
   };
   if (c.result < 0) {
-    fail(static_cast<int>(-c.result), std::string(r.write ? "write to " : "read from ") + j.path +
-                                          " failed: " + std::strerror(static_cast<int>(-c.result)));
+    fail(static_cast<int>(-c.result), [&] {
+      return std::string(r.write ? "write to " : "read from ") + j.path +
+             " failed: " + std::strerror(static_cast<int>(-c.result));
+    });
   } else {
     const auto got = static_cast<std::size_t>(c.result);
     // A header that arrived is checked first, even from a short read: a file of another
@@ -802,9 +898,14 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
     if (!r.write && r.header != no_staging && got >= header_bytes) {
       file_header h{};
       int error = 0;
-      std::string problem = header_problem(staging_[r.header], j.path, j.key, j.tensor.bytes, h, error);
-      if (!problem.empty()) {
-        fail(error, std::move(problem));
+      std::string problem;
+      try {
+        problem = header_problem(staging_[r.header], j.path, j.key, j.tensor.bytes, h, error);
+      } catch (...) {  // std::bad_alloc, making the message of a header that does not fit
+        error = ENOMEM;
+      }
+      if (error != 0) {
+        fail(error, [&] { return std::move(problem); });
       } else {
         j.header_read = true;
         j.file_crc = h.crc;
@@ -812,8 +913,10 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
       }
     }
     if (got < r.expected) {
-      fail(EIO, std::string("short ") + (r.write ? "write to " : "read from ") + j.path + ": " +
-                    std::to_string(got) + " of " + std::to_string(r.expected) + " bytes");
+      fail(EIO, [&] {
+        return std::string("short ") + (r.write ? "write to " : "read from ") + j.path + ": " +
+               std::to_string(got) + " of " + std::to_string(r.expected) + " bytes";
+      });
     } else if (!r.write && r.block != header_block) {
       // A data block arrived: into the tensor (copied from staging if it was staged), then
       // checksummed while the other blocks are still in flight.
@@ -834,15 +937,17 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
   // Their I/O is over: the buffers may be reused.
   if (r.staging != no_staging) free_staging_->push_back(r.staging);
   if (r.header != no_staging) free_headers_->push_back(r.header);
-  if (--j.requests_left == 0 && j.fully_queued()) finish(r.job, j);
+  if (--j.requests_left == 0 && j.fully_queued()) finish(j);
 }
 
 // A job whose requests are all complete. With a file open, the committer thread closes it
 // (and commits a swap-out) so that the worker goes on queuing I/O meanwhile; else it is
 // done now.
-void tensor_swapper::finish(std::uint64_t id, job& j) {
+void tensor_swapper::finish(job& j) noexcept {
   if (j.fd >= 0) {  // a file of its own, or its pack's
-    commit_queue_->push_back(id);
+    j.next_commit = nullptr;
+    (commit_tail_ != nullptr ? commit_tail_->next_commit : commit_head_) = &j;
+    commit_tail_ = &j;
     commit_cv_->notify_one();
     return;
   }
@@ -858,21 +963,23 @@ void tensor_swapper::complete(job& j) {
 // The committer: takes finished jobs in batches and does their file work without the lock
 // (set the length of a reused spare, close, exchange with the path; or close and verify a
 // swap-in), then marks them done and frees their file slots.
+// The batch is the queue taken whole (the jobs link to each other): nothing here allocates
+// but a failure's message, so that the committer never fails.
 void tensor_swapper::run_committer() {
   std::unique_lock lock(mutex_);
-  std::vector<job*> batch;
   for (;;) {
-    commit_cv_->wait(lock, [this] { return commit_stop_ || !commit_queue_->empty(); });
-    if (commit_queue_->empty()) return;  // stopping, and nothing left
-    batch.clear();
-    for (const std::uint64_t id : *commit_queue_) batch.push_back(&jobs_->at(id));
-    commit_queue_->clear();
+    commit_cv_->wait(lock, [this] { return commit_stop_ || commit_head_ != nullptr; });
+    if (commit_head_ == nullptr) return;  // stopping, and nothing left
+    job* const batch = std::exchange(commit_head_, nullptr);
+    commit_tail_ = nullptr;
     lock.unlock();
-    for (job* j : batch) close_and_commit(*j);
+    for (job* j = batch; j != nullptr; j = j->next_commit) close_and_commit(*j);
     lock.lock();
-    for (job* j : batch) {
+    for (job* j = batch; j != nullptr;) {
+      job* const next = j->next_commit;
       commit_locked(*j);
       complete(*j);
+      j = next;
     }
     work_cv_->notify_one();  // file slots are free again
   }
@@ -899,8 +1006,9 @@ void tensor_swapper::commit_locked(job& j) {
   if (const auto it = packed_->find(j.path); it != packed_->end()) {
     it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
     it->second = entry;
-  } else {
-    packed_->emplace(j.path, entry);
+  } else {  // the path's first packed version: its entry was made when the job started
+    j.index_node.mapped() = entry;
+    packed_->insert(std::move(j.index_node));
   }
 }
 
@@ -910,8 +1018,8 @@ void tensor_swapper::close_and_commit(job& j) {
   if (j.packed) {  // the pack stays open; a swap-in is verified, a first packed path cleared
     if (!j.out && j.error == 0) verify_in(j);
     if (j.out && j.error == 0 && j.first_pack) {  // what is not a swap file there is left alone
-      for (const std::string& p : {j.path, spare_path(j.path)}) {
-        if (other_than_a_file(p) == nullptr) unlink(p.c_str());
+      for (const std::string* p : {&j.path, &j.temp_path}) {  // (the spare's name, made when it started)
+        if (other_than_a_file(*p) == nullptr) unlink(p->c_str());
       }
     }
     return;
@@ -921,7 +1029,7 @@ void tensor_swapper::close_and_commit(job& j) {
     const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
     if (ftruncate(j.fd, length) != 0) {
       j.error = errno;
-      j.message = "cannot set the length of " + j.temp_path + ": " + std::strerror(errno);
+      set_message(j.message, [&] { return "cannot set the length of " + j.temp_path + ": " + std::strerror(j.error); });
     }
   }
   // The file stays locked until it is committed: another swap-out of the path must not take
@@ -930,7 +1038,7 @@ void tensor_swapper::close_and_commit(job& j) {
   const int held = j.out && !j.own_temp ? fcntl(j.fd, F_DUPFD_CLOEXEC, 0) : -1;
   if (close(j.fd) != 0 && j.out && j.error == 0) {
     j.error = errno;
-    j.message = "cannot close " + j.temp_path + ": " + std::strerror(errno);
+    set_message(j.message, [&] { return "cannot close " + j.temp_path + ": " + std::strerror(j.error); });
   }
   j.fd = -1;
   if (!j.out) {
@@ -948,22 +1056,34 @@ void tensor_swapper::close_and_commit(job& j) {
       displaced = true;
       // Checked when the job started; something else may have taken the path since. What
       // was exchanged away must be a regular file, else it goes back where it was.
-      if (std::string why = not_replaceable(j.temp_path, j.error); !why.empty()) {
+      if (const auto there = io::not_a_file_at(j.temp_path)) {
         displaced = false;
-        j.message = j.path + why.substr(j.temp_path.size());
-        if (renameat2(AT_FDCWD, j.temp_path.c_str(), AT_FDCWD, j.path.c_str(), RENAME_EXCHANGE) != 0) {
-          j.message += "; it could not be put back from " + j.temp_path + ": " + std::strerror(errno);
-          j.temp_path.clear();  // holds what was at the path: never unlinked
-        }
+        j.error = there->error;
+        const bool back =
+            renameat2(AT_FDCWD, j.temp_path.c_str(), AT_FDCWD, j.path.c_str(), RENAME_EXCHANGE) == 0;
+        const int e = errno;
+        set_message(j.message, [&] {
+          return not_replaceable_message(j.path, there->kind) +
+                 (back ? "" : "; it could not be put back from " + j.temp_path + ": " + std::strerror(e));
+        });
+        if (!back) j.temp_path.clear();  // holds what was at the path: never unlinked
       }
     } else if (rename(j.temp_path.c_str(), j.path.c_str()) != 0) {  // no old file (or no exchange)
       j.error = errno;
-      j.message = "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(errno);
+      set_message(j.message, [&] {
+        return "cannot rename " + j.temp_path + " to " + j.path + ": " + std::strerror(j.error);
+      });
     }
   }
   if (j.error != 0 && !j.temp_path.empty()) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
   if (held >= 0) close(held);
-  if (displaced && j.own_temp) reap(j.temp_path);  // else: the next spare
+  if (displaced && j.own_temp) {  // else: the next spare
+    try {
+      reap(j.temp_path);
+    } catch (...) {  // std::bad_alloc: removed here instead of by the reaper
+      unlink(j.temp_path.c_str());
+    }
+  }
 }
 
 // Swap-in checks, once every block arrived: the header's size, whether it carries a
@@ -972,13 +1092,15 @@ void tensor_swapper::close_and_commit(job& j) {
 void tensor_swapper::verify_in(job& j) {
   if (!j.header_read) {
     j.error = EINVAL;
-    j.message = j.path + " is not a tensormem swap file (or was never written completely)";
+    set_message(j.message, [&] { return j.path + " is not a tensormem swap file (or was never written completely)"; });
     return;
   }
   if (!options_.checksums) return;
   if (!j.file_has_crc) {
     j.error = EBADMSG;
-    j.message = j.path + " carries no checksum (written with checksums off) and checksums are on";
+    set_message(j.message, [&] {
+      return j.path + " carries no checksum (written with checksums off) and checksums are on";
+    });
     return;
   }
   if (j.block_crc.size() == 1) j.block_crc[0] = crc32c(j.tensor.data, j.tensor.bytes);
@@ -989,7 +1111,7 @@ void tensor_swapper::verify_in(job& j) {
   }
   if (crc != j.file_crc) {
     j.error = EBADMSG;
-    j.message = "checksum mismatch in " + j.path + ": the file is corrupt";
+    set_message(j.message, [&] { return "checksum mismatch in " + j.path + ": the file is corrupt"; });
   }
 }
 
@@ -1105,13 +1227,19 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     }
   }
   check_memory(tensors, paths, out);
-  const std::uint64_t ticket = next_ticket_++;
-  auto& members = (*tickets_)[ticket].jobs;
-  (*tickets_)[ticket].unfinished = tensors.size();
+  // Everything that allocates is made aside first (the jobs, the busy paths' entries, the
+  // ticket, the order, the keys of the memory ranges): out of memory, nothing has changed.
+  // The pieces then join the swapper's maps without allocating.
+  const std::uint64_t ticket = next_ticket_;
+  std::map<std::uint64_t, job> made;
+  std::set<std::string, std::less<>> made_paths;
+  ticket_state state;
+  state.jobs.reserve(tensors.size());
+  state.unfinished = tensors.size();
   const auto now = clock::now();
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const std::uint64_t id = next_job_++;
-    job& j = (*jobs_)[id];
+    const std::uint64_t id = next_job_ + i;
+    job& j = made[id];
     j.ticket = ticket;
     j.path = paths[i];
     j.key = keys.empty() ? paths[i] : keys[i];
@@ -1119,27 +1247,39 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     j.out = out;
     j.packed = out ? options_.pack_below > 0 && j.tensor.bytes <= options_.pack_below : packed_->contains(j.path);
     j.started = now;
-    busy_paths_->insert(j.path);
-    (out ? *reading_ : *writing_).add(begin_of(j.tensor), end_of(j.tensor));
-    members.push_back(id);
+    made_paths.insert(j.path);
+    state.jobs.push_back(id);
   }
   // Packed swap-ins are queued in the order of their slots in the pack (the disk reads
   // ascending offsets faster than the scattered order rewrites leave); the rest as given.
-  const std::size_t first = ready_jobs_->size();
-  ready_jobs_->insert(ready_jobs_->end(), members.begin(), members.end());
+  std::vector<std::uint64_t> order = state.jobs;
   if (!out && !packed_->empty()) {
     // (pack, offset, job id): job ids ascend with the batch, so the sort is stable.
-    std::vector<std::tuple<std::uintptr_t, std::uint64_t, std::uint64_t>> order;
-    order.reserve(members.size());
-    for (const std::uint64_t id : members) {
-      const job& j = jobs_->at(id);
+    std::vector<std::tuple<std::uintptr_t, std::uint64_t, std::uint64_t>> slots;
+    slots.reserve(order.size());
+    for (const auto& [id, j] : made) {
       const auto it = j.packed ? packed_->find(j.path) : packed_->end();
-      order.emplace_back(it == packed_->end() ? 0 : reinterpret_cast<std::uintptr_t>(it->second.pack),
+      slots.emplace_back(it == packed_->end() ? 0 : reinterpret_cast<std::uintptr_t>(it->second.pack),
                          it == packed_->end() ? 0 : it->second.offset, id);
     }
-    std::sort(order.begin(), order.end());
-    for (std::size_t k = 0; k < order.size(); ++k) (*ready_jobs_)[first + k] = std::get<2>(order[k]);
+    std::sort(slots.begin(), slots.end());
+    for (std::size_t k = 0; k < slots.size(); ++k) order[k] = std::get<2>(slots[k]);
   }
+  detail::range_cover& ranges = out ? *reading_ : *writing_;
+  ranges.reserve(2 * tensors.size());
+  const auto placed = tickets_->try_emplace(ticket, std::move(state)).first;
+  try {
+    ready_jobs_->insert(ready_jobs_->end(), order.begin(), order.end());  // all or nothing
+  } catch (...) {
+    tickets_->erase(placed);
+    throw;
+  }
+  // Nothing below allocates.
+  next_ticket_ = ticket + 1;
+  next_job_ += tensors.size();
+  jobs_->merge(made);
+  busy_paths_->merge(made_paths);
+  for (const tensor_ref& t : tensors) ranges.add(begin_of(t), end_of(t));
   work_cv_->notify_one();
   return ticket;
 }
@@ -1212,7 +1352,13 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_locked(std::unique_
                                                                     std::uint64_t ticket,
                                                                     const clock::time_point* deadline) {
   claim_locked(ticket);
-  auto results = wait_claimed_locked(lock, ticket, deadline);
+  std::optional<std::vector<swap_result>> results;
+  try {
+    results = wait_claimed_locked(lock, ticket, deadline);
+  } catch (...) {  // std::bad_alloc, collecting nothing: the ticket can be waited for again
+    unclaim_locked(ticket);
+    throw;
+  }
   if (!results) unclaim_locked(ticket);
   return results;
 }
@@ -1251,8 +1397,11 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std:
   stats_.seconds_waiting += waited;
   (*timers_)["wait"] += waited;
   if (!ended) return std::nullopt;
-  const std::vector<std::uint64_t> members = state.jobs;
+  const std::vector<std::uint64_t>& members = state.jobs;
+  // What allocates comes first (the results, a plain message where a thread could not make
+  // one, the range keys the removals may need): out of memory, nothing is collected.
   std::vector<swap_result> results;
+  results.reserve(members.size());
   clock::time_point first = clock::time_point::max();
   clock::time_point last = clock::time_point::min();
   bool out = true;
@@ -1261,13 +1410,19 @@ std::optional<std::vector<swap_result>> tensor_swapper::wait_claimed_locked(std:
     first = std::min(first, j.started);
     last = std::max(last, j.finished);
     out = j.out;
+    results.push_back({j.path, j.tensor.bytes, j.error, j.message});
+    if (j.error != 0 && j.message.empty()) {
+      results.back().message = std::string(j.out ? "swap-out of " : "swap-in of ") + j.path +
+                               " failed: " + std::strerror(j.error);
+    }
   }
+  (out ? *reading_ : *writing_).reserve(2 * members.size());
+  // Nothing below allocates.
   if (!members.empty()) (out ? stats_.seconds_out : stats_.seconds_in) += seconds(last - first);
   for (const std::uint64_t id : members) {
     const job& j = jobs_->at(id);
     busy_paths_->erase(j.path);
     (j.out ? *reading_ : *writing_).remove(begin_of(j.tensor), end_of(j.tensor));
-    results.push_back({j.path, j.tensor.bytes, j.error, j.message});
     if (j.error != 0) {
       ++stats_.failed;
     } else if (j.out) {

@@ -36,6 +36,7 @@
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "tensormem/offload/prefetch_pipeline.hpp"
 #include "tensormem/offload/swap_space.hpp"
+#include "tensormem/swap/detail/range_cover.hpp"
 #include "tensormem/swap/tensor_swapper.hpp"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -50,6 +51,9 @@ thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fail
 // threads out of memory while the caller's are not).
 std::atomic<bool> fail_on_other_threads{false};
 std::thread::id armed_thread;
+// While >= 0, counts the allocations made on threads other than `armed_thread`; the one made
+// at 0 fails (a library's own thread failing at each of its allocations in turn).
+std::atomic<long> other_countdown{-1};
 
 // Disarms the counter when a test function returns, a failed assertion's return included, so
 // that the test framework's own allocations after it do not fail.
@@ -61,7 +65,13 @@ struct disarm_on_exit {
 };
 
 void fail_when_due() {
-  if (fail_on_other_threads.load() && std::this_thread::get_id() != armed_thread) throw std::bad_alloc();
+  if (std::this_thread::get_id() != armed_thread) {
+    if (fail_on_other_threads.load()) throw std::bad_alloc();
+    long left = other_countdown.load();
+    while (left >= 0 && !other_countdown.compare_exchange_weak(left, left - 1)) {
+    }
+    if (left == 0) throw std::bad_alloc();
+  }
   if (countdown == 0) {
     countdown = -1;
     throw std::bad_alloc();
@@ -650,6 +660,219 @@ TEST(strong_guarantee, a_wait_out_of_memory_collects_nothing) {
   EXPECT_EQ(io.pending(), 0U);
   EXPECT_GE(failed, 4);
   std::filesystem::remove_all(dir);
+}
+
+// A swapper whose threads run out of memory (the n-th allocation off the caller's thread
+// fails, for every n until a round sees none: each place where the worker, the committer or
+// the engine allocates) does not end the process and loses nothing: a transfer fails with
+// ENOMEM and a message, a failed swap-out leaves the version before it, a swap-in that
+// succeeds is exact, and no temporary file stays. Plain files (reused spares and files of
+// their own), packed slots, both engines. Before, any such failure ended the process.
+TEST(strong_guarantee, a_swapper_whose_threads_run_out_of_memory_fails_transfers_and_loses_nothing) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  ASSERT_NE(::mkdtemp(templ), nullptr);
+  const std::filesystem::path dir = templ;
+  memory::pinned_pool pool(memory::pool_options{.slab_bytes = 4 << 20});
+  struct mode {
+    io::engine_kind engine;
+    bool reuse;
+    std::size_t pack_below;
+  };
+  const std::vector<std::size_t> sizes = {5000, 65536, 3 * 65536 + 17};
+  const auto fill = [](std::vector<std::byte>& t, long version) {
+    const auto v = static_cast<std::size_t>(version);
+    for (std::size_t i = 0; i < t.size(); ++i) t[i] = std::byte{static_cast<unsigned char>(v * 31 + i % 251)};
+  };
+  for (const mode m : {mode{io::engine_kind::uring, true, 0}, mode{io::engine_kind::uring, false, 0},
+                       mode{io::engine_kind::threads, true, 0}, mode{io::engine_kind::uring, true, 1U << 20}}) {
+    SCOPED_TRACE(std::string(io::to_string(m.engine)) + (m.reuse ? ", spares" : ", own files") +
+                 (m.pack_below != 0 ? ", packed" : ""));
+    const std::filesystem::path here = dir / std::to_string(m.reuse) / std::to_string(m.pack_below) /
+                                       std::string(io::to_string(m.engine));
+    std::filesystem::create_directories(here);
+    // A new swapper each round where the files outlive it (not packs), so that what a swapper
+    // makes on first use is made under the faults too.
+    std::optional<swap::tensor_swapper> swapper;
+    const auto make = [&] {
+      swapper.emplace(pool, swap::swap_options{.engine = m.engine, .block_bytes = 65536, .staging_buffers = 4,
+                                               .reuse_files = m.reuse, .pack_below = m.pack_below});
+      return &*swapper;
+    };
+    swap::tensor_swapper* s = make();
+    std::vector<std::vector<std::byte>> data;
+    std::vector<swap::tensor_ref> refs;
+    std::vector<std::string> paths;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      data.emplace_back(sizes[i]);
+      paths.push_back((here / ("t" + std::to_string(i))).string());
+    }
+    for (auto& t : data) refs.push_back({t.data(), t.size()});
+    std::vector<long> on_disk(sizes.size(), 1);
+    for (auto& t : data) fill(t, 1);
+    for (const auto& r : s->wait(s->swap_out(refs, paths))) ASSERT_EQ(r.error, 0) << r.message;
+    const auto check = [&](const std::vector<swap::swap_result>& results, long n) {
+      int failed = 0;
+      for (const auto& r : results) {
+        if (r.error == 0) continue;
+        EXPECT_EQ(r.error, ENOMEM) << "allocation " << n << ": " << r.message;
+        EXPECT_NE(r.message, "") << "allocation " << n;
+        ++failed;
+      }
+      return failed;
+    };
+    int failures = 0;
+    for (long n = 0; n < 2000; ++n) {
+      const long version = n + 2;
+      for (auto& t : data) fill(t, version);
+      if (m.pack_below == 0) s = make();
+      armed_thread = std::this_thread::get_id();
+      other_countdown = n;
+      const std::vector<swap::swap_result> out = s->wait(s->swap_out(refs, paths));
+      bool reached = other_countdown.exchange(-1) < 0;  // the n-th allocation came (and failed)
+      int failed = check(out, n);
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        if (out[i].error == 0) on_disk[i] = version;
+      }
+      for (auto& t : data) std::fill(t.begin(), t.end(), std::byte{0});
+      other_countdown = n;
+      const std::vector<swap::swap_result> in = s->wait(s->swap_in(paths, refs));
+      reached |= other_countdown.exchange(-1) < 0;
+      failed += check(in, n);
+      std::vector<std::byte> expected;
+      for (std::size_t i = 0; i < in.size(); ++i) {
+        if (in[i].error != 0) continue;
+        expected.resize(sizes[i]);
+        fill(expected, on_disk[i]);
+        ASSERT_EQ(data[i], expected) << "allocation " << n << ": " << paths[i];
+      }
+      // With memory back, every tensor reads back as its last completed swap-out left it.
+      for (auto& t : data) std::fill(t.begin(), t.end(), std::byte{0});
+      for (const auto& r : s->wait(s->swap_in(paths, refs))) {
+        ASSERT_EQ(r.error, 0) << "allocation " << n << ": " << r.message;
+      }
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        expected.resize(sizes[i]);
+        fill(expected, on_disk[i]);
+        ASSERT_EQ(data[i], expected) << "allocation " << n << ": " << paths[i] << " lost a version";
+      }
+      if (m.pack_below == 0) {  // a file of another tensor: refused for its header, or for memory
+        const std::string other = "another tensor";
+        other_countdown = n;
+        const std::vector<swap::swap_result> refused = s->wait(s->swap_in({&paths[2], 1}, {&refs[2], 1}, {&other, 1}));
+        reached |= other_countdown.exchange(-1) < 0;
+        EXPECT_TRUE(refused[0].error == EINVAL || refused[0].error == ENOMEM) << refused[0].message;
+        EXPECT_NE(refused[0].message, "");
+      }
+      {  // a file that is not there: ENOENT (or ENOMEM), with a message even where none could be made
+        const std::string missing = (here / "missing").string();
+        other_countdown = n;
+        const std::vector<swap::swap_result> none = s->wait(s->swap_in({&missing, 1}, {&refs[0], 1}));
+        reached |= other_countdown.exchange(-1) < 0;
+        EXPECT_TRUE(none[0].error == ENOENT || none[0].error == ENOMEM) << none[0].message;
+        EXPECT_NE(none[0].message.find(missing), std::string::npos) << none[0].message;
+      }
+      if (m.pack_below != 0) {  // a path packed for the first time: the index gains its entry
+        std::vector<std::byte> fresh(3000);
+        fill(fresh, version);
+        const std::string path = (here / ("fresh" + std::to_string(n))).string();
+        const swap::tensor_ref ref{fresh.data(), fresh.size()};
+        other_countdown = n;
+        const std::vector<swap::swap_result> first = s->wait(s->swap_out({&ref, 1}, {&path, 1}));
+        reached |= other_countdown.exchange(-1) < 0;
+        failed += check(first, n);
+        if (first[0].error == 0) {
+          std::fill(fresh.begin(), fresh.end(), std::byte{0});
+          for (const auto& r : s->wait(s->swap_in({&path, 1}, {&ref, 1}))) ASSERT_EQ(r.error, 0) << r.message;
+          expected.resize(fresh.size());
+          fill(expected, version);
+          ASSERT_EQ(fresh, expected) << "allocation " << n << ": " << path;
+        }
+      }
+      failures += failed;
+      if (!reached) break;  // the threads made fewer than n allocations in the round
+    }
+    EXPECT_GT(failures, 2);
+    swapper.reset();
+  }
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    EXPECT_EQ(e.path().filename().string().find(".tensormem-tmp."), std::string::npos) << e.path() << " was left";
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A swap-out or swap-in refused for lack of memory on the caller's thread (at each of its
+// allocations in turn) leaves nothing behind: no transfer to wait for, no path or memory
+// held; a wait refused so collects nothing, and the ticket can be waited for again.
+TEST(strong_guarantee, a_swap_that_cannot_be_queued_or_collected_changes_nothing) {
+  char templ[] = "/tmp/tensormem-fault-XXXXXX";
+  ASSERT_NE(::mkdtemp(templ), nullptr);
+  const std::filesystem::path dir = templ;
+  memory::pinned_pool pool(memory::pool_options{.slab_bytes = 4 << 20});
+  for (const std::size_t pack_below : {std::size_t{0}, std::size_t{1} << 20}) {
+    SCOPED_TRACE(pack_below != 0 ? "packed" : "files");
+    swap::tensor_swapper s(pool, swap::swap_options{.block_bytes = 65536, .staging_buffers = 4,
+                                                    .pack_below = pack_below});
+    std::vector<std::vector<std::byte>> data;
+    std::vector<swap::tensor_ref> refs;
+    std::vector<std::string> paths;
+    for (const std::size_t bytes : {std::size_t{5000}, std::size_t{65536}, std::size_t{3 * 65536 + 17}}) {
+      data.emplace_back(bytes);
+      for (std::size_t i = 0; i < bytes; ++i) data.back()[i] = std::byte{static_cast<unsigned char>(bytes + i % 253)};
+      paths.push_back((dir / (std::to_string(pack_below) + "-" + std::to_string(bytes))).string());
+    }
+    for (auto& t : data) refs.push_back({t.data(), t.size()});
+    const std::vector<std::vector<std::byte>> written = data;
+    const auto nothing_left = [&] {
+      ASSERT_TRUE(s.synchronize_until(std::chrono::steady_clock::now() + std::chrono::seconds(20)))
+          << "a refused transfer left one behind, waited for for ever";
+    };
+    for (const bool out : {true, false, true, false}) {  // (the second time, what the first left made)
+      std::uint64_t ticket = 0;
+      int injected = inject_until_success(
+          [&] { ticket = out ? s.swap_out(refs, paths) : s.swap_in(paths, refs); }, nothing_left);
+      EXPECT_GT(injected, 3);
+      std::vector<swap::swap_result> results;
+      injected = inject_until_success([&] { results = s.wait(ticket); },
+                                      [&] { ASSERT_TRUE(s.outstanding(ticket)) << "a failed wait collected it"; });
+      EXPECT_GT(injected, 0);
+      ASSERT_EQ(results.size(), paths.size());
+      for (const auto& r : results) EXPECT_EQ(r.error, 0) << r.message;
+      if (out) {
+        for (auto& t : data) std::fill(t.begin(), t.end(), std::byte{0});
+      } else {
+        EXPECT_EQ(data, written);
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// The swapper's record of the memory its transfers use: an add or remove refused for lack of
+// memory changes nothing (no key left that changes no count), and after reserve(k) the next
+// k new keys need no memory.
+TEST(strong_guarantee, range_cover_changes_all_or_nothing) {
+  swap::detail::range_cover c;
+  c.add(100, 200);
+  c.add(300, 400);
+  const auto same_as_before = [&] {
+    ASSERT_EQ(c.keys(), 4U) << "a refused change left a key";
+    ASSERT_TRUE(c.overlaps(150, 151));
+    ASSERT_FALSE(c.overlaps(200, 300));
+  };
+  EXPECT_GT(inject_until_success([&] { c.add(250, 270); }, same_as_before), 0);  // two new keys
+  EXPECT_EQ(c.keys(), 6U);
+  c.remove(250, 270);
+  EXPECT_EQ(c.keys(), 4U);
+  c.add(100, 400);  // 100-200 and 300-400 twice, 200-300 once
+  EXPECT_EQ(c.keys(), 4U);
+  c.reserve(2);
+  countdown = 0;  // every allocation from here fails
+  c.remove(100, 200);  // keys at 100 (count 1) and 200 (count 1): 200 merges away, none new
+  c.remove(150, 160);  // two new keys, from the reserve
+  countdown = -1;
+  EXPECT_TRUE(c.overlaps(140, 150));
+  EXPECT_FALSE(c.overlaps(150, 160));
+  EXPECT_TRUE(c.overlaps(160, 170));
 }
 
 // A prefetch pipeline that cannot be made for lack of memory (its buffers' list, the reads

@@ -145,6 +145,10 @@ struct swap_stats {
 /// - Swap files are regular files: a swap-in from a pipe, a device or a directory, and a
 ///   swap-out whose spare (`spare_path`) is one, fail that tensor with EINVAL (EISDIR for a
 ///   directory) naming what the file is. No open waits for a pipe's other end.
+/// - Out of memory: `swap_out`, `swap_in` and `wait` throw std::bad_alloc having queued or
+///   collected nothing (a refused wait leaves the ticket to wait for again). On the
+///   swapper's own threads it fails the tensors it meets with ENOMEM, never the process: a
+///   failed swap-out leaves the version before it, as any failed swap-out does.
 /// Thread-safe: any thread may queue and wait (one internal mutex, never held while blocked,
 /// nor while the worker opens a file, checksums or copies a block or submits requests, so
 /// that `done`, `unfinished` and new transfers are answered in microseconds while the disk is
@@ -236,6 +240,7 @@ class tensor_swapper {
     std::uint32_t crc = 0;         // CRC-32C of the bytes, when has_crc
     bool has_crc = false;
   };
+  using packed_index = std::map<std::string, packed_entry, std::less<>>;
   using clock = std::chrono::steady_clock;
 
   std::uint64_t start(std::span<const tensor_ref> tensors, std::span<const std::string> paths,
@@ -262,18 +267,19 @@ class tensor_swapper {
   bool queue_more(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool truncate, bool& direct, const char*& refused) const;
   std::string why_short(const job& j, std::uint64_t file_bytes, int& error) const;
-  void note_buffered(const std::string& where);
+  void note_buffered(const std::string& where) noexcept;
   std::size_t take_staging();
   std::size_t take_header();
   void issue(std::uint64_t id, job& j, std::uint64_t data_offset, void* buffer, std::size_t bytes,
              bool write, std::size_t staging, std::size_t header, void* copy_to,
              std::size_t copy_bytes, std::size_t block);
   void on_completion(std::unique_lock<std::mutex>& lock, const io::io_completion& c);
-  void finish(std::uint64_t id, job& j);
+  void finish(job& j) noexcept;
+  void open_job_file(std::unique_lock<std::mutex>& lock, job& j, std::string& own_name) noexcept;
   void complete(job& j);
   void run_committer();
   void close_and_commit(job& j);
-  void start_packed(std::uint64_t id, job& j);
+  void start_packed(job& j);
   pack_file* pack_for(const std::string& path, std::string& error);
   static int reserve_pack(pack_file& pack, std::uint64_t end);
   void commit_locked(job& j);
@@ -318,14 +324,18 @@ class tensor_swapper {
   unless_forked<std::set<std::string, std::less<>>> busy_paths_;  // paths of unwaited transfers
   unless_forked<detail::range_cover> reading_;  // the memory of unwaited swap-outs (they may share it)
   unless_forked<detail::range_cover> writing_;  // the memory of unwaited swap-ins (disjoint)
-  unless_forked<std::map<std::string, std::unique_ptr<pack_file>>> packs_;  // by directory
-  unless_forked<std::map<std::string, packed_entry, std::less<>>> packed_;  // by path: its current version
+  using packs_by_dir = std::map<std::string, std::unique_ptr<pack_file>>;
+  unless_forked<packs_by_dir> packs_;  // by directory
+  unless_forked<packed_index> packed_;  // by path: its current version
   bool stop_ = false;
   mutable std::mutex mutex_;
   unless_forked<std::condition_variable> work_cv_;  // the worker: new jobs, or stop
   unless_forked<std::condition_variable> done_cv_;  // waiters: a job finished
   unless_forked<std::thread> worker_;
-  unless_forked<std::deque<std::uint64_t>> commit_queue_;  // finished jobs whose file the committer closes
+  // Finished jobs whose file the committer closes, linked through the jobs (job::next_commit)
+  // so that queuing one allocates nothing: the worker must not fail there.
+  job* commit_head_ = nullptr;
+  job* commit_tail_ = nullptr;
   unless_forked<std::condition_variable> commit_cv_;
   bool commit_stop_ = false;
   unless_forked<std::thread> committer_;

@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <utility>
+#include <vector>
 
 namespace tensormem::swap::detail {
 
@@ -12,7 +14,8 @@ namespace tensormem::swap::detail {
 /// count: a key is an address where the count changes, its value the count from there up to
 /// the next key. Adjacent keys never hold equal values (and no leading key holds 0), so
 /// `overlaps` looks at no more than three keys. add and remove: O(log n + keys inside the
-/// range); overlaps: O(log n). Not thread-safe.
+/// range); overlaps: O(log n). add and remove change nothing when they throw (std::bad_alloc
+/// for a new key); after `reserve(k)` the next k new keys allocate nothing. Not thread-safe.
 class range_cover {
  public:
   /// Adds [begin, end); an empty range (begin >= end) is ignored.
@@ -30,6 +33,15 @@ class range_cover {
     return false;
   }
   bool empty() const noexcept { return steps_.empty(); }
+  /// Makes `keys` new keys ahead (each of add and remove makes at most two), so that the
+  /// changes that follow cannot fail: a swapper's wait collects its transfers that way.
+  void reserve(std::size_t keys) {
+    spare_.reserve(keys);
+    while (spare_.size() < keys) {
+      steps made;
+      spare_.push_back(made.extract(made.try_emplace(0, 0).first));
+    }
+  }
   /// Keys kept: one per address where the count changes, no more.
   std::size_t keys() const noexcept { return steps_.size(); }
 
@@ -39,22 +51,39 @@ class range_cover {
     auto it = steps_.lower_bound(x);
     if (it != steps_.end() && it->first == x) return it;
     const std::int64_t count = it == steps_.begin() ? 0 : std::prev(it)->second;
-    return steps_.emplace_hint(it, x, count);
+    if (spare_.empty()) return steps_.emplace_hint(it, x, count);
+    steps::node_type node = std::move(spare_.back());
+    spare_.pop_back();
+    node.key() = x;
+    node.mapped() = count;
+    return steps_.insert(it, std::move(node));
   }
   // Drops the key at `it` when it no longer changes the count.
   void tidy(steps::iterator it) {
     const std::int64_t before = it == steps_.begin() ? 0 : std::prev(it)->second;
-    if (it->second == before) steps_.erase(it);
+    if (it->second != before) return;
+    if (spare_.size() < spare_.capacity()) {
+      spare_.push_back(steps_.extract(it));  // kept for a later key (room made by reserve)
+    } else {
+      steps_.erase(it);
+    }
   }
   void change(std::uintptr_t begin, std::uintptr_t end, std::int64_t delta) {
     if (begin >= end) return;
     const auto first = key_at(begin);
-    const auto last = key_at(end);
+    steps::iterator last;
+    try {
+      last = key_at(end);
+    } catch (...) {
+      tidy(first);  // a key made for `begin` alone changes no count: gone again
+      throw;
+    }
     for (auto it = first; it != last; ++it) it->second += delta;
     tidy(last);
     tidy(first);
   }
   steps steps_;
+  std::vector<steps::node_type> spare_;  // keys made by reserve, not in use
 };
 
 }  // namespace tensormem::swap::detail
