@@ -16,6 +16,7 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
     : space_(space), pool_(pool), options_(options) {
   std::uint64_t largest = 0;
   items_->reserve(order.size());
+  written_->reserve(order.size());  // each position is written back once at most: the collector never allocates
   for (const std::size_t t : order) {
     largest = std::max(largest, space_.padded_bytes(t));  // throws for an unknown tensor
     items_->push_back({t, state::waiting, nullptr, {}, nullptr});
@@ -159,9 +160,13 @@ void prefetch_pipeline::release(std::size_t i, bool dirty) {
   }
   item& it = (*items_)[i];
   if (dirty) {
+    // Its place in the queue first: once the write has started, nothing may fail before the
+    // collector knows of it (its buffer must not go back while the write is in flight).
+    writes_->push_back(i);
     try {
       it.io = space_.write(it.tensor, it.buffer);
     } catch (...) {
+      writes_->pop_back();  // (the lock was held: the collector has not seen it)
       it.s = state::done;
       free_->push_back(it.buffer);
       it.buffer = nullptr;
@@ -171,7 +176,6 @@ void prefetch_pipeline::release(std::size_t i, bool dirty) {
       return;  // reported by finish
     }
     it.s = state::writing;
-    writes_->push_back(i);
   } else {
     it.s = state::done;
     free_->push_back(it.buffer);

@@ -103,10 +103,24 @@ std::string swap_space::file_path(const std::string& name, unsigned slot, std::s
   return (dirs_.at(folder) / (name + ".g" + std::to_string(slot))).string();
 }
 
-// Queues every stripe of a transfer. When queuing a stripe fails (the file cannot be opened),
-// the stripes already queued are waited for before the error is thrown: none is left running
-// on a buffer the caller may free.
+// Queues every stripe of a transfer. When queuing a stripe fails (the file cannot be opened,
+// or memory runs out), the stripes already queued are waited for before the error is thrown:
+// none is left running on a buffer the caller may free (nor uncollected). The tickets' room
+// is made first, so that a stripe once queued is never lost to a failing push_back.
 void swap_space::queue_stripes(transfer& t, std::byte* buffer, std::uint64_t padded, const std::string& name) {
+  std::size_t stripes = 0;
+  for_each_stripe(t.tensor, padded, options_.stripe_bytes, dirs_.size(),
+                  [&](std::size_t, std::uint64_t, std::uint64_t, std::uint64_t) { ++stripes; });
+  t.tickets.reserve(stripes);
+  const auto end_queued = [&] {
+    for (const std::uint64_t ticket : t.tickets) {
+      try {
+        io_.wait_for(ticket);  // (once it returns or throws, the stripe's I/O has ended)
+      } catch (const std::bad_alloc&) {  // its error's message: the failure reported is the first
+      }
+    }
+    t.tickets.clear();
+  };
   try {
     for_each_stripe(t.tensor, padded, options_.stripe_bytes, dirs_.size(),
                     [&](std::size_t f, std::uint64_t at, std::uint64_t file_offset, std::uint64_t n) {
@@ -115,11 +129,13 @@ void swap_space::queue_stripes(transfer& t, std::byte* buffer, std::uint64_t pad
                                                   : io_.read(buffer + at, n, file, file_offset));
                     });
   } catch (const std::system_error& e) {
-    for (const std::uint64_t ticket : t.tickets) io_.wait_for(ticket);
-    t.tickets.clear();
+    end_queued();
     throw offload_error("swap " + std::string(t.write ? "write" : "read") + " of tensor " + name +
                             " failed: " + e.what(),
                         name, {}, e.code().value());
+  } catch (...) {  // std::bad_alloc
+    end_queued();
+    throw;
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -99,6 +100,22 @@ void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::fre
 
 namespace tensormem {
 namespace {
+
+/// A folder of its own under /tmp, removed with everything in it at the end of the scope.
+struct scratch_folder {
+  std::string path;
+  scratch_folder() {
+    char name[] = "/tmp/tensormem-fault-XXXXXX";
+    if (::mkdtemp(name) == nullptr) throw std::system_error(errno, std::generic_category(), "mkdtemp");
+    path = name;
+  }
+  scratch_folder(const scratch_folder&) = delete;
+  scratch_folder& operator=(const scratch_folder&) = delete;
+  ~scratch_folder() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
 
 /// Runs `op` with the n-th allocation failing, n = 0, 1, ...; `check` verifies after each
 /// failure that nothing changed. Returns how many failures were injected.
@@ -358,9 +375,8 @@ TEST(strong_guarantee, a_swapper_that_cannot_be_made_gives_its_staging_buffers_b
 // An offloaded optimizer's first state written under memory failures: every failure gives
 // the pinned buffers back; the state is written once a try gets through.
 TEST(strong_guarantee, an_optimizer_whose_first_state_cannot_be_written_keeps_no_pinned_buffer) {
-  char templ[] = "/tmp/tensormem-fault-XXXXXX";
-  ASSERT_NE(::mkdtemp(templ), nullptr);
-  const std::string dir = templ;
+  const scratch_folder scratch;
+  const std::string dir = scratch.path;
   {
     offload::optimizer_options options;
     options.swap.folders = {dir};
@@ -390,7 +406,6 @@ TEST(strong_guarantee, an_optimizer_whose_first_state_cannot_be_written_keeps_no
     EXPECT_TRUE(opt.initialized());
     EXPECT_GT(failed, 0);
   }
-  std::filesystem::remove_all(dir);
 }
 
 // The tracking and trace-log adaptors: an allocation refused for lack of memory takes no
@@ -438,9 +453,8 @@ std::size_t open_descriptors() {
 // queued: a failure in between left one that wait() waited for for ever, or a write of
 // which some blocks went out after the caller was told it failed.
 TEST(strong_guarantee, a_transfer_that_cannot_be_queued_leaves_nothing_behind) {
-  char templ[] = "/tmp/tensormem-fault-XXXXXX";
-  ASSERT_NE(::mkdtemp(templ), nullptr);
-  const std::string dir = templ;
+  const scratch_folder scratch;
+  const std::string dir = scratch.path;
   constexpr std::size_t bytes = 64 * 4096;
   auto* data = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
   for (const unsigned rings : {1U, 3U}) {
@@ -486,7 +500,6 @@ TEST(strong_guarantee, a_transfer_that_cannot_be_queued_leaves_nothing_behind) {
     EXPECT_GT(failed, 0);
   }
   std::free(data);
-  std::filesystem::remove_all(dir);
 }
 
 // An I/O engine out of memory loses no completion and returns none twice: `submit` takes
@@ -578,9 +591,8 @@ TEST(strong_guarantee, io_engines_lose_no_completion_when_out_of_memory) {
 // end the process: what it cannot hand to its engine fails with ENOMEM, what it cannot
 // collect yet it collects once memory is back, and the handle goes on working.
 TEST(strong_guarantee, a_ring_thread_out_of_memory_fails_operations_and_goes_on) {
-  char templ[] = "/tmp/tensormem-fault-XXXXXX";
-  ASSERT_NE(::mkdtemp(templ), nullptr);
-  const std::string path = std::string(templ) + "/f";
+  const scratch_folder scratch;
+  const std::string path = scratch.path + "/f";
   constexpr std::size_t bytes = 64 * 4096;
   auto* data = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
   for (const io::engine_kind kind : {io::engine_kind::uring, io::engine_kind::threads}) {
@@ -616,15 +628,13 @@ TEST(strong_guarantee, a_ring_thread_out_of_memory_fails_operations_and_goes_on)
     EXPECT_GT(failed, 0);
   }
   std::free(data);
-  std::filesystem::remove_all(templ);
 }
 
 // A wait or wait_for that runs out of memory (its result, a validation's read-back buffer)
 // collects nothing: the operations stay pending and a later call reports them.
 TEST(strong_guarantee, a_wait_out_of_memory_collects_nothing) {
-  char templ[] = "/tmp/tensormem-fault-XXXXXX";
-  ASSERT_NE(::mkdtemp(templ), nullptr);
-  const std::string dir = templ;
+  const scratch_folder scratch;
+  const std::string dir = scratch.path;
   std::vector<std::byte> data(3 * 8192, std::byte{7});
   io::file_io_options options;
   options.block_bytes = 4096;
@@ -659,7 +669,6 @@ TEST(strong_guarantee, a_wait_out_of_memory_collects_nothing) {
       [&] { ASSERT_EQ(io.pending(), 1U) << "a failed wait_for collected its operation"; });
   EXPECT_EQ(io.pending(), 0U);
   EXPECT_GE(failed, 4);
-  std::filesystem::remove_all(dir);
 }
 
 // A swapper whose threads run out of memory (the n-th allocation off the caller's thread
@@ -669,9 +678,8 @@ TEST(strong_guarantee, a_wait_out_of_memory_collects_nothing) {
 // succeeds is exact, and no temporary file stays. Plain files (reused spares and files of
 // their own), packed slots, both engines. Before, any such failure ended the process.
 TEST(strong_guarantee, a_swapper_whose_threads_run_out_of_memory_fails_transfers_and_loses_nothing) {
-  char templ[] = "/tmp/tensormem-fault-XXXXXX";
-  ASSERT_NE(::mkdtemp(templ), nullptr);
-  const std::filesystem::path dir = templ;
+  const scratch_folder scratch;
+  const std::filesystem::path dir = scratch.path;
   memory::pinned_pool pool(memory::pool_options{.slab_bytes = 4 << 20});
   struct mode {
     io::engine_kind engine;
@@ -797,16 +805,14 @@ TEST(strong_guarantee, a_swapper_whose_threads_run_out_of_memory_fails_transfers
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
     EXPECT_EQ(e.path().filename().string().find(".tensormem-tmp."), std::string::npos) << e.path() << " was left";
   }
-  std::filesystem::remove_all(dir);
 }
 
 // A swap-out or swap-in refused for lack of memory on the caller's thread (at each of its
 // allocations in turn) leaves nothing behind: no transfer to wait for, no path or memory
 // held; a wait refused so collects nothing, and the ticket can be waited for again.
 TEST(strong_guarantee, a_swap_that_cannot_be_queued_or_collected_changes_nothing) {
-  char templ[] = "/tmp/tensormem-fault-XXXXXX";
-  ASSERT_NE(::mkdtemp(templ), nullptr);
-  const std::filesystem::path dir = templ;
+  const scratch_folder scratch;
+  const std::filesystem::path dir = scratch.path;
   memory::pinned_pool pool(memory::pool_options{.slab_bytes = 4 << 20});
   for (const std::size_t pack_below : {std::size_t{0}, std::size_t{1} << 20}) {
     SCOPED_TRACE(pack_below != 0 ? "packed" : "files");
@@ -844,7 +850,6 @@ TEST(strong_guarantee, a_swap_that_cannot_be_queued_or_collected_changes_nothing
       }
     }
   }
-  std::filesystem::remove_all(dir);
 }
 
 // The swapper's record of the memory its transfers use: an add or remove refused for lack of
@@ -879,9 +884,8 @@ TEST(strong_guarantee, range_cover_changes_all_or_nothing) {
 // it starts, its collector thread) gives back every buffer it took, after any read it
 // started into one has ended.
 TEST(strong_guarantee, a_prefetch_pipeline_that_cannot_be_made_gives_its_buffers_back) {
-  char templ[] = "/tmp/tensormem-fault-XXXXXX";
-  ASSERT_NE(::mkdtemp(templ), nullptr);
-  const std::string dir = templ;
+  const scratch_folder scratch;
+  const std::string dir = scratch.path;
   {
     offload::swap_space_options options;
     options.folders = {dir};
@@ -915,7 +919,138 @@ TEST(strong_guarantee, a_prefetch_pipeline_that_cannot_be_made_gives_its_buffers
     }
     EXPECT_GT(failed, 3);
   }
-  std::filesystem::remove_all(dir);
+}
+
+// A prefetch pipeline's write-backs under memory failures, on the caller's thread (a
+// release's k-th allocation) and on the library's threads (the n-th allocation off the
+// caller's thread, for every n: the collector, the I/O rings): the process goes on, a write
+// that could not be made is reported by finish() (a read, by acquire()), and every tensor
+// `written()` names reads back as written, every other one as it was. Before, the
+// collector's record of the tensors written could end the process.
+TEST(strong_guarantee, a_prefetch_pipeline_out_of_memory_loses_no_write_back) {
+  const scratch_folder scratch;
+  const std::string dir = scratch.path;
+  {
+    offload::swap_space_options options;
+    options.folders = {dir};
+    offload::swap_space space(options);
+    constexpr std::size_t bytes = 8192;
+    void* staged = std::aligned_alloc(4096, bytes);
+    std::vector<std::size_t> ids;
+    for (int i = 0; i < 6; ++i) {
+      ids.push_back(space.add("t" + std::to_string(i), bytes));
+      std::memset(staged, 1, bytes);
+      auto t = space.write(ids.back(), staged);
+      space.finish(t);
+      space.commit(ids.back());
+    }
+    memory::pinned_pool pool(memory::pool_options{.slab_bytes = 1 << 20});
+    int failed_runs = 0;
+    for (long n = 0; n < 2000; ++n) {
+      const auto round = static_cast<unsigned char>(n % 200 + 2);
+      bool write_failed = false;
+      std::size_t released = 0;
+      std::vector<std::size_t> written;
+      armed_thread = std::this_thread::get_id();
+      other_countdown = n;
+      {
+        offload::prefetch_pipeline p(space, pool, ids, offload::pipeline_options{3 * bytes, 0});
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+          std::byte* b = nullptr;
+          try {
+            b = p.acquire(i);
+          } catch (const offload::offload_error& e) {  // its read failed (ENOMEM): reported here
+            EXPECT_EQ(e.error(), ENOMEM) << e.what();
+            continue;
+          } catch (const std::bad_alloc&) {  // its read could not be started
+            continue;
+          }
+          ASSERT_EQ(b[0], std::byte{1}) << "allocation " << n << ", position " << i;
+          std::memset(b, round, bytes);
+          const disarm_on_exit disarm;
+          if (i == static_cast<std::size_t>(n) % ids.size()) countdown = n % 5;  // this release's k-th allocation
+          p.release(i, true);  // a failure is kept for finish()
+          ++released;
+        }
+        try {
+          p.finish();
+        } catch (const std::exception&) {
+          write_failed = true;
+        }
+        written = p.written();
+      }
+      const bool reached = other_countdown.exchange(-1) < 0;
+      failed_runs += write_failed ? 1 : 0;
+      if (!write_failed) {
+        EXPECT_EQ(written.size(), released) << "allocation " << n;
+      }
+      for (const std::size_t id : written) space.commit(id);
+      for (const std::size_t id : ids) {
+        std::memset(staged, 0, bytes);
+        auto t = space.read(id, staged);
+        space.finish(t);
+        const bool fresh = std::find(written.begin(), written.end(), id) != written.end();
+        ASSERT_EQ(static_cast<std::byte*>(staged)[bytes - 1], fresh ? std::byte{round} : std::byte{1})
+            << "allocation " << n << ", tensor " << id;
+        std::memset(staged, 1, bytes);  // back to the first contents for the next round
+        t = space.write(id, staged);
+        space.finish(t);
+        space.commit(id);
+      }
+      if (!reached && n >= 5) break;  // the threads made fewer than n allocations
+    }
+    EXPECT_GT(failed_runs, 3);
+    std::free(staged);
+  }
+}
+
+// A swap space's read or write of several stripes that runs out of memory part way (at each
+// allocation in turn) ends the stripes it had queued before it throws: nothing lands in the
+// buffer afterwards. Before, those stripes were left running, uncollected, on a buffer the
+// caller was free to reuse.
+TEST(strong_guarantee, a_striped_transfer_refused_for_memory_leaves_nothing_running) {
+  const scratch_folder scratch;
+  const std::string dir = scratch.path;
+  {
+    offload::swap_space_options options;
+    options.folders = {dir + "/a", dir + "/b"};
+    for (const auto& f : options.folders) std::filesystem::create_directory(f);
+    options.stripe_bytes = 4096;
+    offload::swap_space space(options);
+    constexpr std::size_t bytes = 8 * 4096;
+    auto* buffer = static_cast<std::byte*>(std::aligned_alloc(4096, bytes));
+    const std::size_t id = space.add("t", bytes);
+    std::memset(buffer, 7, bytes);
+    auto t = space.write(id, buffer);
+    space.finish(t);
+    space.commit(id);
+    int failed = 0;
+    for (long n = 0, failed_before = -1; n < 400 && failed != failed_before; ++n) {  // until neither fails
+      failed_before = failed;
+      for (const bool write : {false, true}) {
+        std::memset(buffer, write ? 9 : 0, bytes);
+        countdown = n;
+        bool refused = false;
+        try {
+          auto u = write ? space.write(id, buffer) : space.read(id, buffer);
+          countdown = -1;
+          space.finish(u);
+        } catch (const std::bad_alloc&) {
+          refused = true;
+        }
+        countdown = -1;
+        if (!refused) continue;
+        ++failed;
+        std::memset(buffer, 0x55, bytes);  // the caller's next use of its buffer
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        for (std::size_t i = 0; i < bytes; i += 512) {
+          ASSERT_EQ(buffer[i], std::byte{0x55}) << "allocation " << n << ": a stripe landed after it failed, at " << i;
+        }
+      }
+    }
+    EXPECT_GT(failed, 8);
+    std::free(buffer);
+  }
 }
 
 std::byte pattern(std::uint64_t id, std::uint64_t i) {
