@@ -322,6 +322,9 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
   step_stats st;
   const double start = now_seconds();
   std::vector<std::size_t> updated;  // groups whose parameters changed in memory
+  // Its room first: a group whose parameters have changed must be in it, or a failure after
+  // the change (std::bad_alloc in the push_back) would leave them changed.
+  updated.reserve(groups_.size());
   std::vector<std::size_t> written;
   pipeline_stats ps;
   try {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -406,6 +407,79 @@ TEST(strong_guarantee, an_optimizer_whose_first_state_cannot_be_written_keeps_no
     EXPECT_TRUE(opt.initialized());
     EXPECT_GT(failed, 0);
   }
+}
+
+// An offloaded optimizer's step out of memory, on the caller's thread (each of its
+// allocations in turn) or on the library's threads (the n-th allocation off it): a step that
+// fails leaves the parameters, the step counts and the committed state as they were, and the
+// next step gives exactly what a twin that never failed gives.
+TEST(strong_guarantee, an_optimizer_step_out_of_memory_changes_nothing) {
+  const scratch_folder scratch;
+  const std::vector<std::uint64_t> numels = {1500, 500, 3000};
+  const auto make = [&](const std::string& name) {
+    offload::optimizer_options options;
+    options.swap.folders = {scratch.path};
+    options.group_bytes = 8 << 10;
+    options.pipeline.pinned_budget = 96 << 10;
+    options.name = name;
+    return std::make_unique<offload::offloaded_optimizer>(numels, options);
+  };
+  auto opt = make("faulty");
+  auto twin = make("twin");
+  std::vector<std::vector<float>> values, twin_values, grads;
+  for (std::size_t i = 0; i < numels.size(); ++i) {
+    values.emplace_back(numels[i]);
+    grads.emplace_back(numels[i]);
+    for (std::size_t k = 0; k < numels[i]; ++k) {
+      values[i][k] = static_cast<float>((k * 7 + i) % 101) / 50.0F - 1.0F;
+      grads[i][k] = static_cast<float>((k * 13 + i) % 97) / 97.0F - 0.5F;
+    }
+  }
+  twin_values = values;
+  const auto pointers = [](std::vector<std::vector<float>>& v) {
+    std::vector<float*> p;
+    for (auto& x : v) p.push_back(x.data());
+    return p;
+  };
+  const std::vector<float*> params = pointers(values);
+  const std::vector<float*> twin_params = pointers(twin_values);
+  std::vector<const float*> grad_ptrs;
+  for (const auto& g : grads) grad_ptrs.push_back(g.data());
+  const std::vector<offload::param_hyper> hyper(numels.size());
+  opt->initialize(std::vector<const float*>(params.begin(), params.end()));
+  twin->initialize(std::vector<const float*>(twin_params.begin(), twin_params.end()));
+  int failed = 0;
+  std::array<bool, 2> beyond = {false, false};  // each side's last round made fewer allocations than its count
+  for (long n = 0; n < 3000 && !(beyond[0] && beyond[1]); ++n) {
+    const auto before = values;
+    const auto steps_before = opt->steps();
+    bool reached = false;
+    try {
+      if (n % 2 == 0) {
+        countdown = n / 2;  // the caller's thread
+      } else {
+        armed_thread = std::this_thread::get_id();
+        other_countdown = n / 2;  // the library's threads
+      }
+      opt->step(params, grad_ptrs, hyper);
+      reached = countdown < 0 && n % 2 == 0;
+      countdown = -1;
+      reached |= other_countdown.exchange(-1) < 0;
+    } catch (const std::exception& e) {  // std::bad_alloc, or the I/O's ENOMEM as offload_error
+      countdown = -1;
+      other_countdown = -1;
+      reached = true;
+      ++failed;
+      ASSERT_EQ(values, before) << "allocation " << n << ": a failed step changed the parameters (" << e.what() << ")";
+      ASSERT_EQ(opt->steps(), steps_before) << "allocation " << n;
+      continue;  // the same step again, with the next allocation failing
+    }
+    twin->step(twin_params, grad_ptrs, hyper);
+    ASSERT_EQ(values, twin_values) << "allocation " << n << ": the step after the failures differs from the twin's";
+    ASSERT_EQ(opt->steps(), twin->steps());
+    beyond[static_cast<std::size_t>(n % 2)] = !reached;
+  }
+  EXPECT_GT(failed, 10);
 }
 
 // The tracking and trace-log adaptors: an allocation refused for lack of memory takes no
