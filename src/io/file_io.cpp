@@ -83,9 +83,14 @@ void check_path_argument(std::string_view who, std::string_view path) {
   }
 }
 
-void sync_folder_of(std::string_view who, const std::string& path) {
+std::string folder_of(const std::string& path) {
   std::string folder = std::filesystem::path(path).parent_path().string();
-  if (folder.empty()) folder = ".";
+  return folder.empty() ? "." : folder;
+}
+
+void sync_folder_of(std::string_view who, const std::string& path) { sync_folder(who, folder_of(path), path); }
+
+void sync_folder(std::string_view who, const std::string& folder, const std::string& path) {
   const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   const int error = fd < 0 || ::fsync(fd) != 0 ? errno : 0;
   if (fd >= 0) ::close(fd);

@@ -457,6 +457,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   io::check_path_argument("offloaded_optimizer::save", path);
   check_replaceable(path);
   const std::string tmp = path + ".tmp";
+  const std::string folder = io::folder_of(path);  // (named now: nothing may fail after the rename)
   check_temporary(path, tmp);
   // O_NOFOLLOW and a regular file only: the check above holds even against a link or a
   // device put there since.
@@ -492,7 +493,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
     throw;
   }
   // The new checkpoint is in place; it survives a crash once its folder is synced too.
-  io::sync_folder_of("offloaded_optimizer::save", path);
+  io::sync_folder("offloaded_optimizer::save", folder, path);
 }
 
 std::string offloaded_optimizer::load(const std::string& path) {

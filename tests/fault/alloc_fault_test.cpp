@@ -15,7 +15,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <new>
 #include <optional>
@@ -415,7 +417,7 @@ TEST(strong_guarantee, an_optimizer_whose_first_state_cannot_be_written_keeps_no
 // next step gives exactly what a twin that never failed gives.
 TEST(strong_guarantee, an_optimizer_step_out_of_memory_changes_nothing) {
   const scratch_folder scratch;
-  const std::vector<std::uint64_t> numels = {1500, 500, 3000};
+  const std::vector<std::uint64_t> numels = {900, 300, 1600};
   const auto make = [&](const std::string& name) {
     offload::optimizer_options options;
     options.swap.folders = {scratch.path};
@@ -480,6 +482,114 @@ TEST(strong_guarantee, an_optimizer_step_out_of_memory_changes_nothing) {
     beyond[static_cast<std::size_t>(n % 2)] = !reached;
   }
   EXPECT_GT(failed, 10);
+}
+
+// An offloaded optimizer's save, load and rewrite out of memory (each allocation in turn, on
+// the caller's thread and, alternately, off it): a failed save leaves the previous
+// checkpoint and no temporary file; a failed load or rewrite leaves the state, step counts
+// included, as it was.
+TEST(strong_guarantee, an_optimizer_save_load_or_rewrite_out_of_memory_changes_nothing) {
+  const scratch_folder scratch;
+  offload::optimizer_options options;
+  options.swap.folders = {scratch.path};
+  options.group_bytes = 8 << 10;
+  options.pipeline.pinned_budget = 96 << 10;
+  const std::vector<std::uint64_t> numels = {900, 300, 1600};
+  offload::offloaded_optimizer opt(numels, options);
+  std::vector<std::vector<float>> values;
+  for (const std::uint64_t n : numels) values.emplace_back(n, 0.25F);
+  std::vector<const float*> initial;
+  std::vector<float*> params;
+  std::vector<const float*> grads;
+  for (auto& v : values) {
+    initial.push_back(v.data());
+    params.push_back(v.data());
+    grads.push_back(v.data());
+  }
+  opt.initialize(initial);
+  const std::vector<offload::param_hyper> hyper(numels.size());
+  opt.step(params, grads, hyper);
+  const std::string path = scratch.path + "/ck";
+  opt.save(path, "first");
+  const auto file_bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::vector<char> first = file_bytes(path);
+  const auto state = [&] {
+    std::vector<float> all;
+    opt.visit([&](const offload::offloaded_optimizer::group&, const float* record) {
+      all.insert(all.end(), record, record + 64);  // the head of each record
+    });
+    return std::make_pair(all, opt.steps());
+  };
+  opt.step(params, grads, hyper);  // the state now differs from the checkpoint's
+  const auto stepped = state();
+  const std::string stepped_path = scratch.path + "/stepped";
+  opt.save(stepped_path);
+  const auto put_file = [](const std::string& p, const std::vector<char>& bytes) {
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  // Runs `op` with the n-th allocation failing, alternately on the caller's thread and off
+  // it, for every n until neither side reaches its count; `failed(n, e)` checks after each
+  // failure, `undo` puts things back after a success. Returns the failures.
+  const auto each_allocation = [](const auto& op, const auto& failed, const auto& undo) {
+    int failures = 0;
+    std::array<bool, 2> beyond{};
+    for (long n = 0; n < 4000 && !(beyond[0] && beyond[1]); ++n) {
+      if (n % 2 == 0) {
+        countdown = n / 2;
+      } else {
+        armed_thread = std::this_thread::get_id();
+        other_countdown = n / 2;
+      }
+      bool reached = false;
+      const auto disarm = [&] {
+        reached = (n % 2 == 0 && countdown < 0) || other_countdown.load() < 0;
+        countdown = -1;
+        other_countdown = -1;
+      };
+      try {
+        op();
+        disarm();
+        undo();
+      } catch (const std::exception& e) {
+        disarm();
+        ++failures;
+        failed(n, e);
+        if (::testing::Test::HasFatalFailure()) return failures;
+      }
+      beyond[static_cast<std::size_t>(n % 2)] = !reached;
+    }
+    return failures;
+  };
+  const int saves = each_allocation(
+      [&] { opt.save(path, "second"); },
+      [&](long n, const std::exception& e) {
+        ASSERT_EQ(file_bytes(path), first) << "allocation " << n << ": a failed save changed the checkpoint ("
+                                           << e.what() << ")";
+        ASSERT_FALSE(std::filesystem::exists(path + ".tmp")) << "allocation " << n;
+      },
+      [&] { put_file(path, first); });
+  const int loads = each_allocation(
+      [&] { opt.load(path); },
+      [&](long n, const std::exception& e) {
+        ASSERT_EQ(state(), stepped) << "allocation " << n << ": a failed load changed the state (" << e.what() << ")";
+      },
+      [&] { opt.load(stepped_path); });
+  const int rewrites = each_allocation(
+      [&] {
+        opt.rewrite([](const offload::offloaded_optimizer::group&, float* record) { record[0] += 1.0F; }, {7, 7, 7});
+      },
+      [&](long n, const std::exception& e) {
+        ASSERT_EQ(state(), stepped) << "allocation " << n << ": a failed rewrite changed the state (" << e.what()
+                                    << ")";
+      },
+      [&] { opt.load(stepped_path); });
+  EXPECT_GT(saves, 5);
+  EXPECT_GT(loads, 5);
+  EXPECT_GT(rewrites, 5);
 }
 
 // The tracking and trace-log adaptors: an allocation refused for lack of memory takes no

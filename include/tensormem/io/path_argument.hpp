@@ -16,5 +16,10 @@ void check_path_argument(std::string_view who, std::string_view path);
 /// a rename into it survives a crash. Throws std::system_error "<who>: cannot sync the
 /// folder '<folder>' of <path>: <reason>".
 void sync_folder_of(std::string_view who, const std::string& path);
+/// The folder `sync_folder_of` syncs, and the sync itself, apart: a caller that must not fail
+/// once its file is renamed into place (for want of memory) names the folder before the rename.
+/// `sync_folder` allocates only for its error.
+std::string folder_of(const std::string& path);
+void sync_folder(std::string_view who, const std::string& folder, const std::string& path);
 
 }  // namespace tensormem::io
