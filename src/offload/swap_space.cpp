@@ -186,8 +186,8 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
                           name, dirs_[f].string(), ENOSPC);
     }
   }
-  for (std::size_t f = 0; f < dirs_.size(); ++f) reserved_[f] += 2 * e.folder_share[f];
-  entries_->push_back(std::move(e));
+  entries_->push_back(std::move(e));  // first: a failure here must not leave its share reserved
+  for (std::size_t f = 0; f < dirs_.size(); ++f) reserved_[f] += 2 * entries_->back().folder_share[f];
   return id;
 }
 

@@ -1188,6 +1188,20 @@ TEST(strong_guarantee, a_prefetch_pipeline_out_of_memory_loses_no_write_back) {
   }
 }
 
+// A tensor that cannot be added to a swap space for lack of memory takes none of a folder's
+// capacity: the capacity it would have reserved is there for the next. Before, every such
+// failure kept its share reserved, and a folder was reported full while it was not.
+TEST(strong_guarantee, a_tensor_refused_for_memory_reserves_no_capacity) {
+  const scratch_folder scratch;
+  offload::swap_space_options options;
+  options.folders = {scratch.path};
+  options.capacity_bytes = {2 * 2 * 8192};  // two tensors of 8 KiB, two generations each
+  offload::swap_space space(options);
+  EXPECT_GT(inject_until_success([&] { space.add("a", 8192); }, [&] { ASSERT_EQ(space.size(), 0U); }), 1);
+  EXPECT_NO_THROW(space.add("b", 8192)) << "the failed adds kept capacity";
+  EXPECT_THROW(space.add("c", 8192), offload::offload_error);  // now it is full
+}
+
 // A swap space's read or write of several stripes that runs out of memory part way (at each
 // allocation in turn) ends the stripes it had queued before it throws: nothing lands in the
 // buffer afterwards. Before, those stripes were left running, uncollected, on a buffer the
