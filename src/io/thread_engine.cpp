@@ -61,7 +61,7 @@ class thread_engine final : public io_engine {
       // Room for every completion first, so that a worker never allocates (on its thread a
       // std::bad_alloc would end the process); a deque's insert at its end is all or nothing.
       const std::lock_guard lock(mutex_);
-      done_->reserve(outstanding_ + requests.size());
+      detail::reserve_at_least(*done_, outstanding_ + requests.size());
       queue_->insert(queue_->end(), requests.begin(), requests.end());
     }
     outstanding_ += requests.size();

@@ -52,7 +52,7 @@ class uring_engine final : public io_engine {
   // its request outstanding for ever), and a failed push takes back the ones before it.
   void submit(std::span<const io_request> requests) override {
     made_.require_same_process(who);
-    ready_->reserve(outstanding_ + requests.size());
+    detail::reserve_at_least(*ready_, outstanding_ + requests.size());
     std::size_t pushed = 0;
     try {
       for (const io_request& r : requests) {
