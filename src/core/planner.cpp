@@ -23,6 +23,7 @@
 #include "tensormem/core/align.hpp"
 #include "tensormem/core/tlsf_allocator.hpp"
 #include "tensormem/core/replay.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 namespace tensormem::core {
 
@@ -262,7 +263,10 @@ class planner_run {
   // own; returns when all have ended. An exception in any of them is kept (see guarded).
   template <class Work>
   void on_threads(std::size_t count, Work& work) {
-    auto safe = [&](std::size_t t, std::size_t n) { guarded([&] { work(t, n); }); };
+    auto safe = [&](std::size_t t, std::size_t n) {
+      detail::prepare_thread_for_exceptions();
+      guarded([&] { work(t, n); });
+    };
     std::vector<std::jthread> pool;
     for (std::size_t t = 1; t < count; ++t) pool.emplace_back(safe, t, count);
     safe(0, count);
@@ -417,6 +421,7 @@ class planner_run {
     double greedy_seconds = 0;
     {
       std::jthread others([&] {
+        detail::prepare_thread_for_exceptions();
         guarded([&] {
           greedy_on(1);
           greedy_seconds = seconds_since(start_);

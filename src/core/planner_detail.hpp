@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tensormem/core/lifetime.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 namespace tensormem::core::detail {
 
@@ -203,6 +204,7 @@ void skylines_then_lanes(std::size_t threads, std::size_t skylines, const Skylin
   std::atomic<std::size_t> next_skyline{0};
   std::atomic<std::size_t> next_lane{0};
   auto work = [&] {
+    prepare_thread_for_exceptions();
     for (std::size_t i; (i = next_skyline.fetch_add(1)) < skylines;) {
       if (!skyline(i)) {
         next_skyline.store(skylines);

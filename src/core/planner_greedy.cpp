@@ -20,6 +20,7 @@
 #include "planner_detail.hpp"
 #include "tensormem/core/planner.hpp"
 #include "tensormem/core/align.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 namespace tensormem::core::detail {
 
@@ -469,6 +470,7 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
   // rethrown once both have ended.
   std::exception_ptr error[2];
   auto work = [&](int s) {
+    prepare_thread_for_exceptions();
     try {
       place_side(s);
     } catch (...) {

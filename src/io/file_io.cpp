@@ -1,6 +1,7 @@
 #include "tensormem/io/file_io.hpp"
 
 #include "tensormem/io/path_argument.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -278,6 +279,7 @@ std::uint64_t async_file_io::queue(bool write, std::byte* buffer, std::size_t by
 // wait, is retried after a pause (the requests in flight hold their buffers; they cannot be
 // given up). The batch changes hands with the ring's queue by a swap, without allocating.
 void async_file_io::run(ring& r) {
+  core::detail::prepare_thread_for_exceptions();
   std::unique_lock lock(mutex_);
   std::vector<io_request> batch;
   for (;;) {

@@ -13,6 +13,7 @@
 #include "segments.hpp"
 #include "tensormem/io/fork_guard.hpp"
 #include "tensormem/io/io_engine.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 namespace tensormem::io {
 
@@ -91,6 +92,7 @@ class thread_engine final : public io_engine {
 
  private:
   void work() {
+    core::detail::prepare_thread_for_exceptions();
     std::unique_lock lock(mutex_);
     while (true) {
       work_ready_->wait(lock, [&] { return (!queue_->empty() && busy_ < depth_) || (stopping_ && queue_->empty()); });

@@ -1,4 +1,5 @@
 #include "tensormem/offload/prefetch_pipeline.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 #include <algorithm>
 #include <stdexcept>
@@ -187,6 +188,7 @@ void prefetch_pipeline::release(std::size_t i, bool dirty) {
 
 // The background thread: waits for the oldest write-back, recycles its buffer, starts reads.
 void prefetch_pipeline::collect_writes() {
+  core::detail::prepare_thread_for_exceptions();
   std::unique_lock lock(mutex_);
   for (;;) {
     changed_->wait(lock, [this] { return stop_ || !writes_->empty(); });

@@ -45,6 +45,7 @@
 #include "numpy_abi.hpp"
 #include "signals.hpp"
 #include "whole_number.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 namespace py = pybind11;
 using namespace tensormem;
@@ -612,7 +613,10 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
     d["phase"] = now->phase;
     progress(d);
   };
-  std::packaged_task<core::plan_result()> task([&] { return core::plan(buffers, o); });
+  std::packaged_task<core::plan_result()> task([&] {
+    core::detail::prepare_thread_for_exceptions();
+    return core::plan(buffers, o);
+  });
   std::future<core::plan_result> result = task.get_future();
   std::jthread planner(std::move(task));
   try {

@@ -18,6 +18,7 @@
 #include "numpy_abi.hpp"
 #include "signals.hpp"
 #include "whole_number.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 namespace py = pybind11;
 using namespace tensormem;
@@ -221,6 +222,7 @@ void bind_offload(py::module_& m) {
              // or finished where it could no longer be undone).
              std::atomic<bool> stop{false};
              std::future<offload::step_stats> step = std::async(std::launch::async, [&] {
+               core::detail::prepare_thread_for_exceptions();
                return o.step(p, g, h, [&] { return stop.load(std::memory_order_relaxed); });
              });
              try {

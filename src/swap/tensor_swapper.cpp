@@ -24,6 +24,7 @@
 #include "tensormem/memory/errors.hpp"
 #include "tensormem/memory/pinned_host_resource.hpp"
 #include "tensormem/swap/crc32c.hpp"
+#include "tensormem/core/detail/thread_start.hpp"
 
 namespace tensormem::swap {
 
@@ -426,6 +427,7 @@ double timed_outside(std::unique_lock<std::mutex>& lock, Work&& work) {
 // requests so that checksums interleave with I/O), then blocks in the engine for
 // completions with the lock released.
 void tensor_swapper::run() {
+  core::detail::prepare_thread_for_exceptions();
   std::unique_lock lock(mutex_);
   for (;;) {
     queue_ready(lock);
@@ -966,6 +968,7 @@ void tensor_swapper::complete(job& j) {
 // The batch is the queue taken whole (the jobs link to each other): nothing here allocates
 // but a failure's message, so that the committer never fails.
 void tensor_swapper::run_committer() {
+  core::detail::prepare_thread_for_exceptions();
   std::unique_lock lock(mutex_);
   for (;;) {
     commit_cv_->wait(lock, [this] { return commit_stop_ || commit_head_ != nullptr; });
@@ -1151,6 +1154,7 @@ void tensor_swapper::reap(const std::string& path) {
 }
 
 void tensor_swapper::run_reaper() {
+  core::detail::prepare_thread_for_exceptions();
   std::unique_lock lock(reap_mutex_);
   for (;;) {
     reap_cv_->wait(lock, [this] { return reap_stop_ || !reap_queue_->empty(); });

@@ -1440,3 +1440,53 @@ def test_tensors_whose_memory_is_not_their_values_are_refused_by_the_swapper(tmp
             s.swap_in([path], [view])
     assert torch.equal(target, torch.zeros_like(z))  # nothing was read into it
     assert s.wait(s.swap_in([path], [target]))[0]["error"] == 0 and torch.equal(target, z)
+
+
+def test_the_swappers_threads_survive_an_address_space_limit(tmp_path):
+    # Under RLIMIT_AS set just above what the process maps (4 KiB steps), allocations fail on
+    # the swapper's own threads. They throw std::bad_alloc and handle it (a pack's committer
+    # frees a slot by walking its blocks when the index cannot be made); a thread's first throw
+    # used to need memory of its own (the C++ runtime's thread-local state, loaded with this
+    # module after the interpreter started), and the C library ended the process with "cannot
+    # allocate memory for thread-local data" (exit 127). Every version read back is the last
+    # one whose swap-out succeeded.
+    script = textwrap.dedent(f"""
+        import resource
+        import numpy as np
+        import tensormem
+        d = {str(tmp_path)!r}
+        sw = tensormem.TensorSwapper(tensormem.PinnedPool(), pack_below=1 << 20)
+        xs = [np.arange(20000, dtype=np.float32) + i for i in range(8)]
+        paths = [f"{{d}}/t{{i}}" for i in range(8)]
+        assert all(r["error"] == 0 for r in sw.wait(sw.swap_out(xs, paths)))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        def mapped():
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+        version = [0] * 8
+        failed = 0
+        for k in range(0, 400, 3):
+            ys = [np.zeros(20000, dtype=np.float32) for _ in range(8)]
+            zs = [x + np.float32(k + 1) for x in xs]
+            resource.setrlimit(resource.RLIMIT_AS, (mapped() + k * 4096, hard))
+            try:
+                results = sw.wait(sw.swap_out(zs, paths))
+            except MemoryError:
+                results = None
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+            for i, r in enumerate(results or []):
+                if r["error"] == 0:
+                    version[i] = k + 1
+                else:
+                    assert r["error"] == 12 and r["message"], r
+                    failed += 1
+            assert all(r["error"] == 0 for r in sw.wait(sw.swap_in(paths, ys)))
+            for i in range(8):
+                assert (ys[i] == xs[i] + np.float32(version[i])).all(), (k, i)
+        print("ok", failed)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.startswith("ok"), r.stdout
