@@ -642,6 +642,9 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
 void bind_offload(py::module_& m);  // offload_bindings.cpp
 
 PYBIND11_MODULE(_tensormem, m) {
+  // The importing thread (the interpreter's main thread, as a rule) too: its first throw,
+  // a std::bad_alloc to become MemoryError, must not need memory of its own.
+  core::detail::prepare_thread_for_exceptions();
   m.doc() = "tensormem: tensor memory planning, arenas, pinned memory and swapping";
   m.attr("__version__") = TENSORMEM_VERSION;
 
