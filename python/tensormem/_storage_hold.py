@@ -15,37 +15,45 @@ from typing import Optional
 
 _factory = None
 _problem: Optional[str] = None
-_warned = False
+_warned = ""  # the reason last warned of
+
+# An extension that is there but could not be loaded for want of memory (the loader's words
+# for an mmap that failed): loading it is tried again at the next transfer, so that the holds
+# come back with the memory instead of staying off for the rest of the process.
+_OUT_OF_MEMORY = ("failed to map segment", "cannot allocate memory", "Cannot allocate memory")
 
 
 def problem() -> str:
     """Empty when resizes are held off during transfers, else why not."""
-    _resolve()
-    return _problem or ""
+    return _resolve()
 
 
-def _resolve() -> None:
+def _resolve() -> str:
     global _factory, _problem
     if _problem is not None:
-        return
+        return _problem
     from .model import torch_extension
     extension, why = torch_extension()
     if extension is None:
-        _problem = f"{why}: a tensor resized in place while a transfer uses it is not refused"
-        return
+        problem = f"{why}: a tensor resized in place while a transfer uses it is not refused"
+        if any(words in why for words in _OUT_OF_MEMORY):
+            return problem  # (not kept: tried again)
+        _problem = problem
+        return problem
     _factory = extension.StorageSizeHold
     _problem = ""
+    return _problem
 
 
 def hold(storage):
     """What keeps ``storage`` alive until it is dropped, and holds its size meanwhile: a
-    StorageSizeHold, or the storage itself where none can be taken (said once as a
-    RuntimeWarning)."""
+    StorageSizeHold, or the storage itself where none can be taken (said as a RuntimeWarning,
+    once per reason)."""
     global _warned
-    _resolve()
+    why = _resolve()
     if _factory is None:
-        if not _warned:
-            _warned = True
-            warnings.warn(_problem, RuntimeWarning, stacklevel=3)
+        if _warned != why:
+            _warned = why
+            warnings.warn(why, RuntimeWarning, stacklevel=3)
         return storage
     return _factory(storage)

@@ -1490,3 +1490,39 @@ def test_the_swappers_threads_survive_an_address_space_limit(tmp_path):
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert r.stdout.startswith("ok"), r.stdout
+
+
+def test_a_torch_extension_that_could_not_be_loaded_for_memory_is_loaded_again(monkeypatch):
+    # Under a tight address-space limit the loader cannot map the extension ("failed to map
+    # segment from shared object"): that transfer goes without a size hold (and says so), and
+    # the next one loads it and holds again. A missing extension stays missing, asked once.
+    from tensormem import _storage_hold, model
+    extension, why = model.torch_extension()
+    if extension is None:
+        pytest.skip(why)
+    calls = []
+
+    def out_of_memory_once():
+        calls.append(1)
+        if len(calls) == 1:
+            return None, "tensormem's PyTorch extension is not built (...: failed to map segment from shared object)"
+        return extension, ""
+
+    monkeypatch.setattr(model, "torch_extension", out_of_memory_once)
+    monkeypatch.setattr(_storage_hold, "_factory", None)
+    monkeypatch.setattr(_storage_hold, "_problem", None)
+    monkeypatch.setattr(_storage_hold, "_warned", "")
+    storage = torch.zeros(16).untyped_storage() if hasattr(torch.Tensor, "untyped_storage") else \
+        torch.zeros(16).storage()
+    with pytest.warns(RuntimeWarning, match="failed to map segment"):
+        assert _storage_hold.hold(storage) is storage  # nothing held this time
+    held = _storage_hold.hold(storage)
+    assert held is not storage and isinstance(held, extension.StorageSizeHold)
+    assert _storage_hold.problem() == "" and len(calls) == 2
+
+    monkeypatch.setattr(model, "torch_extension", lambda: (calls.append(1), (None, "not built"))[1])
+    monkeypatch.setattr(_storage_hold, "_factory", None)
+    monkeypatch.setattr(_storage_hold, "_problem", None)
+    with pytest.warns(RuntimeWarning, match="not built"):
+        assert _storage_hold.hold(storage) is storage
+    assert _storage_hold.hold(storage) is storage and len(calls) == 3  # kept: not asked again
