@@ -268,7 +268,8 @@ class planner_run {
       guarded([&] { work(t, n); });
     };
     std::vector<std::jthread> pool;
-    for (std::size_t t = 1; t < count; ++t) pool.emplace_back(safe, t, count);
+    pool.reserve(count);
+    for (std::size_t t = 1; t < count; ++t) pool.push_back(detail::start_thread(safe, t, count));
     safe(0, count);
   }
 
@@ -420,7 +421,7 @@ class planner_run {
     skyline_flags stop = {};
     double greedy_seconds = 0;
     {
-      std::jthread others([&] {
+      const std::jthread others = detail::start_thread([&] {
         detail::prepare_thread_for_exceptions();
         guarded([&] {
           greedy_on(1);
@@ -637,6 +638,31 @@ void require_at_least_zero(double value, const char* before, const char* after) 
   throw std::invalid_argument(std::string(before) + text + after);
 }
 
+// The planning itself, from `start` (its time limit counts from there).
+plan_result plan_problem_from(const plan_problem& p, const plan_options& options, clock::time_point start) {
+  plan_result r;
+  planner_run run(p, options, start);
+  run.first_plan();
+  if (!run.done() && options.search && run.guided_rounds_beside_greedy()) {
+    r.greedy_seconds = run.greedy_beside_guided_rounds();
+  } else {
+    if (!run.done()) run.greedy();
+    r.greedy_seconds = seconds_since(start);
+    if (options.search && !run.done()) run.search();
+  }
+  run.rethrow_failure();
+  const candidate_plan& best = run.best();
+  r.offsets = best.offsets;
+  r.arena_bytes = best.arena;
+  r.lower_bound = p.lower_bound;
+  r.strategy = best.strategy;
+  r.first_plan_seconds = run.first_plan_seconds();
+  r.best_plan_seconds = run.best_plan_seconds();
+  r.seconds = seconds_since(start);
+  r.stopped = options.stop != nullptr && options.stop->load();
+  return r;
+}
+
 }  // namespace
 
 plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
@@ -667,32 +693,21 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
     total += *bytes;
   }
   const auto start = clock::now();
-  plan_result r;
   if (buffers.empty()) {
+    plan_result r;
     r.strategy = "empty";
     return r;
   }
   const plan_problem p = detail::make_problem(buffers, options.alignment);
-  planner_run run(p, options, start);
-  run.first_plan();
-  if (!run.done() && options.search && run.guided_rounds_beside_greedy()) {
-    r.greedy_seconds = run.greedy_beside_guided_rounds();
-  } else {
-    if (!run.done()) run.greedy();
-    r.greedy_seconds = seconds_since(start);
-    if (options.search && !run.done()) run.search();
+  try {
+    return plan_problem_from(p, options, start);
+  } catch (const detail::thread_refused& e) {  // (one thread starts none: not thrown then)
+    plan_options alone = options;
+    alone.threads = 1;
+    plan_result r = plan_problem_from(p, alone, start);
+    r.fallback = std::string(e.what()) + "; planned on the calling thread alone";
+    return r;
   }
-  run.rethrow_failure();
-  const candidate_plan& best = run.best();
-  r.offsets = best.offsets;
-  r.arena_bytes = best.arena;
-  r.lower_bound = p.lower_bound;
-  r.strategy = best.strategy;
-  r.first_plan_seconds = run.first_plan_seconds();
-  r.best_plan_seconds = run.best_plan_seconds();
-  r.seconds = seconds_since(start);
-  r.stopped = options.stop != nullptr && options.stop->load();
-  return r;
 }
 
 plan_result plan(const graph& g, const plan_options& options) {

@@ -10,6 +10,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -18,6 +19,24 @@
 #include "tensormem/core/detail/thread_start.hpp"
 
 namespace tensormem::core::detail {
+
+/// A planner thread the system would not start (EAGAIN: a limit on threads or on the address
+/// space, for the new thread's stack). plan() then plans again on the calling thread alone,
+/// within the same time limit, and says so in plan_result::fallback.
+class thread_refused : public std::system_error {
+ public:
+  using std::system_error::system_error;
+};
+
+/// std::jthread(args...), or thread_refused where the system will not start one.
+template <class... Args>
+std::jthread start_thread(Args&&... args) {
+  try {
+    return std::jthread(std::forward<Args>(args)...);
+  } catch (const std::system_error& e) {
+    throw thread_refused(e.code(), "a planner thread could not be started");
+  }
+}
 
 /// A planning instance in compressed time: time points are renumbered so that buffer i is
 /// alive in the sections [lo[i], hi[i]) (a section lies between two consecutive distinct
@@ -214,7 +233,8 @@ void skylines_then_lanes(std::size_t threads, std::size_t skylines, const Skylin
     if (const std::size_t l = next_lane.fetch_add(1); l < lanes) lane(l);
   };
   std::vector<std::jthread> pool;
-  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  pool.reserve(threads);
+  for (std::size_t t = 1; t < threads; ++t) pool.push_back(start_thread(work));
   work();
 }
 

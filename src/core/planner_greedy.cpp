@@ -480,7 +480,7 @@ candidate_plan place_first_fit_split(const plan_problem& p, std::span<const std:
     }
   };
   {
-    std::jthread right(work, 1);
+    const std::jthread right = start_thread(work, 1);
     work(0);
   }
   for (const std::exception_ptr& e : error) {

@@ -618,7 +618,23 @@ core::plan_result plan_interruptibly(const std::vector<core::buffer>& buffers, c
     return core::plan(buffers, o);
   });
   std::future<core::plan_result> result = task.get_future();
-  std::jthread planner(std::move(task));
+  std::jthread planner;
+  try {
+    planner = std::jthread([&task] { task(); });  // (the task stays here, to run here if need be)
+  } catch (const std::system_error& e) {
+    // No thread for it (a limit on threads or on the address space): it plans on this one,
+    // without the GIL, and Ctrl-C, `stop` and `progress` are answered once it has ended.
+    {
+      py::gil_scoped_release release;
+      task();
+    }
+    hand_on();
+    core::plan_result r = result.get();
+    const std::string note = std::string("the planner's thread could not be started (") + e.what() +
+                             "): it planned on the calling thread, where Ctrl-C, stop and progress wait for it";
+    r.fallback = r.fallback.empty() ? note : note + "; " + r.fallback;
+    return r;
+  }
   try {
     wait_answering_signals([&](auto deadline) { return result.wait_until(deadline) == std::future_status::ready; },
                            [&] {
@@ -761,6 +777,7 @@ PYBIND11_MODULE(_tensormem, m) {
     d["best_plan_seconds"] = r.best_plan_seconds;
     d["greedy_seconds"] = r.greedy_seconds;
     d["stopped"] = r.stopped;
+    d["fallback"] = r.fallback;
     return d;
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
      py::arg("alignment") = 1, py::arg("seed") = 1, py::arg("stop") = py::none(),

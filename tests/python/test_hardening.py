@@ -1526,3 +1526,40 @@ def test_a_torch_extension_that_could_not_be_loaded_for_memory_is_loaded_again(m
     with pytest.warns(RuntimeWarning, match="not built"):
         assert _storage_hold.hold(storage) is storage
     assert _storage_hold.hold(storage) is storage and len(calls) == 3  # kept: not asked again
+
+
+def test_plan_without_a_thread_to_start_plans_on_the_calling_thread(tmp_path):
+    # With an address-space limit too small for a thread's stack, neither the module's
+    # planner thread nor the planner's own helpers can start: the plan is made on the calling
+    # thread, valid, and "fallback" says so. Before, plan() raised BlockingIOError
+    # "[Errno 11] Resource temporarily unavailable".
+    script = textwrap.dedent("""
+        import os, resource
+        import numpy as np
+        import tensormem
+        rng = np.random.default_rng(1)
+        lower = rng.integers(0, 3000, 300)
+        upper = lower + rng.integers(1, 300, 300)
+        size = rng.integers(1, 1 << 20, 300)
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (2 << 20), hard))  # no room for an 8 MiB stack
+        try:
+            r = tensormem.plan(lower, upper, size, time_limit=0.5)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        print(repr(tensormem.validate(lower, upper, size, r["offsets"], r["arena_bytes"])))
+        print(r["fallback"])
+        print(os.cpu_count())
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    valid, fallback, cpus = r.stdout.splitlines()
+    assert valid == "''", valid
+    assert fallback.startswith("the planner's thread could not be started (Resource temporarily unavailable)"), \
+        fallback
+    if int(cpus) > 1:  # the planner asks for helper threads only where there are cores for them
+        assert "a planner thread could not be started: Resource temporarily unavailable; planned on the " \
+               "calling thread alone" in fallback, fallback

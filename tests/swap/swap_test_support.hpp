@@ -277,21 +277,22 @@ inline std::size_t tasks_of_user(uid_t uid) {
   return n;
 }
 
-/// Runs `body` in a child process, as user nobody when running as root, that may start only
-/// `threads` more threads (RLIMIT_NPROC counts every task of its user; root ignores it, so the
-/// child drops root first). Returns body's result (0 for success), 99 when the child died (an
-/// exception escaping a thread's owner, std::terminate), 98 when it still ran after 60 s (it
-/// is killed), 77 when it could not set itself up.
+/// Runs `body` in a child process that may start only `threads` more threads. RLIMIT_NPROC
+/// counts every task of its user and root ignores it, so a child of root drops root first,
+/// to a user id of its own (no account, no other task: one shared with other processes, such
+/// as nobody's, let a task of theirs that ended meanwhile leave room for one more thread).
+/// Returns body's result (0 for success), 99 when the child died (an exception escaping a
+/// thread's owner, std::terminate), 98 when it still ran after 60 s (it is killed), 77 when
+/// it could not set itself up.
 template <class Body>
 int with_thread_limit(std::size_t threads, Body body) {
-  constexpr uid_t nobody = 65534;
-  const std::size_t others = tasks_of_user(nobody);
+  const auto alone = static_cast<uid_t>(1'500'000'000U + static_cast<unsigned>(getpid()) % 1'000'000U);
   const pid_t child = fork();
   if (child < 0) return 77;
   if (child == 0) {
     const bool dropped = geteuid() == 0;
-    if (dropped && (setgroups(0, nullptr) != 0 || setgid(nobody) != 0 || setuid(nobody) != 0)) _exit(77);
-    const std::size_t mine = dropped ? others + 1 : tasks_of_user(getuid());  // this child included
+    if (dropped && (setgroups(0, nullptr) != 0 || setgid(alone) != 0 || setuid(alone) != 0)) _exit(77);
+    const std::size_t mine = tasks_of_user(getuid());  // this child included
     const rlim_t most = static_cast<rlim_t>(mine + threads);
     const rlimit limit{most, most};
     if (setrlimit(RLIMIT_NPROC, &limit) != 0) _exit(77);

@@ -171,6 +171,7 @@ void run_plan(plan_cli_options o) {
     j["strategy"] = r.strategy;
     j["heap_huge_pages"] = huge_pages_status();
     j["stopped"] = stopped_by != 0;
+    j["fallback"] = r.fallback;
     std::cout << j.dump() << '\n';
     stop_if_signalled(stopped_by, r);
     return;
@@ -189,6 +190,7 @@ void run_plan(plan_cli_options o) {
             << fmt::format("peak RSS     {} (heap on huge pages: {})\n", human_bytes(peak_rss_bytes()),
                            huge_pages_status())
             << "validated    yes\n";
+  if (!r.fallback.empty()) std::cout << fmt::format("fallback     {}\n", r.fallback);
   stop_if_signalled(stopped_by, r);
 }
 

@@ -73,6 +73,10 @@ struct plan_result {
   /// plan_options::stop was set when plan() returned: the planning may have ended before its
   /// time limit, with a plan it would have improved.
   bool stopped = false;
+  /// Empty, or why the plan was made on the calling thread alone where more threads were
+  /// asked for: the system would not start one (a limit on threads or on the address space),
+  /// and the planning started again on one thread, within the same time limit.
+  std::string fallback;
   double ratio() const noexcept {
     return lower_bound == 0 ? 1.0
                             : static_cast<double>(arena_bytes) / static_cast<double>(lower_bound);
