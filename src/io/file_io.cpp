@@ -121,7 +121,7 @@ async_file_io::async_file_io(file_io_options options) : options_(options) {
     for (auto& r : rings_) *r->thread = std::thread([this, ring = r.get()] { run(*ring); });
   } catch (...) {
     stop_rings();  // those started so far: a joinable thread destroyed would end the process
-    throw;
+    core::detail::rethrow_naming_thread_start("async_file_io");
   }
 }
 

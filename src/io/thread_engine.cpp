@@ -46,7 +46,7 @@ class thread_engine final : public io_engine {
       for (unsigned t = 0; t < threads; ++t) workers_->emplace_back([this] { work(); });
     } catch (...) {
       stop();  // the workers started so far: a joinable thread destroyed would end the process
-      throw;
+      core::detail::rethrow_naming_thread_start("a thread-pool I/O engine");
     }
   }
 

@@ -62,7 +62,7 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
     // No collector (the constructor runs no destructor): the reads started end, and every
     // buffer goes back to the pool.
     end_reads_and_give_back_buffers();
-    throw;
+    core::detail::rethrow_naming_thread_start("prefetch_pipeline");
   }
 }
 

@@ -279,7 +279,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
     // No thread to start (EAGAIN): end those started and give the staging back, as the
     // destructor would (a joinable thread destroyed would end the process).
     stop_threads_and_free_staging();
-    throw;
+    core::detail::rethrow_naming_thread_start("tensor_swapper");
   }
 }
 

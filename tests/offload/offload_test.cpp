@@ -432,6 +432,46 @@ TEST(offload_pipeline, misuse_is_refused) {
   p.finish();
 }
 
+// A collector that cannot be started (EAGAIN: a limit on threads) is an exception from the
+// constructor that says which object and why, the reads started end and every buffer goes
+// back to the pool.
+TEST(offload_pipeline, a_collector_that_cannot_start_is_an_exception_and_the_buffers_go_back) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
+#endif
+  scratch_dir dir;
+  std::filesystem::permissions(dir.path, std::filesystem::perms::all);  // the child is a user of its own
+  // The swap space's ring thread and its engine's worker only (io_uring's kernel workers
+  // count against the limit too: the thread engine, whose threads are known).
+  const int status = swap::testing::with_thread_limit(2, [&] {
+    swap_space_options o;
+    o.folders = {dir.path.string()};
+    o.io.engine = io::engine_kind::threads;
+    o.io.queue_depth = 1;  // one worker
+    swap_space s(o);
+    std::vector<std::size_t> ids;
+    for (int i = 0; i < 3; ++i) {
+      ids.push_back(s.add("c" + std::to_string(i), 8192));
+      aligned_floats b(8192);
+      auto t = s.write(ids.back(), b.data);
+      s.finish(t);
+      s.commit(ids.back());
+    }
+    memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20, .alignment = 4096});
+    try {
+      prefetch_pipeline p(s, pool, ids, {2 * 8192, 0});
+      return 1;  // the collector started: the limit did not hold
+    } catch (const std::system_error& e) {
+      if (std::string(e.what()).find("prefetch_pipeline: cannot start a thread") == std::string::npos) return 4;
+      return pool.stats().in_use_bytes == 0 ? 0 : 3;
+    } catch (const memory::out_of_memory&) {
+      return 76;  // this user may not lock even 1 MiB here
+    }
+  });
+  if (status == 76 || status == 77) GTEST_SKIP() << "the limited child could not be set up (" << status << ")";
+  EXPECT_EQ(status, 0);
+}
+
 TEST(offload_pipeline, a_failed_write_back_names_its_tensor_and_commits_nothing_for_it) {
   scratch_dir dir;
   auto armed = std::make_shared<std::atomic<bool>>(false);

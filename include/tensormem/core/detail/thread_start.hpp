@@ -2,6 +2,8 @@
 // What every thread the library starts does first.
 
 #include <exception>
+#include <string>
+#include <system_error>
 
 namespace tensormem::core::detail {
 
@@ -14,6 +16,17 @@ namespace tensormem::core::detail {
 /// (std::uncaught_exceptions reads that state; it is declared pure, so its result is kept.)
 inline void prepare_thread_for_exceptions() noexcept {
   [[maybe_unused]] const volatile int in_flight = std::uncaught_exceptions();
+}
+
+/// Rethrows the exception being handled, naming `who` and the likely cause where it is the
+/// std::system_error std::thread throws when the system will not start a thread (EAGAIN).
+[[noreturn]] inline void rethrow_naming_thread_start(const char* who) {
+  try {
+    throw;
+  } catch (const std::system_error& e) {
+    throw std::system_error(e.code(), std::string(who) + ": cannot start a thread (a limit on threads or "
+                                                         "processes, or no address space left for its stack)");
+  }
 }
 
 }  // namespace tensormem::core::detail
