@@ -18,7 +18,6 @@ namespace {
 
 constexpr std::uint64_t direct_alignment = 4096;
 
-std::string describe(int error) { return std::generic_category().message(error); }
 
 }  // namespace
 
@@ -35,6 +34,15 @@ std::optional<unsigned> mode_at(const std::string& path) noexcept {
   struct stat st {};
   if (::lstat(path.c_str(), &st) != 0) return std::nullopt;
   return static_cast<unsigned>(st.st_mode);
+}
+
+std::string describe_transfer_error(int error) {
+  std::string words = std::generic_category().message(error);
+  if (error == ECANCELED) {
+    words += " (io_uring could not start a kernel worker for it: a limit on the user's processes and threads, "
+             "RLIMIT_NPROC, is reached)";
+  }
+  return words;
 }
 
 int not_a_file_error(unsigned mode) noexcept { return S_ISDIR(mode) ? EISDIR : EINVAL; }
@@ -330,7 +338,8 @@ void async_file_io::complete(const io_completion& c) noexcept {
 void async_file_io::make_message(op& o) {
   if (o.error == 0 || !o.message.empty()) return;
   if (o.moved < 0) {
-    o.message = std::string(o.write ? "write to " : "read from ") + o.path + " failed: " + describe(o.error);
+    o.message = std::string(o.write ? "write to " : "read from ") + o.path + " failed: " +
+                describe_transfer_error(o.error);
   } else {
     o.message = std::string(o.write ? "short write to " : "short read from ") + o.path + ": " +
                 std::to_string(o.moved) + " of " + std::to_string(o.asked) + " bytes";

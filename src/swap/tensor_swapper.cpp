@@ -891,7 +891,7 @@ void tensor_swapper::on_completion(std::unique_lock<std::mutex>& lock, const io:
   if (c.result < 0) {
     fail(static_cast<int>(-c.result), [&] {
       return std::string(r.write ? "write to " : "read from ") + j.path +
-             " failed: " + std::strerror(static_cast<int>(-c.result));
+             " failed: " + io::describe_transfer_error(static_cast<int>(-c.result));
     });
   } else {
     const auto got = static_cast<std::size_t>(c.result);

@@ -738,6 +738,37 @@ TEST(file_io, a_thread_that_cannot_start_is_an_exception_not_the_end_of_the_proc
   }
 }
 
+// io_uring cancels a request it cannot start a kernel worker for (its workers count against
+// the user's limit on processes and threads): the operation fails with ECANCELED, and the
+// message says what that means here, since nothing in the library cancels a request.
+TEST(file_io, a_request_io_uring_cannot_start_says_why) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
+#endif
+  scratch_dir dir;
+  std::filesystem::permissions(dir.path, std::filesystem::perms::all);  // the child is a user of its own
+  const std::string path = dir.file("f");
+  const int status = swap::testing::with_thread_limit(1, [&] {  // the ring's thread, no kernel worker
+    file_io_options o;
+    o.engine = engine_kind::uring;
+    async_file_io io(o);
+    if (io.stats().engine != "uring") return 76;
+    aligned_buffer b(1 << 20);
+    std::memset(b.data, 1, 1 << 20);
+    io.write(b.data, 1 << 20, path, 0);
+    const auto r = io.wait();
+    if (r.errors.empty()) return 75;  // done without a worker: nothing to say
+    if (r.errors[0].error != ECANCELED) return 2;
+    return r.errors[0].message.find("Operation canceled (io_uring could not start a kernel worker for it: a "
+                                    "limit on the user's processes and threads, RLIMIT_NPROC, is reached)") !=
+                   std::string::npos
+               ? 0
+               : 3;
+  });
+  if (status == 75 || status == 76 || status == 77) GTEST_SKIP() << "not reached here (" << status << ")";
+  EXPECT_EQ(status, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(engines, file_io_test,
                          ::testing::Values(config{engine_kind::uring, 1}, config{engine_kind::uring, 3},
                                            config{engine_kind::threads, 2}),

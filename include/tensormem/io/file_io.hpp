@@ -45,6 +45,11 @@ const char* kind_of_file(unsigned mode) noexcept;
 /// nothing is there or it cannot be looked at (lstat fails).
 std::optional<unsigned> mode_at(const std::string& path) noexcept;
 
+/// What a transfer's errno means, for its message: the system's words, and for ECANCELED
+/// (nothing here cancels a request: io_uring does when it cannot start a kernel worker for
+/// one) the likely cause.
+std::string describe_transfer_error(int error);
+
 /// The errno that refuses a file of this mode where a regular file is wanted: EISDIR for a
 /// directory, else EINVAL.
 int not_a_file_error(unsigned mode) noexcept;
