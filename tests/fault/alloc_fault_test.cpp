@@ -54,7 +54,7 @@ thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fail
 // While set, every allocation on a thread other than `armed_thread` fails (a library's own
 // threads out of memory while the caller's are not).
 std::atomic<bool> fail_on_other_threads{false};
-std::thread::id armed_thread;
+std::atomic<std::thread::id> armed_thread;  // (read by the library's threads while a test sets it)
 // While >= 0, counts the allocations made on threads other than `armed_thread`; the one made
 // at 0 fails (a library's own thread failing at each of its allocations in turn).
 std::atomic<long> other_countdown{-1};
@@ -69,7 +69,7 @@ struct disarm_on_exit {
 };
 
 void fail_when_due() {
-  if (std::this_thread::get_id() != armed_thread) {
+  if (std::this_thread::get_id() != armed_thread.load()) {
     if (fail_on_other_threads.load()) throw std::bad_alloc();
     long left = other_countdown.load();
     while (left >= 0 && !other_countdown.compare_exchange_weak(left, left - 1)) {
