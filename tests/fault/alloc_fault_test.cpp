@@ -1064,6 +1064,22 @@ TEST(strong_guarantee, range_cover_changes_all_or_nothing) {
   EXPECT_TRUE(c.overlaps(160, 170));
 }
 
+/// Adds `count` tensors of `bytes` named t0, t1... to `space` and commits a first generation
+/// of each, every byte `value`; returns their ids.
+std::vector<std::size_t> committed_tensors(offload::swap_space& space, int count, std::size_t bytes, int value) {
+  void* staged = std::aligned_alloc(4096, bytes);
+  std::memset(staged, value, bytes);
+  std::vector<std::size_t> ids;
+  for (int i = 0; i < count; ++i) {
+    ids.push_back(space.add("t" + std::to_string(i), bytes));
+    auto t = space.write(ids.back(), staged);
+    space.finish(t);
+    space.commit(ids.back());
+  }
+  std::free(staged);
+  return ids;
+}
+
 // A prefetch pipeline that cannot be made for lack of memory (its buffers' list, the reads
 // it starts, its collector thread) gives back every buffer it took, after any read it
 // started into one has ended.
@@ -1074,17 +1090,7 @@ TEST(strong_guarantee, a_prefetch_pipeline_that_cannot_be_made_gives_its_buffers
     offload::swap_space_options options;
     options.folders = {dir};
     offload::swap_space space(options);
-    std::vector<std::size_t> ids;
-    std::vector<std::byte> bytes(8192, std::byte{7});
-    for (int i = 0; i < 6; ++i) {
-      ids.push_back(space.add("t" + std::to_string(i), 8192));
-      void* staged = std::aligned_alloc(4096, 8192);
-      std::memcpy(staged, bytes.data(), bytes.size());
-      auto t = space.write(ids.back(), static_cast<std::byte*>(staged));
-      space.finish(t);
-      space.commit(ids.back());
-      std::free(staged);
-    }
+    const std::vector<std::size_t> ids = committed_tensors(space, 6, 8192, 7);
     memory::pinned_pool pool(memory::pool_options{.slab_bytes = 1 << 20});
     // Every allocation of the construction in turn, whether or not it ends the construction
     // (a read that cannot start is the item's error, reported when it is acquired).
@@ -1119,15 +1125,8 @@ TEST(strong_guarantee, a_prefetch_pipeline_out_of_memory_loses_no_write_back) {
     options.folders = {dir};
     offload::swap_space space(options);
     constexpr std::size_t bytes = 8192;
+    const std::vector<std::size_t> ids = committed_tensors(space, 6, bytes, 1);
     void* staged = std::aligned_alloc(4096, bytes);
-    std::vector<std::size_t> ids;
-    for (int i = 0; i < 6; ++i) {
-      ids.push_back(space.add("t" + std::to_string(i), bytes));
-      std::memset(staged, 1, bytes);
-      auto t = space.write(ids.back(), staged);
-      space.finish(t);
-      space.commit(ids.back());
-    }
     memory::pinned_pool pool(memory::pool_options{.slab_bytes = 1 << 20});
     int failed_runs = 0;
     for (long n = 0; n < 2000; ++n) {

@@ -349,6 +349,20 @@ io::file_io_options failing_io(const std::string& needle, std::shared_ptr<std::a
 
 // ------------------------------------------------------------------------------ pipeline
 
+// Adds `count` tensors of `bytes` named prefix0, prefix1... and commits a first generation
+// of each (zeros); returns their ids.
+std::vector<std::size_t> committed_tensors(swap_space& s, const std::string& prefix, int count, std::size_t bytes) {
+  std::vector<std::size_t> ids;
+  for (int i = 0; i < count; ++i) {
+    ids.push_back(s.add(prefix + std::to_string(i), bytes));
+    aligned_floats b(bytes);
+    auto t = s.write(ids.back(), b.data);
+    s.finish(t);
+    s.commit(ids.back());
+  }
+  return ids;
+}
+
 TEST(offload_pipeline, random_sizes_never_exceed_the_budget_and_land_every_write) {
   scratch_dir dir;
   swap_space s(three_folders(dir));
@@ -406,14 +420,7 @@ TEST(offload_pipeline, random_sizes_never_exceed_the_budget_and_land_every_write
 TEST(offload_pipeline, misuse_is_refused) {
   scratch_dir dir;
   swap_space s(three_folders(dir));
-  std::vector<std::size_t> ids;
-  for (int i = 0; i < 4; ++i) {
-    ids.push_back(s.add("m" + std::to_string(i), 8192));
-    aligned_floats b(8192);
-    auto t = s.write(ids.back(), b.data);
-    s.finish(t);
-    s.commit(ids.back());
-  }
+  const std::vector<std::size_t> ids = committed_tensors(s, "m", 4, 8192);
   memory::pinned_pool pool({.alignment = 4096});
   EXPECT_THROW(prefetch_pipeline(s, pool, ids, {8192, 0}), std::invalid_argument);  // one buffer
   EXPECT_THROW(prefetch_pipeline(s, pool, {99}, {1 << 20, 0}), std::out_of_range);
@@ -449,14 +456,7 @@ TEST(offload_pipeline, a_collector_that_cannot_start_is_an_exception_and_the_buf
     o.io.engine = io::engine_kind::threads;
     o.io.queue_depth = 1;  // one worker
     swap_space s(o);
-    std::vector<std::size_t> ids;
-    for (int i = 0; i < 3; ++i) {
-      ids.push_back(s.add("c" + std::to_string(i), 8192));
-      aligned_floats b(8192);
-      auto t = s.write(ids.back(), b.data);
-      s.finish(t);
-      s.commit(ids.back());
-    }
+    const std::vector<std::size_t> ids = committed_tensors(s, "c", 3, 8192);
     memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20, .alignment = 4096});
     try {
       prefetch_pipeline p(s, pool, ids, {2 * 8192, 0});
