@@ -14,7 +14,9 @@ Steps are atomic on disk: new state goes to a second generation of the files, co
 when every group is written. A failed step (a full folder, an I/O error) raises
 ``OffloadError`` (an OSError with ``errno``, ``filename`` and ``tensor``) and leaves the
 previous state committed; with ``offload_master=True`` (the default) the parameters are put
-back to their values before the step, so the step can be retried. Ctrl-C during a step raises
+back to their values before the step, so the step can be retried. Should putting them back fail
+too (memory running out again), the error's ``not_undone`` lists the parameters that may hold
+the failed step's values (it is None otherwise), and ``restore_parameters()`` puts them back. Ctrl-C during a step raises
 ``KeyboardInterrupt`` once the step is undone the same way (undoing rereads the master copies of
 the sub-groups already updated: about as long as the step had run); without
 the master copy only a step that has changed no parameter yet can be undone, so a later one runs
@@ -159,6 +161,15 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         if self.progress:
             print(self.progress_line(), file=sys.stderr, flush=True)
         return loss
+
+    @torch.no_grad()
+    def restore_parameters(self) -> None:
+        """Copies the committed master copy into the parameters: their values after the last
+        step that succeeded (or as initialized or loaded). The way back after an
+        ``OffloadError`` whose ``not_undone`` lists parameters: a failed step whose undoing
+        failed too. Needs ``offload_master=True``; a failure may be retried."""
+        held = self._check_params()
+        self._core.restore_parameters([p.data_ptr() for p in held])
 
     def progress_line(self) -> str:
         s = self.last_stats

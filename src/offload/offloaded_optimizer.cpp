@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <new>
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
@@ -166,6 +167,29 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
   }
 }
 
+namespace {
+std::string not_undone_message(const std::exception& step_error, const std::exception& restore_error,
+                               const std::vector<std::size_t>& parameters) {
+  std::string listed;
+  for (const std::size_t i : parameters) listed += (listed.empty() ? "" : ", ") + std::to_string(i);
+  return std::string(step_error.what()) + "; the step could not be undone (putting the parameters back from the " +
+         "master copy failed: " + restore_error.what() + "), so parameters " + listed +
+         " may hold this step's values; the state on disk and the step counts are the previous step's, and "
+         "restore_parameters copies its master copy into the parameters";
+}
+const offload_error* as_offload_error(const std::exception& e) { return dynamic_cast<const offload_error*>(&e); }
+}  // namespace
+
+step_not_undone::step_not_undone(const std::exception& step_error, const std::exception& restore_error,
+                                 std::vector<std::size_t> parameters)
+    : offload_error(not_undone_message(step_error, restore_error, parameters),
+                    as_offload_error(step_error) != nullptr ? as_offload_error(step_error)->tensor() : std::string(),
+                    as_offload_error(step_error) != nullptr ? as_offload_error(step_error)->path() : std::string(),
+                    as_offload_error(step_error) != nullptr                       ? as_offload_error(step_error)->error()
+                    : dynamic_cast<const std::bad_alloc*>(&step_error) != nullptr ? ENOMEM
+                                                                                   : 0),
+      parameters_(std::move(parameters)) {}
+
 offloaded_optimizer::~offloaded_optimizer() = default;
 
 offloaded_optimizer::exclusive_call::exclusive_call(const offloaded_optimizer& o, const char* what) : o_(o) {
@@ -314,17 +338,16 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
                                 std::to_string(grads.size()) + " gradients, " + std::to_string(hyper.size()) +
                                 " hyperparameter sets; expected " + std::to_string(numels_.size()) + " of each");
   }
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    if (params[i] == nullptr && numels_[i] != 0) {
-      throw std::invalid_argument("offloaded_optimizer::step: parameter " + std::to_string(i) + " is null");
-    }
-  }
+  check_not_null(params, "step");
   step_stats st;
   const double start = now_seconds();
   std::vector<std::size_t> updated;  // groups whose parameters changed in memory
   // Its room first: a group whose parameters have changed must be in it, or a failure after
   // the change (std::bad_alloc in the push_back) would leave them changed.
   updated.reserve(groups_.size());
+  // And the list of parameters a step that cannot be undone names (no allocation there).
+  std::vector<std::size_t> changed;
+  changed.reserve(numels_.size());
   std::vector<std::size_t> written;
   pipeline_stats ps;
   try {
@@ -346,7 +369,20 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
     written = pipe.written();
     ps = pipe.stats();
   } catch (const std::exception& e) {
-    if (options_.offload_master) roll_back(updated, params);
+    if (options_.offload_master && !updated.empty()) {
+      try {
+        roll_back(updated, params);
+      } catch (const std::exception& r) {
+        for (const std::size_t g : updated) {
+          for (const piece& p : groups_[g].pieces) {
+            if (grads[p.param] != nullptr) changed.push_back(p.param);
+          }
+        }
+        std::sort(changed.begin(), changed.end());
+        changed.erase(std::unique(changed.begin(), changed.end()), changed.end());
+        throw step_not_undone(e, r, std::move(changed));
+      }
+    }
     throw;
   }
   commit_all(written);
@@ -365,6 +401,32 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
   st.pinned_high_water = pool_->stats().peak_in_use_bytes;
   st.groups = groups_.size();
   return st;
+}
+
+void offloaded_optimizer::check_not_null(std::span<float* const> params, const char* what) const {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (params[i] == nullptr && numels_[i] != 0) {
+      throw std::invalid_argument(std::string("offloaded_optimizer::") + what + ": parameter " + std::to_string(i) +
+                                  " is null");
+    }
+  }
+}
+
+void offloaded_optimizer::restore_parameters(std::span<float* const> params) {
+  const exclusive_call call(*this, "restore_parameters");
+  if (!initialized_) throw std::logic_error("offloaded_optimizer::restore_parameters before initialize or load");
+  if (!options_.offload_master) {
+    throw std::logic_error("offloaded_optimizer::restore_parameters: the master copy is not offloaded "
+                           "(offload_master false), so there is none to restore from");
+  }
+  if (params.size() != numels_.size()) {
+    throw std::invalid_argument("offloaded_optimizer::restore_parameters: " + std::to_string(params.size()) +
+                                " parameters, expected " + std::to_string(numels_.size()));
+  }
+  check_not_null(params, "restore_parameters");
+  std::vector<std::size_t> all(groups_.size());
+  for (std::size_t g = 0; g < all.size(); ++g) all[g] = g;
+  roll_back(all, params);
 }
 
 // The parameters of `groups` go back to the committed master copy (the previous step's).

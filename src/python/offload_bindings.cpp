@@ -134,6 +134,9 @@ void bind_offload(py::module_& m) {
       py::object err = type(e.error(), e.what(), e.path().empty() ? py::object(py::none())
                                                                   : py::object(py::str(e.path())));
       err.attr("tensor") = e.tensor();
+      // A step that could not be undone: the parameters that may hold its values.
+      const auto* not_undone = dynamic_cast<const offload::step_not_undone*>(&e);
+      err.attr("not_undone") = not_undone != nullptr ? py::cast(not_undone->parameters()) : py::object(py::none());
       PyErr_SetObject(offload_error_type.ptr(), err.ptr());
     }
   });
@@ -231,9 +234,20 @@ void bind_offload(py::module_& m) {
                });
              } catch (...) {
                stop.store(true, std::memory_order_relaxed);
-               py::gil_scoped_release release;
-               step.wait();
-               throw;
+               {
+                 py::gil_scoped_release release;
+                 step.wait();
+               }
+               // A step that could not be undone says so rather than the interrupt: its
+               // parameters need restore_parameters.
+               const std::exception_ptr interrupt = std::current_exception();
+               try {
+                 step.get();
+               } catch (const offload::step_not_undone&) {
+                 throw;
+               } catch (...) {
+               }
+               std::rethrow_exception(interrupt);
              }
              return to_dict(step.get());
            }, py::arg("params"), py::arg("grads"), py::arg("hyper"),
@@ -241,6 +255,13 @@ void bind_offload(py::module_& m) {
            "Ctrl-C raises KeyboardInterrupt: with the master copy offloaded the step is first undone "
            "(parameters and state as before it; rereading the updated sub-groups' master copies), without it the step is undone only "
            "if no parameter had changed yet, else it finishes first (`steps` tells which).")
+      .def("restore_parameters", [](offload::offloaded_optimizer& o, const std::vector<std::uintptr_t>& params) {
+             const auto p = pointers<float>(params);
+             py::gil_scoped_release release;
+             o.restore_parameters(p);
+           }, py::arg("params"),
+           "Copies the committed master copy into the parameters: after an OffloadError whose not_undone "
+           "lists parameters, a step that failed and could not be undone.")
       .def_property_readonly("fields", &offload::offloaded_optimizer::fields)
       // Read under the optimizer's lock, which another thread's step may hold for long.
       .def_property_readonly("steps", [](const offload::offloaded_optimizer& o) {

@@ -19,6 +19,7 @@
 #include <iostream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <new>
 #include <optional>
 #include <random>
@@ -51,6 +52,9 @@
 
 namespace {
 thread_local long countdown = -1;  // < 0: disarmed; 0: the next allocation fails
+// Where countdown's failure happens, countdown takes this value (a second failure, the
+// then_countdown-th allocation after the first), and this one is disarmed.
+thread_local long then_countdown = -1;
 // While set, every allocation on a thread other than `armed_thread` fails (a library's own
 // threads out of memory while the caller's are not).
 std::atomic<bool> fail_on_other_threads{false};
@@ -65,7 +69,7 @@ struct disarm_on_exit {
   disarm_on_exit() = default;
   disarm_on_exit(const disarm_on_exit&) = delete;
   disarm_on_exit& operator=(const disarm_on_exit&) = delete;
-  ~disarm_on_exit() { countdown = -1; }
+  ~disarm_on_exit() { countdown = then_countdown = -1; }
 };
 
 void fail_when_due() {
@@ -77,7 +81,8 @@ void fail_when_due() {
     if (left == 0) throw std::bad_alloc();
   }
   if (countdown == 0) {
-    countdown = -1;
+    countdown = then_countdown;
+    then_countdown = -1;
     throw std::bad_alloc();
   }
   if (countdown > 0) --countdown;
@@ -415,41 +420,48 @@ TEST(strong_guarantee, an_optimizer_whose_first_state_cannot_be_written_keeps_no
 // allocations in turn) or on the library's threads (the n-th allocation off it): a step that
 // fails leaves the parameters, the step counts and the committed state as they were, and the
 // next step gives exactly what a twin that never failed gives.
-TEST(strong_guarantee, an_optimizer_step_out_of_memory_changes_nothing) {
-  const scratch_folder scratch;
-  const std::vector<std::uint64_t> numels = {900, 300, 1600};
-  const auto make = [&](const std::string& name) {
-    offload::optimizer_options options;
-    options.swap.folders = {scratch.path};
-    options.group_bytes = 8 << 10;
-    options.pipeline.pinned_budget = 96 << 10;
-    options.name = name;
-    return std::make_unique<offload::offloaded_optimizer>(numels, options);
-  };
-  auto opt = make("faulty");
-  auto twin = make("twin");
+// Two offloaded optimizers over the same parameters' values (each its own copy) and
+// gradients, initialized: one to fail, its twin never.
+struct optimizer_and_twin {
+  scratch_folder scratch;
+  std::vector<std::uint64_t> numels = {900, 300, 1600};
+  std::unique_ptr<offload::offloaded_optimizer> opt, twin;
   std::vector<std::vector<float>> values, twin_values, grads;
-  for (std::size_t i = 0; i < numels.size(); ++i) {
-    values.emplace_back(numels[i]);
-    grads.emplace_back(numels[i]);
-    for (std::size_t k = 0; k < numels[i]; ++k) {
-      values[i][k] = static_cast<float>((k * 7 + i) % 101) / 50.0F - 1.0F;
-      grads[i][k] = static_cast<float>((k * 13 + i) % 97) / 97.0F - 0.5F;
-    }
-  }
-  twin_values = values;
-  const auto pointers = [](std::vector<std::vector<float>>& v) {
-    std::vector<float*> p;
-    for (auto& x : v) p.push_back(x.data());
-    return p;
-  };
-  const std::vector<float*> params = pointers(values);
-  const std::vector<float*> twin_params = pointers(twin_values);
+  std::vector<float*> params, twin_params;
   std::vector<const float*> grad_ptrs;
-  for (const auto& g : grads) grad_ptrs.push_back(g.data());
-  const std::vector<offload::param_hyper> hyper(numels.size());
-  opt->initialize(std::vector<const float*>(params.begin(), params.end()));
-  twin->initialize(std::vector<const float*>(twin_params.begin(), twin_params.end()));
+  std::vector<offload::param_hyper> hyper;
+
+  optimizer_and_twin() : hyper(numels.size()) {
+    const auto make = [&](const std::string& name) {
+      offload::optimizer_options options;
+      options.swap.folders = {scratch.path};
+      options.group_bytes = 8 << 10;
+      options.pipeline.pinned_budget = 96 << 10;
+      options.name = name;
+      return std::make_unique<offload::offloaded_optimizer>(numels, options);
+    };
+    opt = make("faulty");
+    twin = make("twin");
+    for (std::size_t i = 0; i < numels.size(); ++i) {
+      values.emplace_back(numels[i]);
+      grads.emplace_back(numels[i]);
+      for (std::size_t k = 0; k < numels[i]; ++k) {
+        values[i][k] = static_cast<float>((k * 7 + i) % 101) / 50.0F - 1.0F;
+        grads[i][k] = static_cast<float>((k * 13 + i) % 97) / 97.0F - 0.5F;
+      }
+    }
+    twin_values = values;
+    for (auto& x : values) params.push_back(x.data());
+    for (auto& x : twin_values) twin_params.push_back(x.data());
+    for (const auto& g : grads) grad_ptrs.push_back(g.data());
+    opt->initialize(std::vector<const float*>(params.begin(), params.end()));
+    twin->initialize(std::vector<const float*>(twin_params.begin(), twin_params.end()));
+  }
+};
+
+TEST(strong_guarantee, an_optimizer_step_out_of_memory_changes_nothing) {
+  optimizer_and_twin t;
+  auto& [scratch, numels, opt, twin, values, twin_values, grads, params, twin_params, grad_ptrs, hyper] = t;
   int failed = 0;
   std::array<bool, 2> beyond = {false, false};  // each side's last round made fewer allocations than its count
   for (long n = 0; n < 3000 && !(beyond[0] && beyond[1]); ++n) {
@@ -482,6 +494,55 @@ TEST(strong_guarantee, an_optimizer_step_out_of_memory_changes_nothing) {
     beyond[static_cast<std::size_t>(n % 2)] = !reached;
   }
   EXPECT_GT(failed, 10);
+}
+
+// A step that fails and whose undoing then fails too (two failures on the caller's thread:
+// the n-th allocation, then the k-th after it, for every n and k): the error is
+// step_not_undone naming the parameters that may have changed, every other parameter is as
+// it was, restore_parameters puts the named ones back, and the next step gives the twin's.
+TEST(strong_guarantee, an_optimizer_step_that_cannot_be_undone_says_which_parameters_changed) {
+  optimizer_and_twin t;
+  auto& [scratch, numels, opt, twin, values, twin_values, grads, params, twin_params, grad_ptrs, hyper] = t;
+  int not_undone = 0;
+  bool stepped = false;
+  for (long n = 0; n < 3000 && !stepped; ++n) {
+    for (long k = 0; k < 3000; ++k) {
+      const auto before = values;
+      const auto steps_before = opt->steps();
+      countdown = n;
+      then_countdown = k;
+      try {
+        opt->step(params, grad_ptrs, hyper);
+        countdown = then_countdown = -1;
+        stepped = true;
+        break;
+      } catch (const offload::step_not_undone& e) {
+        countdown = then_countdown = -1;
+        ++not_undone;
+        ASSERT_FALSE(e.parameters().empty()) << e.what();
+        ASSERT_EQ(e.error(), ENOMEM) << e.what();
+        EXPECT_NE(std::string(e.what()).find("restore_parameters"), std::string::npos) << e.what();
+        for (std::size_t i = 0; i < numels.size(); ++i) {
+          if (std::find(e.parameters().begin(), e.parameters().end(), i) == e.parameters().end()) {
+            ASSERT_EQ(values[i], before[i]) << "n " << n << ", k " << k << ": parameter " << i << " changed unnamed";
+          }
+        }
+        ASSERT_EQ(opt->steps(), steps_before);
+        opt->restore_parameters(params);
+        ASSERT_EQ(values, before) << "n " << n << ", k " << k << ": restore_parameters";
+      } catch (const std::exception& e) {  // undone: the second failure came too late, or never
+        const bool second_unused = then_countdown >= 0 || countdown >= 0;
+        countdown = then_countdown = -1;
+        ASSERT_EQ(values, before) << "n " << n << ", k " << k << ": " << e.what();
+        ASSERT_EQ(opt->steps(), steps_before);
+        if (second_unused) break;  // a later second failure would not come either
+      }
+    }
+  }
+  ASSERT_TRUE(stepped);
+  twin->step(twin_params, grad_ptrs, hyper);
+  ASSERT_EQ(values, twin_values) << "the step after the failures differs from the twin's";
+  EXPECT_GT(not_undone, 5);
 }
 
 // An offloaded optimizer's save, load and rewrite out of memory (each allocation in turn, on

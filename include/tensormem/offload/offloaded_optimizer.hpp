@@ -36,6 +36,22 @@ class step_interrupted : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// A failed step that could not be undone: putting the parameters back from the committed
+/// master copy failed too (say, memory ran out again). The message holds both errors; the
+/// tensor, file and errno are the step's own error's where it had them (ENOMEM for
+/// std::bad_alloc). The committed state and the step counts are the previous step's, as after
+/// any failed step, but the parameters of `parameters()` may hold this step's values:
+/// `offloaded_optimizer::restore_parameters` copies the committed master copy into them.
+class step_not_undone : public offload_error {
+ public:
+  step_not_undone(const std::exception& step_error, const std::exception& restore_error,
+                  std::vector<std::size_t> parameters);
+  const std::vector<std::size_t>& parameters() const noexcept { return parameters_; }
+
+ private:
+  std::vector<std::size_t> parameters_;
+};
+
 /// Hyperparameters of one parameter for one step (torch.optim's names and defaults).
 struct param_hyper {
   double lr = 1e-3;
@@ -73,12 +89,12 @@ struct step_stats {
 };
 
 /// Thread safety: calls from several threads run one at a time (`initialize`, `step`,
-/// `visit`, `rewrite`, `save` and `load` take one mutex for their whole run; `steps` and
-/// `initialized` read under it). A call of one of the six from inside the callback of
-/// `visit` or `rewrite` on the same optimizer would change the records being streamed, or
+/// `restore_parameters`, `visit`, `rewrite`, `save` and `load` take one mutex for their whole
+/// run; `steps` and `initialized` read under it). A call of one of the seven from inside the
+/// callback of `visit` or `rewrite` on the same optimizer would change the records being streamed, or
 /// wait for itself: it throws std::logic_error and changes nothing. Inside a callback,
 /// `steps` and `initialized` read the state directly. In a child forked after the optimizer
-/// was made, those eight calls throw io::forked_child_error, and the destructor waits for
+/// was made, those nine calls throw io::forked_child_error, and the destructor waits for
 /// nothing and removes no file (its swap files are the parent's).
 class offloaded_optimizer {
  public:
@@ -116,6 +132,13 @@ class offloaded_optimizer {
   step_stats step(std::span<float* const> params, std::span<const float* const> grads,
                   std::span<const param_hyper> hyper, const std::function<bool()>& stop = {});
 
+  /// Copies the committed master copy into the parameters (the values they had after the last
+  /// step that succeeded, or as given to `initialize` or saved with a loaded checkpoint): the
+  /// way back after step_not_undone. Needs the master copy offloaded (std::logic_error
+  /// otherwise, as before `initialize` or `load`); the same argument checks as `step`. A
+  /// failure (offload_error, std::bad_alloc) may leave some parameters restored and others not,
+  /// and can be retried; the state on disk is only read.
+  void restore_parameters(std::span<float* const> params);
   /// Fields of a record: "master" (when offloaded), then "exp_avg", "exp_avg_sq" (Adam) or
   /// "momentum_buffer" (SGD).
   const std::vector<std::string>& fields() const noexcept { return fields_; }
@@ -153,7 +176,7 @@ class offloaded_optimizer {
   memory::pinned_pool& pool() noexcept { return *pool_; }
   const optimizer_options& options() const noexcept { return options_; }
 
-  /// Whether the calling thread is inside one of the six calls (in a callback of `visit` or
+  /// Whether the calling thread is inside one of the seven calls (in a callback of `visit` or
   /// `rewrite`), where another of them is refused. A caller that hands a call to another
   /// thread asks this first: there the call would not be refused but wait for this one.
   bool called_from_this_thread() const noexcept { return caller_.load() == std::this_thread::get_id(); }
@@ -163,11 +186,12 @@ class offloaded_optimizer {
   void update_group(const group& g, float* record, std::span<float* const> params,
                     std::span<const float* const> grads, std::span<const param_hyper> hyper, bool& dirty) const;
   void roll_back(const std::vector<std::size_t>& groups, std::span<float* const> params);
+  void check_not_null(std::span<float* const> params, const char* what) const;
   void commit_all(const std::vector<std::size_t>& tensors);
   std::vector<std::size_t> order() const;
   void visit_records(const std::function<void(const group&, const float* record)>& f);  // visit, unguarded
 
-  // Holds calls_ for one of the six calls, after refusing one made from inside a callback.
+  // Holds calls_ for one of the seven calls, after refusing one made from inside a callback.
   class exclusive_call {
    public:
     exclusive_call(const offloaded_optimizer& o, const char* what);
@@ -191,7 +215,7 @@ class offloaded_optimizer {
   std::unique_ptr<swap_space> space_;
   bool initialized_ = false;
   mutable std::mutex calls_;
-  mutable std::atomic<std::thread::id> caller_{};  // the thread inside one of the six calls
+  mutable std::atomic<std::thread::id> caller_{};  // the thread inside one of the seven calls
 };
 
 }  // namespace tensormem::offload
