@@ -451,6 +451,14 @@ class ZeroOffloadedOptimizer:
             if anywhere:
                 dist.broadcast(p.data, src=self._global[r], group=self.group)
 
+    def restore_parameters(self) -> None:
+        """Puts the parameters this rank owns back from its master copy (see
+        ``restore_parameters`` of the offloaded optimizers); the others are their owners' to
+        restore. No collective: call it on the ranks whose step raised an error with
+        ``not_undone``."""
+        if self.local is not None:
+            self.local.restore_parameters()
+
     def _raise_if_any_failed(self, error: Optional[BaseException], what: str) -> None:
         """Counts the ranks where ``error`` is set (one all_reduce); re-raises this rank's
         error, or says on how many other ranks the optimizer could not be ``what``."""

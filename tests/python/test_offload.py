@@ -787,6 +787,16 @@ ZERO_SCRIPT = textwrap.dedent("""
             m(xs[member]).pow(2).mean().backward()
             opt.step()
         dist.broadcast = broadcast
+        # restore_parameters: this rank's own parameters back from its master copy, no other.
+        kept = [p.detach().clone() for p in m.parameters()]
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        opt.restore_parameters()
+        for p, k, owner in zip(m.parameters(), kept, opt.owner):
+            assert torch.equal(p, k) == (owner == member), (owner, member)
+            with torch.no_grad():
+                p.copy_(k)
         assert os.path.isdir(os.path.join(swap, "rank%d" % rank))
         if member == 0:
             torch.save(m.state_dict(), out)
