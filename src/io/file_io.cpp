@@ -450,10 +450,22 @@ std::size_t async_file_io::pending() const {
   return ops_->size();
 }
 
+std::string synchronous_fallback(std::uint64_t requests) {
+  return "io_uring could not start a kernel worker for " + std::to_string(requests) +
+         " requests (a limit on the user's processes and threads, RLIMIT_NPROC, is reached): they were moved by "
+         "blocking calls on the ring's thread";
+}
+
 file_io_stats async_file_io::stats() const {
   made_.require_same_process(who);
-  const std::lock_guard lock(mutex_);
-  return stats_;
+  file_io_stats s;
+  {
+    const std::lock_guard lock(mutex_);
+    s = stats_;
+  }
+  for (const auto& r : rings_) s.synchronous_requests += r->engine->synchronous_requests();
+  if (s.synchronous_requests != 0 && s.fallback.empty()) s.fallback = synchronous_fallback(s.synchronous_requests);
+  return s;
 }
 
 }  // namespace tensormem::io

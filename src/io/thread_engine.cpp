@@ -19,24 +19,6 @@ namespace tensormem::io {
 
 namespace {
 
-std::int64_t transfer(const io_request& r) {
-  std::size_t done = 0;
-  while (done < r.total()) {
-    iovec iov[2];
-    const unsigned segments = detail::remaining_segments(r, done, iov);
-    const auto offset = static_cast<off_t>(r.offset + done);
-    const ssize_t n = r.write ? pwritev(r.fd, iov, static_cast<int>(segments), offset)
-                              : preadv(r.fd, iov, static_cast<int>(segments), offset);
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return -errno;
-    }
-    if (n == 0) break;  // end of file, or a write that makes no progress
-    done += static_cast<std::size_t>(n);
-  }
-  return static_cast<std::int64_t>(done);
-}
-
 class thread_engine final : public io_engine {
  public:
   thread_engine(unsigned queue_depth, unsigned threads)
@@ -101,7 +83,7 @@ class thread_engine final : public io_engine {
       queue_->pop_front();
       ++busy_;
       lock.unlock();
-      const std::int64_t result = transfer(r);
+      const std::int64_t result = detail::transfer_synchronously(r, 0);
       lock.lock();
       --busy_;
       done_->push_back({r.user_data, result, r.total()});

@@ -1,10 +1,12 @@
 // io_uring engine: bounded queue depth, requests handed to the kernel one by one,
-// completions reaped in batches, short transfers and -EAGAIN continued, drained on teardown.
+// completions reaped in batches, short transfers and -EAGAIN continued, requests io_uring
+// cancelled moved by blocking calls, drained on teardown.
 
 #include <liburing.h>
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <deque>
 #include <system_error>
@@ -101,6 +103,9 @@ class uring_engine final : public io_engine {
   std::size_t outstanding() const noexcept override { return outstanding_; }
   engine_kind kind() const noexcept override { return engine_kind::uring; }
   unsigned queue_depth() const noexcept override { return depth_; }
+  std::uint64_t synchronous_requests() const noexcept override {
+    return synchronous_.load(std::memory_order_relaxed);
+  }
 
  private:
   struct op {
@@ -225,7 +230,7 @@ class uring_engine final : public io_engine {
     unsigned seen = 0;
     io_uring_for_each_cqe(&ring_, head, cqe) {
       ++seen;
-      finish(static_cast<unsigned>(io_uring_cqe_get_data64(cqe)), cqe->res);
+      finish(static_cast<unsigned>(io_uring_cqe_get_data64(cqe)), faults_.result ? faults_.result(cqe->res) : cqe->res);
     }
     io_uring_cq_advance(&ring_, seen);
     in_flight_ -= seen;
@@ -249,6 +254,15 @@ class uring_engine final : public io_engine {
     op& o = slots_[slot];
     if (res == -EAGAIN || res == -EINTR) {
       retry_->push_back(slot);
+      return;
+    }
+    if (res == -ECANCELED) {
+      // Nothing here cancels a request: io_uring does when it cannot start a kernel worker
+      // for one (a buffered write, say) under the user's limit on threads. Moved here
+      // instead, by blocking calls, and counted (a pread or pwrite of the same bytes at the
+      // same offset is safe to repeat, whatever the kernel had done).
+      synchronous_.fetch_add(1, std::memory_order_relaxed);
+      complete(slot, detail::transfer_synchronously(o.request, o.done));
       return;
     }
     if (res > 0) {
@@ -290,6 +304,7 @@ class uring_engine final : public io_engine {
   std::vector<std::span<std::byte>> registered_;
   detail::uring_faults faults_;
   int broken_ = 0;  // the error that made the ring unusable, or 0
+  std::atomic<std::uint64_t> synchronous_{0};  // requests io_uring cancelled, moved by blocking calls
 };
 
 }  // namespace

@@ -1070,6 +1070,7 @@ PYBIND11_MODULE(_tensormem, m) {
         d["direct"] = st.direct;
         d["checksums"] = st.checksums;
         d["fallback"] = st.fallback;
+        d["synchronous_requests"] = st.synchronous_requests;
         d["registered_staging"] = st.registered_staging;
         d["packed_tensors"] = st.packed_tensors;
         d["pack_file_bytes"] = st.pack_file_bytes;
@@ -1125,6 +1126,7 @@ PYBIND11_MODULE(_tensormem, m) {
         d["direct_ops"] = st.direct_ops;
         d["buffered_ops"] = st.buffered_ops;
         d["requests"] = st.requests;
+        d["synchronous_requests"] = st.synchronous_requests;
         d["engine"] = st.engine;
         d["fallback"] = st.fallback;
         return d;

@@ -332,6 +332,7 @@ void bind_offload(py::module_& m) {
         d["folder_bytes"] = s.folder_bytes;
         d["engine"] = s.io.engine;
         d["fallback"] = s.io.fallback;
+        d["synchronous_requests"] = s.io.synchronous_requests;
         d["direct_ops"] = s.io.direct_ops;
         d["buffered_ops"] = s.io.buffered_ops;
         d["pinned_slab_bytes"] = p.slab_bytes;

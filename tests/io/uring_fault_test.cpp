@@ -45,6 +45,18 @@ class uring_fault_test : public ::testing::Test {
     }
     return all;
   }
+  // Writes each buffer of 4096 bytes to its page of the file, reads them back, and expects
+  // every request to have moved all its bytes, and the same bytes back.
+  void write_and_read_back(io_engine& e, std::vector<std::vector<char>>& out) {
+    const auto written = run(e, out, true);
+    ASSERT_EQ(written.size(), out.size());
+    for (const auto& c : written) EXPECT_EQ(c.result, 4096) << c.user_data;
+    std::vector<std::vector<char>> in(out.size(), std::vector<char>(4096));
+    const auto read = run(e, in, false);
+    ASSERT_EQ(read.size(), in.size());
+    for (const auto& c : read) EXPECT_EQ(c.result, 4096) << c.user_data;
+    for (std::size_t i = 0; i < in.size(); ++i) EXPECT_EQ(in[i], out[i]) << i;
+  }
   int fd_ = -1;
   std::string path_;
 };
@@ -61,13 +73,7 @@ TEST_F(uring_fault_test, transient_submit_refusals_are_retried) {
   auto engine = detail::make_uring_engine(4, faults);
   std::vector<std::vector<char>> out(16, std::vector<char>(4096));
   for (std::size_t i = 0; i < out.size(); ++i) std::fill(out[i].begin(), out[i].end(), static_cast<char>('a' + i));
-  const auto written = run(*engine, out, true);
-  ASSERT_EQ(written.size(), out.size());
-  for (const auto& c : written) EXPECT_EQ(c.result, 4096) << c.user_data;
-  std::vector<std::vector<char>> in(16, std::vector<char>(4096));
-  const auto read = run(*engine, in, false);
-  ASSERT_EQ(read.size(), in.size());
-  for (std::size_t i = 0; i < in.size(); ++i) EXPECT_EQ(in[i], out[i]) << i;
+  write_and_read_back(*engine, out);
   EXPECT_GT(refusals, 0);
 }
 
@@ -104,6 +110,52 @@ TEST_F(uring_fault_test, a_hard_wait_error_fails_what_is_in_flight_and_teardown_
     EXPECT_GT(failed, 0);
     EXPECT_EQ(engine->outstanding(), 0U);
   }  // the destructor returns
+}
+
+// io_uring cancels a request it cannot start a kernel worker for (RLIMIT_NPROC): the engine
+// moves it with blocking calls, from where the kernel's reports left it (after a short
+// transfer too), counts it, and reports what those calls report: an error, or a file's end.
+TEST_F(uring_fault_test, a_cancelled_request_is_moved_by_blocking_calls_and_counted) {
+  int calls = 0;
+  detail::uring_faults faults;
+  faults.result = [&calls](int res) {
+    switch (calls++ % 3) {
+      case 0: return -ECANCELED;
+      case 1: return res > 1 ? res / 2 : res;  // short: the engine continues from there
+      default: return res;
+    }
+  };
+  auto engine = detail::make_uring_engine(4, faults);
+  std::vector<std::vector<char>> out(16, std::vector<char>(4096));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    for (std::size_t k = 0; k < out[i].size(); ++k) out[i][k] = static_cast<char>(i * 31 + k % 251);
+  }
+  write_and_read_back(*engine, out);
+  const std::uint64_t moved = engine->synchronous_requests();
+  EXPECT_GE(moved, 8U);  // a third of the completions, of at least 32 requests
+  EXPECT_LE(moved, static_cast<std::uint64_t>(calls));
+
+  // Past the file's end: the blocking read finds it (0 bytes), as the kernel's would.
+  std::vector<char> beyond(4096);
+  const io_request past{fd_, 1 << 20, beyond.data(), beyond.size(), false, 7};
+  calls = 0;
+  engine->submit({&past, 1});
+  auto c = engine->wait(1);
+  ASSERT_EQ(c.size(), 1U);
+  EXPECT_EQ(c[0].result, 0);
+  EXPECT_EQ(engine->synchronous_requests(), moved + 1);
+
+  // A write to a descriptor open only for reading: the blocking call's error is the result.
+  const int read_only = open(path_.c_str(), O_RDONLY);
+  ASSERT_GE(read_only, 0);
+  const io_request refused{read_only, 0, out[0].data(), 4096, true, 8};
+  calls = 0;
+  engine->submit({&refused, 1});
+  c = engine->wait(1);
+  close(read_only);
+  ASSERT_EQ(c.size(), 1U);
+  EXPECT_EQ(c[0].result, -EBADF);
+  EXPECT_EQ(engine->synchronous_requests(), moved + 2);
 }
 
 }  // namespace

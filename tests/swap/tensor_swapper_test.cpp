@@ -338,6 +338,42 @@ TEST(swapper, a_thread_that_cannot_start_is_an_exception_and_the_staging_goes_ba
   }
 }
 
+// Where io_uring cannot start a kernel worker (the user's thread limit reached by the
+// swapper's own three threads), the requests it cancels are moved by blocking calls: the
+// tensor goes out and comes back right, and the stats say so. (Before, the swap-out failed
+// with ECANCELED.)
+TEST(swapper, requests_io_uring_cannot_start_are_moved_by_blocking_calls_and_reported) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
+#endif
+  swap_dir dir;
+  ASSERT_TRUE(dir.ok());
+  fs::permissions(dir.file(""), fs::perms::all);  // the child is a user of its own
+  const std::string path = dir.file("t");
+  const int status = testing::with_thread_limit(3, [&] {
+    try {
+      memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20});
+      tensor_swapper s(pool, {.engine = io::engine_kind::uring, .block_bytes = std::size_t{64} << 10,
+                              .staging_buffers = 2, .direct = false});
+      if (s.stats().engine != "uring") return 76;
+      std::vector<std::byte> a(300'000), b(300'000);
+      fill(a.data(), a.size(), 11);
+      const tensor_ref out{a.data(), a.size()};
+      if (s.wait(s.swap_out({&out, 1}, {&path, 1})).at(0).error != 0) return 2;
+      const tensor_ref in{b.data(), b.size()};
+      if (s.wait(s.swap_in({&path, 1}, {&in, 1})).at(0).error != 0) return 3;
+      if (a != b) return 4;
+      const swap_stats st = s.stats();
+      if (st.synchronous_requests == 0) return 75;  // done without a worker: nothing to show
+      return st.fallback.find("io_uring could not start a kernel worker for") != std::string::npos ? 0 : 5;
+    } catch (const memory::out_of_memory&) {
+      return 76;  // this user may not lock even 1 MiB here
+    }
+  });
+  if (status == 75 || status == 76 || status == 77) GTEST_SKIP() << "not reached here (" << status << ")";
+  EXPECT_EQ(status, 0);
+}
+
 TEST(swapper, tmpfs_direct_or_buffered_is_reported) {
   if (!fs::exists("/dev/shm")) GTEST_SKIP() << "no /dev/shm (tmpfs) here";
   swap_dir dir("/dev/shm");

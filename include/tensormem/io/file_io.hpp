@@ -47,7 +47,8 @@ std::optional<unsigned> mode_at(const std::string& path) noexcept;
 
 /// What a transfer's errno means, for its message: the system's words, and for ECANCELED
 /// (nothing here cancels a request: io_uring does when it cannot start a kernel worker for
-/// one) the likely cause.
+/// one, and the io_uring engine then moves it by blocking calls; an engine given through
+/// `file_io_options::make_engine` may still report it) the likely cause.
 std::string describe_transfer_error(int error);
 
 /// The errno that refuses a file of this mode where a regular file is wanted: EISDIR for a
@@ -118,9 +119,16 @@ struct file_io_stats {
   std::uint64_t direct_ops = 0;    ///< operations done with O_DIRECT
   std::uint64_t buffered_ops = 0;  ///< operations through the page cache (unaligned, or refused)
   std::uint64_t requests = 0;      ///< block requests handed to the engines
+  /// Requests io_uring cancelled (it could not start a kernel worker: RLIMIT_NPROC), moved by
+  /// blocking calls on the ring's thread instead (io_engine::synchronous_requests); `fallback`
+  /// says so when nothing else fell back.
+  std::uint64_t synchronous_requests = 0;
   std::string engine;              ///< "uring" or "threads"
   std::string fallback;            ///< why io_uring or O_DIRECT was not used; empty if it was
 };
+
+/// `fallback`'s words for requests io_uring cancelled and an engine moved by blocking calls.
+std::string synchronous_fallback(std::uint64_t requests);
 
 /// Queues whole-buffer reads and writes of files and completes them on background threads
 /// (the caller need not be inside the object for the bytes to move). An operation opens its

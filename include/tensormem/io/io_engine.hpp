@@ -59,6 +59,12 @@ class io_engine {
   virtual std::size_t outstanding() const noexcept = 0;
   virtual engine_kind kind() const noexcept = 0;
   virtual unsigned queue_depth() const noexcept = 0;
+  /// Requests the engine moved itself with blocking preadv/pwritev on the thread that waits,
+  /// because io_uring cancelled them: it could not start a kernel worker for them (its
+  /// workers count against RLIMIT_NPROC, the user's limit on processes and threads). Each
+  /// completes as if io_uring had moved it. Safe to read from any thread; 0 for the thread
+  /// engine.
+  virtual std::uint64_t synchronous_requests() const noexcept { return 0; }
   /// Registers memory regions that later requests may use (io_uring fixed buffers: the kernel
   /// maps them once instead of per request). Returns false, changing nothing, where the
   /// engine or the system does not allow it (RLIMIT_MEMLOCK, or no io_uring); requests work

@@ -83,6 +83,8 @@ struct swap_stats {
   bool checksums = false;
   std::uint64_t packed_tensors = 0;  ///< paths whose current version sits in a pack file
   std::uint64_t pack_file_bytes = 0; ///< size of the pack files (their high-water marks)
+  /// Requests io_uring cancelled, moved by blocking calls (file_io_stats::synchronous_requests).
+  std::uint64_t synchronous_requests = 0;
   std::string engine;               ///< "uring" or "threads"
   std::string fallback;             ///< why an engine or O_DIRECT fallback happened; empty if none
   double write_gbps() const noexcept { return seconds_out > 0 ? static_cast<double>(bytes_out) / seconds_out / 1e9 : 0; }
