@@ -294,12 +294,7 @@ void async_file_io::run(ring& r) {
     if (!r.queued->empty()) {
       batch.swap(*r.queued);
       lock.unlock();
-      bool submitted = true;
-      try {
-        r.engine->submit(batch);
-      } catch (...) {  // std::bad_alloc, nothing submitted
-        submitted = false;
-      }
+      const bool submitted = detail::submit_or_refuse(*r.engine, batch);
       lock.lock();
       if (!submitted) {
         for (const io_request& q : batch) complete({q.user_data, -ENOMEM, q.total()});
@@ -313,12 +308,7 @@ void async_file_io::run(ring& r) {
       continue;
     }
     lock.unlock();
-    std::vector<io_completion> done;
-    try {
-      done = r.engine->wait(1);
-    } catch (...) {  // std::bad_alloc, the completions kept by the engine
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    const std::vector<io_completion> done = detail::wait_or_pause(*r.engine);
     lock.lock();
     for (const io_completion& c : done) complete(c);
   }

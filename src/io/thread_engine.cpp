@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -139,5 +140,25 @@ std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_dep
 std::string_view to_string(engine_kind kind) noexcept {
   return kind == engine_kind::uring ? "uring" : "threads";
 }
+
+namespace detail {
+bool submit_or_refuse(io_engine& engine, std::span<const io_request> requests) noexcept {
+  try {
+    engine.submit(requests);
+    return true;
+  } catch (...) {  // std::bad_alloc, nothing taken
+    return false;
+  }
+}
+
+std::vector<io_completion> wait_or_pause(io_engine& engine) noexcept {
+  try {
+    return engine.wait(1);
+  } catch (...) {  // std::bad_alloc, the completions kept by the engine
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return {};
+  }
+}
+}  // namespace detail
 
 }  // namespace tensormem::io

@@ -444,12 +444,7 @@ void tensor_swapper::run() {
       continue;
     }
     lock.unlock();
-    std::vector<io::io_completion> completions;
-    try {
-      completions = engine_->wait(1);
-    } catch (...) {  // std::bad_alloc: the engine keeps the completions; the requests hold their buffers
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    const std::vector<io::io_completion> completions = io::detail::wait_or_pause(*engine_);
     lock.lock();
     for (const io::io_completion& c : completions) on_completion(lock, c);
   }
@@ -467,13 +462,7 @@ void tensor_swapper::queue_ready(std::unique_lock<std::mutex>& lock) {
 // request the disk refused would.
 void tensor_swapper::submit_batch_outside(std::unique_lock<std::mutex>& lock) {
   bool submitted = true;
-  outside(lock, [&] {
-    try {
-      engine_->submit(*batch_);
-    } catch (...) {  // std::bad_alloc
-      submitted = false;
-    }
-  });
+  outside(lock, [&] { submitted = io::detail::submit_or_refuse(*engine_, *batch_); });
   if (!submitted) {
     for (const io::io_request& q : *batch_) on_completion(lock, {q.user_data, -ENOMEM, q.total()});
   }

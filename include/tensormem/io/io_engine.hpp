@@ -94,4 +94,15 @@ std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_dep
 
 std::string_view to_string(engine_kind kind) noexcept;
 
+namespace detail {
+/// The out-of-memory policy of a thread that drives an engine (a ring's, the swapper's
+/// worker), where an exception would end the process. `submit_or_refuse` hands `requests` to
+/// the engine and returns false where it ran out of memory (it then took none: the caller
+/// fails each with ENOMEM). `wait_or_pause` waits for at least one completion; out of memory
+/// it pauses 1 ms and returns none (the engine keeps its completions, and the requests in
+/// flight hold their buffers, so they cannot be given up: a later call collects them).
+bool submit_or_refuse(io_engine& engine, std::span<const io_request> requests) noexcept;
+std::vector<io_completion> wait_or_pause(io_engine& engine) noexcept;
+}  // namespace detail
+
 }  // namespace tensormem::io
