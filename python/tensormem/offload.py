@@ -16,9 +16,10 @@ when every group is written. A failed step (a full folder, an I/O error) raises
 previous state committed; with ``offload_master=True`` (the default) the parameters are put
 back to their values before the step, so the step can be retried. Should putting them back fail
 too (memory running out again), the error's ``not_undone`` lists the parameters that may hold
-the failed step's values (it is None otherwise), and ``restore_parameters()`` puts them back. Ctrl-C during a step raises
-``KeyboardInterrupt`` once the step is undone the same way (undoing rereads the master copies of
-the sub-groups already updated: about as long as the step had run); without
+the failed step's values (it is None otherwise), and ``restore_parameters()`` puts them back.
+Ctrl-C during a step raises ``KeyboardInterrupt`` once the step is undone the same way (undoing
+rereads the master copies of the sub-groups already updated: about as long as the step had run;
+if the undoing fails, the error with ``not_undone`` is raised instead); without
 the master copy only a step that has changed no parameter yet can be undone, so a later one runs
 to its end first (the core's ``steps`` counts say which happened).
 

@@ -177,17 +177,23 @@ std::string not_undone_message(const std::exception& step_error, const std::exce
          " may hold this step's values; the state on disk and the step counts are the previous step's, and "
          "restore_parameters copies its master copy into the parameters";
 }
-const offload_error* as_offload_error(const std::exception& e) { return dynamic_cast<const offload_error*>(&e); }
+
+// The tensor, file and errno of a step's error: an offload_error's own, ENOMEM for
+// std::bad_alloc, else none.
+offload_error as_offload_error(const std::exception& e) {
+  if (const auto* o = dynamic_cast<const offload_error*>(&e)) return *o;
+  return {e.what(), {}, {}, dynamic_cast<const std::bad_alloc*>(&e) != nullptr ? ENOMEM : 0};
+}
 }  // namespace
 
 step_not_undone::step_not_undone(const std::exception& step_error, const std::exception& restore_error,
                                  std::vector<std::size_t> parameters)
-    : offload_error(not_undone_message(step_error, restore_error, parameters),
-                    as_offload_error(step_error) != nullptr ? as_offload_error(step_error)->tensor() : std::string(),
-                    as_offload_error(step_error) != nullptr ? as_offload_error(step_error)->path() : std::string(),
-                    as_offload_error(step_error) != nullptr                       ? as_offload_error(step_error)->error()
-                    : dynamic_cast<const std::bad_alloc*>(&step_error) != nullptr ? ENOMEM
-                                                                                   : 0),
+    : step_not_undone(as_offload_error(step_error), not_undone_message(step_error, restore_error, parameters),
+                      std::move(parameters)) {}
+
+step_not_undone::step_not_undone(const offload_error& step_error, const std::string& message,
+                                 std::vector<std::size_t>&& parameters)
+    : offload_error(message, step_error.tensor(), step_error.path(), step_error.error()),
       parameters_(std::move(parameters)) {}
 
 offloaded_optimizer::~offloaded_optimizer() = default;

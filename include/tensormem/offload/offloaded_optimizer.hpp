@@ -49,6 +49,8 @@ class step_not_undone : public offload_error {
   const std::vector<std::size_t>& parameters() const noexcept { return parameters_; }
 
  private:
+  // (`parameters` by reference: the message is made from it before it is moved.)
+  step_not_undone(const offload_error& step_error, const std::string& message, std::vector<std::size_t>&& parameters);
   std::vector<std::size_t> parameters_;
 };
 
@@ -91,8 +93,8 @@ struct step_stats {
 /// Thread safety: calls from several threads run one at a time (`initialize`, `step`,
 /// `restore_parameters`, `visit`, `rewrite`, `save` and `load` take one mutex for their whole
 /// run; `steps` and `initialized` read under it). A call of one of the seven from inside the
-/// callback of `visit` or `rewrite` on the same optimizer would change the records being streamed, or
-/// wait for itself: it throws std::logic_error and changes nothing. Inside a callback,
+/// callback of `visit` or `rewrite` on the same optimizer would change the records being
+/// streamed, or wait for itself: it throws std::logic_error and changes nothing. Inside a callback,
 /// `steps` and `initialized` read the state directly. In a child forked after the optimizer
 /// was made, those nine calls throw io::forked_child_error, and the destructor waits for
 /// nothing and removes no file (its swap files are the parent's).
