@@ -454,7 +454,9 @@ file_io_stats async_file_io::stats() const {
     s = stats_;
   }
   for (const auto& r : rings_) s.synchronous_requests += r->engine->synchronous_requests();
-  if (s.synchronous_requests != 0 && s.fallback.empty()) s.fallback = synchronous_fallback(s.synchronous_requests);
+  if (s.synchronous_requests != 0) {
+    s.fallback += (s.fallback.empty() ? "" : "; ") + synchronous_fallback(s.synchronous_requests);
+  }
   return s;
 }
 

@@ -1466,7 +1466,9 @@ swap_stats tensor_swapper::stats() const {
   s.packed_tensors = packed_->size();
   for (const auto& [dir, pack] : *packs_) s.pack_file_bytes += pack->space.peak();
   s.synchronous_requests = engine_->synchronous_requests();
-  if (s.synchronous_requests != 0 && s.fallback.empty()) s.fallback = io::synchronous_fallback(s.synchronous_requests);
+  if (s.synchronous_requests != 0) {
+    s.fallback += (s.fallback.empty() ? "" : "; ") + io::synchronous_fallback(s.synchronous_requests);
+  }
   return s;
 }
 

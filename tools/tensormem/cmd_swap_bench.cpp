@@ -283,6 +283,7 @@ void run_swap_bench(const swap_bench_options& o) {
     j["block"] = o.block;
     j["queue_depth"] = o.queue_depth;
     j["fallback"] = s.fallback;
+    j["synchronous_requests"] = s.synchronous_requests;
     j["registered_staging"] = s.registered_staging;
     j["overlap"] = overlap;
     j["poll"] = poll;

@@ -121,10 +121,10 @@ struct file_io_stats {
   std::uint64_t requests = 0;      ///< block requests handed to the engines
   /// Requests io_uring cancelled (it could not start a kernel worker: RLIMIT_NPROC), moved by
   /// blocking calls on the ring's thread instead (io_engine::synchronous_requests); `fallback`
-  /// says so when nothing else fell back.
+  /// says so too (after any other reason, "; " between them).
   std::uint64_t synchronous_requests = 0;
   std::string engine;              ///< "uring" or "threads"
-  std::string fallback;            ///< why io_uring or O_DIRECT was not used; empty if it was
+  std::string fallback;            ///< why io_uring, O_DIRECT or a kernel worker was not used; empty if they were
 };
 
 /// `fallback`'s words for requests io_uring cancelled and an engine moved by blocking calls.

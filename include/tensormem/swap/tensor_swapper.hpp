@@ -86,7 +86,7 @@ struct swap_stats {
   /// Requests io_uring cancelled, moved by blocking calls (file_io_stats::synchronous_requests).
   std::uint64_t synchronous_requests = 0;
   std::string engine;               ///< "uring" or "threads"
-  std::string fallback;             ///< why an engine or O_DIRECT fallback happened; empty if none
+  std::string fallback;             ///< why an engine, O_DIRECT or blocking-call fallback happened; empty if none
   double write_gbps() const noexcept { return seconds_out > 0 ? static_cast<double>(bytes_out) / seconds_out / 1e9 : 0; }
   double read_gbps() const noexcept { return seconds_in > 0 ? static_cast<double>(bytes_in) / seconds_in / 1e9 : 0; }
 };
