@@ -23,6 +23,9 @@ if the undoing fails, the error with ``not_undone`` is raised instead); without
 the master copy only a step that has changed no parameter yet can be undone, so a later one runs
 to its end first (the core's ``steps`` counts say which happened).
 
+Where no thread can be started (a limit on threads), a step runs on the calling thread and
+collects its own write-backs; ``last_stats["fallback"]`` says so (empty otherwise).
+
 ``ZeroOffloadedOptimizer`` wraps one of them for ``torch.distributed``: each rank owns whole
 parameters, gradients are reduced to their owner, the owner updates from its own swap folder
 and broadcasts the new values (ZeRO stage 2 at parameter granularity).

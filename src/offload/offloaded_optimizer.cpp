@@ -406,6 +406,7 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
   st.pinned_bytes = ps.pinned_bytes;
   st.pinned_high_water = pool_->stats().peak_in_use_bytes;
   st.groups = groups_.size();
+  st.collector_thread = ps.collector_thread;
   return st;
 }
 

@@ -52,17 +52,27 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
     stats_.buffers = buffers_.size();
     stats_.pinned_bytes = buffers_.size() * cost;
   }
+  {
+    const std::lock_guard lock(mutex_);
+    pump();  // (a read that cannot be queued is kept for its acquire: nothing throws here)
+  }
   try {
-    {
-      const std::lock_guard lock(mutex_);
-      pump();
-    }
     *collector_ = std::thread([this] { collect_writes(); });
   } catch (...) {
-    // No collector (the constructor runs no destructor): the reads started end, and every
-    // buffer goes back to the pool.
-    end_reads_and_give_back_buffers();
-    core::detail::rethrow_naming_thread_start("prefetch_pipeline");
+    // No thread (EAGAIN at a limit on threads, or no memory for its start): the caller's
+    // calls collect the write-backs where they would wait for them.
+    stats_.collector_thread = false;
+  }
+}
+
+template <class Done>
+void prefetch_pipeline::wait_until(std::unique_lock<std::mutex>& lock, Done done) {
+  while (!done()) {
+    if (!stats_.collector_thread && !collecting_ && !writes_->empty()) {
+      collect_oldest_write(lock);
+    } else {
+      changed_->wait(lock);
+    }
   }
 }
 
@@ -72,11 +82,11 @@ prefetch_pipeline::~prefetch_pipeline() {
   if (made_.forked()) return;
   {
     std::unique_lock lock(mutex_);
-    changed_->wait(lock, [this] { return writes_->empty(); });
+    wait_until(lock, [this] { return writes_->empty(); });
     stop_ = true;
   }
   changed_->notify_all();
-  collector_->join();
+  if (collector_->joinable()) collector_->join();
   end_reads_and_give_back_buffers();
 }
 
@@ -123,7 +133,7 @@ std::byte* prefetch_pipeline::acquire(std::size_t i) {
       throw std::logic_error("prefetch_pipeline: every staging buffer is held by the caller; release one before "
                              "acquiring position " + std::to_string(i));
     }
-    changed_->wait(lock, [&] { return it.s != state::waiting; });
+    wait_until(lock, [&] { return it.s != state::waiting; });
   }
   ++next_acquire_;
   swap_space::transfer io = std::move(it.io);
@@ -193,36 +203,44 @@ void prefetch_pipeline::collect_writes() {
   for (;;) {
     changed_->wait(lock, [this] { return stop_ || !writes_->empty(); });
     if (writes_->empty()) return;  // stop_
-    item& it = (*items_)[writes_->front()];
-    swap_space::transfer io = std::move(it.io);
-    lock.unlock();
-    std::exception_ptr failed;
-    try {
-      space_.finish(io);
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    lock.lock();
-    if (failed) {
-      if (!*write_error_) *write_error_ = failed;
-    } else {
-      written_->push_back(it.tensor);
-      stats_.bytes_written += space_.padded_bytes(it.tensor);
-    }
-    it.s = state::done;
-    free_->push_back(it.buffer);
-    it.buffer = nullptr;
-    writes_->pop_front();
-    pump();
-    changed_->notify_all();
+    collect_oldest_write(lock);
   }
+}
+
+// Waits (the lock released) for the oldest write-back, then recycles its buffer and starts
+// reads. One caller at a time: the collector thread, or else the caller that would wait.
+void prefetch_pipeline::collect_oldest_write(std::unique_lock<std::mutex>& lock) {
+  collecting_ = true;
+  item& it = (*items_)[writes_->front()];
+  swap_space::transfer io = std::move(it.io);
+  lock.unlock();
+  std::exception_ptr failed;
+  try {
+    space_.finish(io);
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  lock.lock();
+  collecting_ = false;
+  if (failed) {
+    if (!*write_error_) *write_error_ = failed;
+  } else {
+    written_->push_back(it.tensor);
+    stats_.bytes_written += space_.padded_bytes(it.tensor);
+  }
+  it.s = state::done;
+  free_->push_back(it.buffer);
+  it.buffer = nullptr;
+  writes_->pop_front();
+  pump();
+  changed_->notify_all();
 }
 
 void prefetch_pipeline::finish() {
   made_.require_same_process(who);
   std::unique_lock lock(mutex_);
   const auto start = std::chrono::steady_clock::now();
-  changed_->wait(lock, [this] { return writes_->empty(); });
+  wait_until(lock, [this] { return writes_->empty(); });
   stats_.finish_wait_seconds += seconds_since(start);
   if (*write_error_) std::rethrow_exception(std::exchange(*write_error_, nullptr));
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <future>
+#include <system_error>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -73,8 +74,19 @@ T hyper_value(const py::dict& d, const char* key) {
   }
 }
 
-py::dict to_dict(const offload::step_stats& s) {
+// `step_thread`: whether the step ran on a thread of its own (else no thread could start).
+py::dict to_dict(const offload::step_stats& s, bool step_thread = true) {
+  std::string fallback;
+  if (!step_thread) {
+    fallback = "no thread could be started for the step (a limit on threads): it ran on the calling thread, where "
+               "Ctrl-C waits for its end";
+  }
+  if (!s.collector_thread) {
+    fallback += std::string(fallback.empty() ? "" : "; ") +
+                "no thread could be started to collect the step's write-backs: the step collected them itself";
+  }
   py::dict d;
+  d["fallback"] = fallback;
   d["seconds"] = s.seconds;
   d["compute_seconds"] = s.compute_seconds;
   d["io_wait_seconds"] = s.io_wait_seconds;
@@ -224,10 +236,20 @@ void bind_offload(py::module_& m) {
              // step is then told to stop, and KeyboardInterrupt comes out once it has (undone,
              // or finished where it could no longer be undone).
              std::atomic<bool> stop{false};
-             std::future<offload::step_stats> step = std::async(std::launch::async, [&] {
-               core::detail::prepare_thread_for_exceptions();
-               return o.step(p, g, h, [&] { return stop.load(std::memory_order_relaxed); });
-             });
+             std::future<offload::step_stats> step;
+             try {
+               step = std::async(std::launch::async, [&] {
+                 core::detail::prepare_thread_for_exceptions();
+                 return o.step(p, g, h, [&] { return stop.load(std::memory_order_relaxed); });
+               });
+             } catch (const std::system_error&) {  // no thread (EAGAIN): the step runs here
+               offload::step_stats st;
+               {
+                 py::gil_scoped_release release;
+                 st = o.step(p, g, h);
+               }
+               return to_dict(st, false);
+             }
              try {
                python::wait_answering_signals([&](auto deadline) {
                  return step.wait_until(deadline) == std::future_status::ready;
@@ -251,7 +273,8 @@ void bind_offload(py::module_& m) {
              }
              return to_dict(step.get());
            }, py::arg("params"), py::arg("grads"), py::arg("hyper"),
-           "One step; a gradient address of 0 skips that parameter. Returns the step's statistics. "
+           "One step; a gradient address of 0 skips that parameter. Returns the step's statistics, whose "
+           "'fallback' says where a thread could not be started (the step then runs on this thread). "
            "Ctrl-C raises KeyboardInterrupt: with the master copy offloaded the step is first undone "
            "(parameters and state as before it; rereading the updated sub-groups' master copies), without it the step is undone only "
            "if no parameter had changed yet, else it finishes first (`steps` tells which).")

@@ -439,10 +439,12 @@ TEST(offload_pipeline, misuse_is_refused) {
   p.finish();
 }
 
-// A collector that cannot be started (EAGAIN: a limit on threads) is an exception from the
-// constructor that says which object and why, the reads started end and every buffer goes
-// back to the pool.
-TEST(offload_pipeline, a_collector_that_cannot_start_is_an_exception_and_the_buffers_go_back) {
+// A collector that cannot be started (EAGAIN: a limit on threads): the caller's calls collect
+// the write-backs where they would wait for them. Two buffers for three dirty tensors, so that
+// the third acquire has a buffer only once it has collected the first write-back itself; every
+// write lands, the stats say so, and the buffers go back to the pool. (Before, the
+// constructor threw; before that, the process ended.)
+TEST(offload_pipeline, a_collector_that_cannot_start_leaves_the_collection_to_the_caller) {
 #if defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
 #endif
@@ -457,19 +459,36 @@ TEST(offload_pipeline, a_collector_that_cannot_start_is_an_exception_and_the_buf
     o.io.queue_depth = 1;  // one worker
     swap_space s(o);
     const std::vector<std::size_t> ids = committed_tensors(s, "c", 3, 8192);
-    memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20, .alignment = 4096});
     try {
-      prefetch_pipeline p(s, pool, ids, {2 * 8192, 0});
-      return 1;  // the collector started: the limit did not hold
-    } catch (const std::system_error& e) {
-      if (std::string(e.what()).find("prefetch_pipeline: cannot start a thread") == std::string::npos) return 4;
-      return pool.stats().in_use_bytes == 0 ? 0 : 3;
+      memory::pinned_pool pool({.slab_bytes = std::size_t{1} << 20, .alignment = 4096});
+      {
+        prefetch_pipeline p(s, pool, ids, {2 * 8192, 0});
+        if (p.stats().collector_thread) return 1;  // the collector started: the limit did not hold
+        for (std::size_t i = 0; i < ids.size(); ++i) {
+          auto* f = reinterpret_cast<float*>(p.acquire(i));  // the third: after collecting the first write
+          for (std::size_t k = 0; k < 2048; ++k) f[k] = static_cast<float>(i * 10000 + k);
+          p.release(i, true);
+        }
+        p.finish();
+        if (p.written().size() != ids.size()) return 2;
+      }
+      if (pool.stats().in_use_bytes != 0) return 3;
+      for (const std::size_t t : ids) s.commit(t);
+      prefetch_pipeline back(s, pool, ids, {2 * 8192, 0});
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const auto* f = reinterpret_cast<const float*>(back.acquire(i));
+        for (std::size_t k = 0; k < 2048; ++k) {
+          if (f[k] != static_cast<float>(i * 10000 + k)) return 4;
+        }
+        back.release(i, false);
+      }
+      return 0;
     } catch (const memory::out_of_memory&) {
       return 76;  // this user may not lock even 1 MiB here
     }
   });
   if (status == 76 || status == 77) GTEST_SKIP() << "the limited child could not be set up (" << status << ")";
-  EXPECT_EQ(status, 0);
+  EXPECT_EQ(status, 0);  // 98: a wait for a write-back that no one collects
 }
 
 TEST(offload_pipeline, a_failed_write_back_names_its_tensor_and_commits_nothing_for_it) {

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -616,6 +617,65 @@ def test_restore_parameters_puts_back_the_committed_master_copy(tmp_path):
                              pinned_budget=BUDGET)
     with pytest.raises(RuntimeError, match="master copy is not offloaded"):
         without.restore_parameters()
+
+
+THREAD_LIMIT_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from tensormem.torch import OffloadedAdamW
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(37, 300), torch.nn.GELU(), torch.nn.Linear(300, 11))
+    torch.manual_seed(0)
+    m = mlp()
+    ref = mlp()
+    ref.load_state_dict(m.state_dict())
+    opt = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[sys.argv[1]], group_bytes=8 << 10,
+                         pinned_budget=64 << 10)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 37, generator=gen)
+        for model, o in ((m, opt), (ref, ref_opt)):
+            o.zero_grad()
+            model(x).pow(2).mean().backward()
+            o.step()
+        print(opt.last_stats["fallback"])
+    exact = all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(m.parameters(), ref.parameters()))
+    print("EQUAL" if exact else "CLOSE" if close else "DIFFERENT")
+""")
+
+
+def test_a_step_without_threads_to_start_runs_on_the_calling_thread(tmp_path):
+    # A process that may start one thread besides itself (the swap space's I/O ring): the
+    # step's own thread and the pipeline's collector cannot start, nor io_uring's kernel
+    # workers. The steps run on the calling thread, collect their own write-backs, equal
+    # torch.optim.AdamW's, and "fallback" says so. Before, step() raised BlockingIOError
+    # "[Errno 11] Resource temporarily unavailable".
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the child as a user of its own under RLIMIT_NPROC")
+    swap = tempfile.mkdtemp(prefix="tensormem-limited-")  # (pytest's folders are root's alone)
+    os.chmod(swap, 0o777)
+    uid = 1_500_000_000 + os.getpid() % 1_000_000  # a user no other task runs as
+
+    def limited():
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        resource.setrlimit(resource.RLIMIT_NPROC, (2, 2))  # this process and one thread
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    try:
+        r = subprocess.run([sys.executable, "-c", THREAD_LIMIT_SCRIPT, swap], preexec_fn=limited, env=env,
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+    assert r.returncode == 0, r.stderr
+    *fallbacks, verdict = r.stdout.splitlines()
+    assert len(fallbacks) == 3, r.stdout
+    for f in fallbacks:
+        assert "no thread could be started for the step (a limit on threads): it ran on the calling thread" in f, f
+        assert "no thread could be started to collect the step's write-backs: the step collected them itself" in f, f
+    assert verdict == ("EQUAL" if EXACT_SQRT else "CLOSE") or verdict == "EQUAL", verdict
 
 
 def test_misuse_is_refused(tmp_path):

@@ -88,6 +88,9 @@ struct step_stats {
   std::uint64_t pinned_high_water = 0;  ///< the pool's peak bytes in use since construction
   std::uint64_t groups = 0;
   std::uint64_t elements = 0;       ///< parameters updated
+  /// False where the pipeline's collector thread could not be started (a limit on threads):
+  /// the step collected its write-backs itself (pipeline_stats::collector_thread).
+  bool collector_thread = true;
 };
 
 /// Thread safety: calls from several threads run one at a time (`initialize`, `step`,

@@ -34,6 +34,9 @@ struct pipeline_stats {
   double acquire_wait_seconds = 0;        ///< the caller blocked in acquire (reads not yet in)
   double finish_wait_seconds = 0;         ///< the caller blocked in finish (write-backs)
   std::uint64_t acquires_waited = 0;      ///< acquires that blocked (over 0.1 ms)
+  /// False where the collector thread could not be started (a limit on threads): the caller's
+  /// calls collected the write-backs themselves.
+  bool collector_thread = true;
 };
 
 /// `acquire(i)` hands out the i-th tensor of the order (in order), blocking only while its
@@ -42,7 +45,10 @@ struct pipeline_stats {
 /// tensors of the largest size as the budget holds (at least two; fewer is an error), so the
 /// pipeline never holds more pinned memory than the budget: when every buffer is busy, reads
 /// wait (back-pressure). A background thread collects write-backs and starts the next reads,
-/// so I/O progresses while the caller computes. Commits nothing: the caller commits what
+/// so I/O progresses while the caller computes; where that thread cannot be started (a limit
+/// on threads, EAGAIN), `acquire`, `finish` and the destructor collect them where they would
+/// wait (the transfers themselves still move on the swap space's threads), and
+/// `stats().collector_thread` says so. Commits nothing: the caller commits what
 /// `written()` lists once `finish` succeeded. In a child forked after the pipeline was made,
 /// every call but `buffer_count` throws io::forked_child_error, and the destructor waits for
 /// nothing.
@@ -79,6 +85,10 @@ class prefetch_pipeline {
 
   void pump();  // starts reads while buffers are free; under mutex_
   void collect_writes();
+  void collect_oldest_write(std::unique_lock<std::mutex>& lock);
+  // Waits under `lock` until `done()`; without a collector thread, collects write-backs meanwhile.
+  template <class Done>
+  void wait_until(std::unique_lock<std::mutex>& lock, Done done);
   void end_reads_and_give_back_buffers() noexcept;
 
   static constexpr const char* who = "a prefetch pipeline";
@@ -99,6 +109,7 @@ class prefetch_pipeline {
   io::detail::unless_forked<std::vector<std::size_t>> written_;
   io::detail::unless_forked<std::exception_ptr> write_error_;
   bool stop_ = false;
+  bool collecting_ = false;  // a caller collects a write-back (no collector thread)
   pipeline_stats stats_;
   io::detail::unless_forked<std::thread> collector_;
 };
