@@ -9,7 +9,9 @@
 #include <atomic>
 #include <cerrno>
 #include <deque>
+#include <string>
 #include <system_error>
+#include <utility>
 
 #include "tensormem/io/fork_guard.hpp"
 #include "tensormem/io/io_engine.hpp"
@@ -30,6 +32,11 @@ class uring_engine final : public io_engine {
     detail::check_queue_depth(depth_);
     const int rc = io_uring_queue_init(depth_, &ring_, 0);
     if (rc < 0) throw std::system_error(-rc, std::generic_category(), "io_uring_queue_init");
+    if (const char* missing = missing_operation()) {
+      io_uring_queue_exit(&ring_);
+      throw std::system_error(EOPNOTSUPP, std::generic_category(),
+                              std::string("io_uring of this kernel has no ") + missing + " (Linux 5.6 or later has it)");
+    }
     slots_.resize(depth_);
     // A slot is in at most one of these at a time: reaping and failing never allocate.
     free_slots_->reserve(depth_);
@@ -191,6 +198,28 @@ class uring_engine final : public io_engine {
       io_uring_prep_read(sqe, o.request.fd, buffer, remaining, offset);
     }
     io_uring_sqe_set_data64(sqe, slot);
+  }
+
+  // The first operation the engine uses that the kernel's io_uring lacks, or null. Kernels
+  // before 5.6 set rings up but have neither plain reads and writes nor the probe that says so:
+  // every request would fail with EINVAL, where the thread engine would move it.
+  const char* missing_operation() {
+    static constexpr std::pair<int, const char*> used[] = {
+        {IORING_OP_READ, "IORING_OP_READ"},           {IORING_OP_WRITE, "IORING_OP_WRITE"},
+        {IORING_OP_READV, "IORING_OP_READV"},         {IORING_OP_WRITEV, "IORING_OP_WRITEV"},
+        {IORING_OP_READ_FIXED, "IORING_OP_READ_FIXED"}, {IORING_OP_WRITE_FIXED, "IORING_OP_WRITE_FIXED"}};
+    io_uring_probe* probe = faults_.supported ? nullptr : io_uring_get_probe_ring(&ring_);
+    if (!faults_.supported && probe == nullptr) return "operation probe (IORING_REGISTER_PROBE)";
+    const char* missing = nullptr;
+    for (const auto& [opcode, name] : used) {
+      const bool has = faults_.supported ? faults_.supported(opcode) : io_uring_opcode_supported(probe, opcode) != 0;
+      if (!has) {
+        missing = name;
+        break;
+      }
+    }
+    if (probe != nullptr) io_uring_free_probe(probe);
+    return missing;
   }
 
   // Index of the registered region holding [p, p + n), or -1.

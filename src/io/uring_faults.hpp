@@ -1,7 +1,8 @@
 #pragma once
 // Test seam of the io_uring engine: replaces io_uring_submit / io_uring_wait_cqe so that
 // tests can make them fail as a kernel may (-EBUSY, -EAGAIN, -EINTR, or a hard error), and
-// change what a completion reports (a short transfer, -ECANCELED).
+// change what a completion reports (a short transfer, -ECANCELED) and which operations the
+// kernel says it has.
 
 #include <liburing.h>
 
@@ -16,6 +17,7 @@ struct uring_faults {
   std::function<int(io_uring*)> submit;                 ///< empty: io_uring_submit
   std::function<int(io_uring*, io_uring_cqe**)> wait;   ///< empty: io_uring_wait_cqe
   std::function<int(int res)> result;                   ///< a completion's result; empty: the kernel's
+  std::function<bool(int opcode)> supported;            ///< empty: the kernel's probe
 };
 
 std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth, uring_faults faults);

@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
+#include <string>
+#include <system_error>
 #include <vector>
 
 #include "uring_faults.hpp"
@@ -156,6 +158,29 @@ TEST_F(uring_fault_test, a_cancelled_request_is_moved_by_blocking_calls_and_coun
   ASSERT_EQ(c.size(), 1U);
   EXPECT_EQ(c[0].result, -EBADF);
   EXPECT_EQ(engine->synchronous_requests(), moved + 2);
+}
+
+// A kernel whose io_uring lacks an operation the engine uses (before Linux 5.6: no plain read
+// or write) sets a ring up, but every request would fail with EINVAL: the engine refuses to be
+// made, naming the operation, so that make_engine's callers fall back to threads and say why.
+TEST_F(uring_fault_test, a_kernel_without_an_operation_the_engine_uses_is_refused_at_construction) {
+  for (const int lacking : {IORING_OP_READ, IORING_OP_WRITE, IORING_OP_READV, IORING_OP_WRITEV, IORING_OP_READ_FIXED,
+                            IORING_OP_WRITE_FIXED}) {
+    detail::uring_faults faults;
+    faults.supported = [lacking](int opcode) { return opcode != lacking; };
+    try {
+      auto engine = detail::make_uring_engine(4, faults);
+      ADD_FAILURE() << "made without operation " << lacking;
+    } catch (const std::system_error& e) {
+      EXPECT_EQ(e.code().value(), EOPNOTSUPP);
+      EXPECT_NE(std::string(e.what()).find("io_uring of this kernel has no IORING_OP_"), std::string::npos) << e.what();
+    }
+  }
+  detail::uring_faults all;
+  all.supported = [](int) { return true; };
+  std::vector<std::vector<char>> out(4, std::vector<char>(4096, 'z'));
+  auto engine = detail::make_uring_engine(4, all);
+  write_and_read_back(*engine, out);
 }
 
 }  // namespace

@@ -80,7 +80,8 @@ class io_engine {
 inline constexpr unsigned max_queue_depth = 32768;
 
 /// An io_uring engine (liburing). Throws std::system_error when io_uring cannot be set up
-/// (old kernel, seccomp, io_uring_disabled), std::invalid_argument for a queue depth above
+/// (old kernel, seccomp, io_uring_disabled) or lacks an operation the engine uses (EOPNOTSUPP,
+/// naming it: kernels before 5.6 have no plain read or write), std::invalid_argument for a queue depth above
 /// max_queue_depth (0 counts as 1, as for every engine).
 std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth);
 /// pread/pwrite on `threads` threads, at most `queue_depth` requests in flight.
