@@ -269,7 +269,17 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
     engine_.reset();  // unregisters whatever it registered before the buffers go back
     for (std::size_t i = 0; i < std::min(count, staging_.size()); ++i) pool_.free(staging_[i]);
     if (header_slab_ != nullptr) pool_.free(header_slab_);
-    throw;
+    try {
+      throw;
+    } catch (const memory::lock_limit_error& e) {
+      // Which options size what the swapper locks.
+      throw memory::lock_limit_error(
+          std::string(e.what()) + ". The swapper's staging is " + std::to_string(count) + " buffers of " +
+              std::to_string(options_.block_bytes) + " bytes and " + std::to_string(headers) + " header pages (" +
+              std::to_string(count * options_.block_bytes + header_total) +
+              " bytes in all): fewer staging_buffers, a smaller block_bytes or a smaller queue_depth lock less",
+          e.requested_bytes(), e.limit_bytes());
+    }
   }
   try {
     *reaper_ = std::thread([this] { run_reaper(); });

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "../memory/limited_child.hpp"
 #include "swap_test_support.hpp"
 #include "tensormem/memory/errors.hpp"
 #include "tensormem/memory/pinned_host_resource.hpp"
@@ -372,6 +373,33 @@ TEST(swapper, requests_io_uring_cannot_start_are_moved_by_blocking_calls_and_rep
   });
   if (status == 75 || status == 76 || status == 77) GTEST_SKIP() << "not reached here (" << status << ")";
   EXPECT_EQ(status, 0);
+}
+
+// Under a memory-lock limit too small for its staging (a user without CAP_IPC_LOCK), the
+// swapper's error says what it locks and which options lock less, after the pool's own words,
+// and every buffer it had taken goes back. (Before, only the pool's words: nothing said the
+// staging was 4 x 256 KiB plus header pages.)
+TEST(swapper, a_memory_lock_limit_too_small_for_the_staging_names_the_options) {
+  const auto [code, message] = memory::testing::in_limited_child([](std::string& out) {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 10});
+    try {
+      tensor_swapper s(pool, {.queue_depth = 4, .block_bytes = std::size_t{256} << 10, .staging_buffers = 4});
+      out = "made past the limit";
+      return 1;
+    } catch (const memory::lock_limit_error& e) {
+      out = e.what();
+      return pool.stats().in_use_bytes == 0 ? 0 : 3;
+    } catch (const std::exception& e) {
+      out = std::string("another error: ") + e.what();
+      return 2;
+    }
+  });
+  ASSERT_EQ(code, 0) << message;
+  EXPECT_NE(message.find("RLIMIT_MEMLOCK is 1048576 bytes"), std::string::npos) << message;
+  EXPECT_NE(message.find(". The swapper's staging is 4 buffers of 262144 bytes and 8 header pages (1081344 bytes in "
+                         "all): fewer staging_buffers, a smaller block_bytes or a smaller queue_depth lock less"),
+            std::string::npos)
+      << message;
 }
 
 TEST(swapper, tmpfs_direct_or_buffered_is_reported) {
