@@ -1072,6 +1072,7 @@ PYBIND11_MODULE(_tensormem, m) {
         d["fallback"] = st.fallback;
         d["synchronous_requests"] = st.synchronous_requests;
         d["registered_staging"] = st.registered_staging;
+        d["staging_buffers"] = st.staging_buffers;
         d["packed_tensors"] = st.packed_tensors;
         d["pack_file_bytes"] = st.pack_file_bytes;
         return d;

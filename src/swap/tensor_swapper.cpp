@@ -250,13 +250,25 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   free_headers_->reserve(headers);
   std::vector<std::span<std::byte>> regions;
   regions.reserve(count + 1);
+  std::size_t taken = 0;  // staging buffers from the pool
   try {
-    for (std::size_t i = 0; i < count; ++i) {
-      staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));
-      free_staging_->push_back(i);
-    }
+    // The header pages first, then the staging buffers: those beyond what the memory-lock
+    // limit lets the pool lock are given up, down to two, and reported.
     header_slab_ = static_cast<std::byte*>(pool_.allocate(headers * header_bytes, io_alignment));
-    data_staging_ = count;
+    for (; taken < count; ++taken) {
+      try {
+        staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));
+      } catch (const memory::lock_limit_error&) {
+        if (taken < 2) throw;
+        stats_.fallback += (stats_.fallback.empty() ? "" : "; ") + std::string("RLIMIT_MEMLOCK let the swapper lock ") +
+                           std::to_string(taken) + " of its " + std::to_string(count) + " staging buffers of " +
+                           std::to_string(options_.block_bytes) + " bytes";
+        break;
+      }
+      free_staging_->push_back(taken);
+    }
+    data_staging_ = taken;
+    stats_.staging_buffers = taken;
     for (std::size_t i = 0; i < headers; ++i) {
       free_headers_->push_back(staging_.size());
       staging_.push_back(header_slab_ + i * header_bytes);
@@ -267,17 +279,17 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
     stats_.registered_staging = engine_->register_buffers(regions);
   } catch (...) {
     engine_.reset();  // unregisters whatever it registered before the buffers go back
-    for (std::size_t i = 0; i < std::min(count, staging_.size()); ++i) pool_.free(staging_[i]);
+    for (std::size_t i = 0; i < taken; ++i) pool_.free(staging_[i]);
     if (header_slab_ != nullptr) pool_.free(header_slab_);
     try {
       throw;
     } catch (const memory::lock_limit_error& e) {
       // Which options size what the swapper locks.
       throw memory::lock_limit_error(
-          std::string(e.what()) + ". The swapper's staging is " + std::to_string(count) + " buffers of " +
-              std::to_string(options_.block_bytes) + " bytes and " + std::to_string(headers) + " header pages (" +
-              std::to_string(count * options_.block_bytes + header_total) +
-              " bytes in all): fewer staging_buffers, a smaller block_bytes or a smaller queue_depth lock less",
+          std::string(e.what()) + ". The swapper locks " + std::to_string(headers) + " header pages and at least two " +
+              "staging buffers of " + std::to_string(options_.block_bytes) + " bytes (" +
+              std::to_string(2 * options_.block_bytes + header_total) +
+              " bytes): a smaller block_bytes or a smaller queue_depth lock less",
           e.requested_bytes(), e.limit_bytes());
     }
   }
@@ -369,14 +381,19 @@ void set_message(std::string& message, Make&& make) noexcept {
 
 }  // namespace
 
-// Buffered I/O where O_DIRECT was asked for: reported (the first reason is kept).
+// Buffered I/O where O_DIRECT was asked for: reported once (the first file's folder), after
+// any other reason.
 void tensor_swapper::note_buffered(const std::string& where) noexcept {
   stats_.direct = false;
-  if (!stats_.fallback.empty()) return;
+  if (buffered_noted_) return;
+  buffered_noted_ = true;
   try {
-    stats_.fallback = "O_DIRECT refused by the filesystem of " + where + "; buffered I/O";
+    stats_.fallback += (stats_.fallback.empty() ? "" : "; ") + ("O_DIRECT refused by the filesystem of " + where +
+                                                               "; buffered I/O");
   } catch (...) {
-    stats_.fallback = "buffered I/O";  // short enough to allocate nothing: reported still
+    // No memory for the words: `direct` false still says it, and an empty fallback gets the
+    // short form, which allocates nothing.
+    if (stats_.fallback.empty()) stats_.fallback = "buffered I/O";
   }
 }
 

@@ -31,7 +31,10 @@ struct swap_options {
   io::engine_kind engine = io::engine_kind::uring;  ///< falls back to threads, reported
   unsigned queue_depth = 32;                       ///< requests in flight, 1 to io::max_queue_depth
   std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per I/O request (multiple of io_alignment)
-  std::size_t staging_buffers = 8;                 ///< pinned buffers of block_bytes each, at least 2
+  /// Pinned buffers of block_bytes each, at least 2. Where the pool refuses to lock more
+  /// (RLIMIT_MEMLOCK, no unlocked fallback), the swapper keeps those it got, if two or more,
+  /// and says so in `swap_stats::fallback` (`staging_buffers` counts them).
+  std::size_t staging_buffers = 8;
   bool direct = true;      ///< O_DIRECT where the filesystem allows it (reported otherwise)
   bool checksums = true;   ///< CRC-32C written with each tensor and verified on swap-in
   /// Keep the version before the last of each path as `path.tensormem-spare` and write the
@@ -80,6 +83,7 @@ struct swap_stats {
   double seconds_waiting = 0;       ///< time the caller spent blocked in wait/synchronize
   bool direct = false;              ///< O_DIRECT in use
   bool registered_staging = false;  ///< staging buffers registered with io_uring (fixed buffers)
+  std::uint64_t staging_buffers = 0; ///< staging buffers in use (fewer than asked: see fallback)
   bool checksums = false;
   std::uint64_t packed_tensors = 0;  ///< paths whose current version sits in a pack file
   std::uint64_t pack_file_bytes = 0; ///< size of the pack files (their high-water marks)
@@ -301,6 +305,7 @@ class tensor_swapper {
   std::unique_ptr<io::io_engine> engine_;
   std::vector<std::byte*> staging_;
   unless_forked<std::vector<std::size_t>> free_staging_;
+  bool buffered_noted_ = false;         // O_DIRECT's refusal is in stats_.fallback
   std::size_t data_staging_ = 0;        // staging_[0, data_staging_): block buffers; then header pages
   std::byte* header_slab_ = nullptr;
   unless_forked<std::vector<std::size_t>> free_headers_;
