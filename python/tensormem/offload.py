@@ -24,7 +24,12 @@ the master copy only a step that has changed no parameter yet can be undone, so 
 to its end first (the core's ``steps`` counts say which happened).
 
 Where no thread can be started (a limit on threads), a step runs on the calling thread and
-collects its own write-backs; ``last_stats["fallback"]`` says so (empty otherwise).
+collects its own write-backs; ``last_stats["fallback"]`` says so (empty otherwise). The staging
+buffers are page-locked; a user without CAP_IPC_LOCK may lock only RLIMIT_MEMLOCK bytes (often
+8 MiB), less than two records of the default sub-groups: ``allow_unlocked=True`` then uses
+unlocked memory for what the limit refuses (O_DIRECT needs no locked memory), reported in
+``last_stats`` (``unlocked_slabs`` and ``fallback``); without it the optimizer's MemoryError
+names ``group_bytes``.
 
 ``ZeroOffloadedOptimizer`` wraps one of them for ``torch.distributed``: each rank owns whole
 parameters, gradients are reduced to their owner, the owner updates from its own swap folder
@@ -77,7 +82,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                  group_bytes: int = 32 << 20, offload_master: bool = True, rank: Optional[int] = None,
                  stripe_bytes: int = 8 << 20, capacity_bytes: Optional[Sequence[int]] = None,
                  engine: str = "uring", rings: int = 1, simd: str = "auto", progress: bool = False,
-                 arithmetic: str = "auto"):
+                 arithmetic: str = "auto", allow_unlocked: bool = False):
         if isinstance(swap_dirs, (str, os.PathLike)):
             swap_dirs = [swap_dirs]
         if not swap_dirs:
@@ -99,7 +104,8 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
             group_bytes=operator.index(group_bytes), pinned_budget=operator.index(pinned_budget),
             swap_dirs=[os.fspath(d) for d in swap_dirs], rank=self.rank, stripe_bytes=operator.index(stripe_bytes),
             capacity_bytes=list(capacity_bytes or []), engine=engine, rings=rings,
-            name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd, arithmetic=self.arithmetic)
+            name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd, arithmetic=self.arithmetic,
+            allow_unlocked=bool(allow_unlocked))
         with torch.no_grad():
             self._core.initialize([p.data_ptr() for p in self._params])
         self.last_stats: Dict[str, float] = {}

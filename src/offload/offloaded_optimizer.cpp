@@ -160,6 +160,7 @@ offloaded_optimizer::offloaded_optimizer(std::vector<std::uint64_t> numels, opti
   pool.alignment = 4096;
   pool.slab_bytes = std::max<std::uint64_t>(largest, 4096);
   pool.max_locked_bytes = options_.pipeline.pinned_budget;
+  pool.allow_unlocked_fallback = options_.allow_unlocked_fallback;
   pool_ = std::make_unique<memory::pinned_pool>(pool);
   space_ = std::make_unique<swap_space>(options_.swap);
   for (group& g : groups_) {
@@ -299,12 +300,13 @@ void offloaded_optimizer::initialize(std::span<const float* const> params) {
       }
     });
   } catch (const memory::lock_limit_error& e) {
-    // The first locked buffers: say which option sizes them (its pool has no unlocked
-    // fallback).
+    // The first locked buffers (refused only where the unlocked fallback is off): say which
+    // options size them or allow it, in the optimizer's words.
     throw e.without_fallback(". The offloaded optimizer locks at least two records of its largest group (" +
                              std::to_string(largest) + " bytes each, within a pinned budget of " +
                              std::to_string(options_.pipeline.pinned_budget) +
-                             " bytes): a smaller group_bytes makes them smaller");
+                             " bytes): a smaller group_bytes makes them smaller, or allow_unlocked_fallback "
+                             "(Python: allow_unlocked=True) uses unlocked memory");
   }
   std::fill(steps_.begin(), steps_.end(), 0);
   initialized_ = true;
@@ -404,7 +406,9 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
   st.bytes_read = ps.bytes_read;
   st.bytes_written = ps.bytes_written;
   st.pinned_bytes = ps.pinned_bytes;
-  st.pinned_high_water = pool_->stats().peak_in_use_bytes;
+  const memory::pool_stats pool = pool_->stats();
+  st.pinned_high_water = pool.peak_in_use_bytes;
+  st.unlocked_slabs = pool.unlocked_fallbacks;
   st.groups = groups_.size();
   st.collector_thread = ps.collector_thread;
   return st;

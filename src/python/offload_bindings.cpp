@@ -81,6 +81,10 @@ py::dict to_dict(const offload::step_stats& s, bool step_thread = true) {
     fallback = "no thread could be started for the step (a limit on threads): it ran on the calling thread, where "
                "Ctrl-C waits for its end";
   }
+  if (s.unlocked_slabs != 0) {
+    fallback += std::string(fallback.empty() ? "" : "; ") + std::to_string(s.unlocked_slabs) +
+                " staging slab(s) could not be page-locked (RLIMIT_MEMLOCK): unlocked memory (allow_unlocked)";
+  }
   if (!s.collector_thread) {
     fallback += std::string(fallback.empty() ? "" : "; ") +
                 "no thread could be started to collect the step's write-backs: the step collected them itself";
@@ -97,6 +101,7 @@ py::dict to_dict(const offload::step_stats& s, bool step_thread = true) {
   d["pinned_high_water"] = s.pinned_high_water;
   d["groups"] = s.groups;
   d["elements"] = s.elements;
+  d["unlocked_slabs"] = s.unlocked_slabs;
   return d;
 }
 
@@ -180,7 +185,8 @@ void bind_offload(py::module_& m) {
                        u64 group_bytes, u64 pinned_budget, std::vector<std::string> swap_dirs,
                        whole<unsigned> rank, whole<std::size_t> stripe_bytes, const std::vector<u64>& capacity_bytes,
                        const std::string& engine, whole<unsigned> rings, whole<std::size_t> block_bytes,
-                       const std::string& name, const std::string& simd, const std::string& arithmetic) {
+                       const std::string& name, const std::string& simd, const std::string& arithmetic,
+                       bool allow_unlocked) {
              offload::optimizer_options o;
              o.arithmetic = parse_arithmetic(arithmetic);
              o.kind = parse_kind(kind);
@@ -196,6 +202,7 @@ void bind_offload(py::module_& m) {
              o.swap.io.block_bytes = block_bytes;
              o.name = name;
              o.simd = parse_simd(simd);
+             o.allow_unlocked_fallback = allow_unlocked;
              return std::make_unique<offload::offloaded_optimizer>(std::move(numels), o);
            }),
            py::arg("numels"), py::arg("kind") = "adamw", py::arg("offload_master") = true,
@@ -203,7 +210,8 @@ void bind_offload(py::module_& m) {
            py::arg("swap_dirs") = std::vector<std::string>{}, py::arg("rank") = 0,
            py::arg("stripe_bytes") = std::size_t{8} << 20, py::arg("capacity_bytes") = std::vector<std::uint64_t>{},
            py::arg("engine") = "uring", py::arg("rings") = 1, py::arg("block_bytes") = std::size_t{1} << 20,
-           py::arg("name") = "", py::arg("simd") = "auto", py::arg("arithmetic") = "torch1")
+           py::arg("name") = "", py::arg("simd") = "auto", py::arg("arithmetic") = "torch1",
+           py::arg("allow_unlocked") = false)
       .def("initialize", [](offload::offloaded_optimizer& o, const std::vector<std::uintptr_t>& params) {
              const auto p = pointers<const float>(params);
              py::gil_scoped_release release;

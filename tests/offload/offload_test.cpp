@@ -543,8 +543,8 @@ optimizer_options small_options(const scratch_dir& dir) {
 }
 
 // Under a memory-lock limit too small for two records of its largest group, the optimizer's
-// first step of locking says which option makes them smaller, and offers no fallback it has
-// not got.
+// first step of locking says which option makes them smaller and which allows unlocked
+// memory, in the optimizer's words rather than the pool's.
 TEST(offload_optimizer, a_memory_lock_limit_too_small_names_group_bytes) {
   const auto [code, message] = memory::testing::in_limited_child([](std::string& out) {
     const scratch_dir dir;  // made by the limited user
@@ -574,7 +574,8 @@ TEST(offload_optimizer, a_memory_lock_limit_too_small_names_group_bytes) {
   EXPECT_NE(message.find("RLIMIT_MEMLOCK is 1048576 bytes"), std::string::npos) << message;
   EXPECT_NE(message.find("run with CAP_IPC_LOCK. The offloaded optimizer locks at least two records of its largest "
                          "group (3145728 bytes each, within a pinned budget of 67108864 bytes): a smaller "
-                         "group_bytes makes them smaller"),
+                         "group_bytes makes them smaller, or allow_unlocked_fallback (Python: allow_unlocked=True) "
+                         "uses unlocked memory"),
             std::string::npos)
       << message;
   EXPECT_EQ(message.find("unlocked fallback"), std::string::npos) << message;
@@ -617,6 +618,44 @@ std::vector<std::vector<float>> values_after_two_clean_steps() {
   clean.step(b.p(), b.g(), hyper);
   clean.step(b.p(), b.g(), hyper);
   return b.values;
+}
+
+// With allow_unlocked_fallback, the same limit leaves the staging unlocked instead: the steps
+// give the kernel's values in memory, and the stats count the unlocked slabs.
+TEST(offload_optimizer, a_memory_lock_limit_with_the_unlocked_fallback_steps_from_unlocked_memory) {
+  const auto [code, message] = memory::testing::in_limited_child([](std::string& out) {
+    const scratch_dir dir;  // made by the limited user
+    if (dir.path.empty()) {
+      out = "no scratch folder";
+      return 3;
+    }
+    optimizer_options o = small_options(dir);
+    o.group_bytes = std::uint64_t{1} << 20;  // records of 3 MiB, above the 1 MiB limit
+    o.pipeline.pinned_budget = std::uint64_t{16} << 20;
+    o.allow_unlocked_fallback = true;
+    const std::vector<std::uint64_t> sizes = {300'000, 7, 200'000};
+    offloaded_optimizer opt(sizes, o);
+    model_params a(sizes), ref(sizes);
+    opt.initialize(a.cp());
+    const std::vector<param_hyper> hyper(sizes.size());
+    std::vector<std::vector<float>> m, v;
+    for (const auto n : sizes) {
+      m.emplace_back(n, 0.0F);
+      v.emplace_back(n, 0.0F);
+    }
+    step_stats st;
+    for (std::uint64_t step = 1; step <= 2; ++step) {
+      st = opt.step(a.p(), a.g(), hyper);
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        adam_update(ref.values[i].data(), ref.grads[i].data(), nullptr, m[i].data(), v[i].data(), sizes[i],
+                    make_adam_scalars(1e-3, 0.9, 0.999, 1e-8, 0, true, step), simd_level::scalar);
+      }
+    }
+    out = "unlocked slabs " + std::to_string(st.unlocked_slabs);
+    if (st.unlocked_slabs == 0) return 1;
+    return a.values == ref.values ? 0 : 2;
+  });
+  EXPECT_EQ(code, 0) << message;
 }
 
 TEST(offload_optimizer, matches_the_kernels_in_memory_and_pieces_cover_every_element) {

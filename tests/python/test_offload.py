@@ -619,6 +619,26 @@ def test_restore_parameters_puts_back_the_committed_master_copy(tmp_path):
         without.restore_parameters()
 
 
+def run_limited(script: str, uid: int, limit: int, value: int) -> subprocess.CompletedProcess:
+    """Runs ``script`` (its argument: a swap folder of its own, removed afterwards) as user id
+    ``uid`` (root's capabilities dropped) with resource ``limit`` set to ``value``."""
+    swap = tempfile.mkdtemp(prefix="tensormem-limited-")  # (pytest's folders are root's alone)
+    os.chmod(swap, 0o777)
+
+    def limited():
+        resource.setrlimit(limit, (value, value))
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    try:
+        return subprocess.run([sys.executable, "-c", script, swap], preexec_fn=limited, env=env, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+
+
 THREAD_LIMIT_SCRIPT = textwrap.dedent("""
     import sys, torch
     from tensormem.torch import OffloadedAdamW
@@ -653,28 +673,60 @@ def test_a_step_without_threads_to_start_runs_on_the_calling_thread(tmp_path):
     # "[Errno 11] Resource temporarily unavailable".
     if os.geteuid() != 0:
         pytest.skip("needs root to run the child as a user of its own under RLIMIT_NPROC")
-    swap = tempfile.mkdtemp(prefix="tensormem-limited-")  # (pytest's folders are root's alone)
-    os.chmod(swap, 0o777)
     uid = 1_500_000_000 + os.getpid() % 1_000_000  # a user no other task runs as
-
-    def limited():
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-        resource.setrlimit(resource.RLIMIT_NPROC, (2, 2))  # this process and one thread
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
-    try:
-        r = subprocess.run([sys.executable, "-c", THREAD_LIMIT_SCRIPT, swap], preexec_fn=limited, env=env,
-                           capture_output=True, text=True, timeout=300)
-    finally:
-        shutil.rmtree(swap, ignore_errors=True)
+    r = run_limited(THREAD_LIMIT_SCRIPT, uid, resource.RLIMIT_NPROC, 2)  # this process and one thread
     assert r.returncode == 0, r.stderr
     *fallbacks, verdict = r.stdout.splitlines()
     assert len(fallbacks) == 3, r.stdout
     for f in fallbacks:
         assert "no thread could be started for the step (a limit on threads): it ran on the calling thread" in f, f
         assert "no thread could be started to collect the step's write-backs: the step collected them itself" in f, f
+    assert verdict == ("EQUAL" if EXACT_SQRT else "CLOSE") or verdict == "EQUAL", verdict
+
+
+MEMLOCK_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from tensormem.torch import OffloadedAdamW
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2048, 4096)  # 33.6 MB of parameters: a full sub-group of the default 32 MiB
+    try:
+        OffloadedAdamW(m.parameters(), swap_dirs=[sys.argv[1]])
+        print("LOCKED")
+    except MemoryError as e:
+        print("REFUSED", e)
+    ref = torch.nn.Linear(2048, 4096)
+    ref.load_state_dict(m.state_dict())
+    opt = OffloadedAdamW(m.parameters(), swap_dirs=[sys.argv[1]], allow_unlocked=True)
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    for _ in range(2):
+        x = torch.randn(4, 2048)
+        for model, o in ((m, opt), (ref, ref_opt)):
+            o.zero_grad()
+            model(x).pow(2).mean().backward()
+            o.step()
+    print(opt.last_stats["unlocked_slabs"], opt.last_stats["fallback"])
+    exact = all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(m.parameters(), ref.parameters()))
+    print("EQUAL" if exact else "CLOSE" if close else "DIFFERENT")
+""")
+
+
+def test_a_user_who_may_lock_8_mib_gets_the_unlocked_fallback_when_allowed():
+    # A user without CAP_IPC_LOCK, under Debian's usual RLIMIT_MEMLOCK of 8 MiB: the default
+    # sub-groups' records (96 MiB each) cannot be locked. The error says which options help;
+    # with allow_unlocked=True the steps run from unlocked memory, equal torch.optim.AdamW's,
+    # and last_stats says so. Before, the optimizer had no way to run there but smaller groups.
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the child as user nobody (without CAP_IPC_LOCK)")
+    r = run_limited(MEMLOCK_SCRIPT, 65534, resource.RLIMIT_MEMLOCK, 8 << 20)  # nobody
+    assert r.returncode == 0, r.stderr
+    refused, stats, verdict = r.stdout.splitlines()
+    assert refused.startswith("REFUSED") and "RLIMIT_MEMLOCK is 8388608 bytes" in refused, refused
+    assert "a smaller group_bytes makes them smaller, or allow_unlocked_fallback (Python: allow_unlocked=True) " \
+           "uses unlocked memory" in refused, refused
+    slabs, fallback = stats.split(" ", 1)
+    assert int(slabs) > 0 and "staging slab(s) could not be page-locked (RLIMIT_MEMLOCK): unlocked memory" in fallback, \
+        stats
     assert verdict == ("EQUAL" if EXACT_SQRT else "CLOSE") or verdict == "EQUAL", verdict
 
 

@@ -74,6 +74,10 @@ struct optimizer_options {
   int simd = -1;                                   ///< a simd_level, or -1 for the best one
   /// Adam/AdamW: whose rounding to reproduce (tensormem.offload picks the installed PyTorch's).
   adam_arithmetic arithmetic = adam_arithmetic::torch1;
+  /// Where the memory-lock limit (RLIMIT_MEMLOCK, a user without CAP_IPC_LOCK) refuses to lock
+  /// a staging buffer, use it unlocked (O_DIRECT needs no locked memory; a GPU's copies from
+  /// it are slower), counted in step_stats::unlocked_slabs. Off: the lock_limit_error.
+  bool allow_unlocked_fallback = false;
 };
 
 struct step_stats {
@@ -88,6 +92,8 @@ struct step_stats {
   std::uint64_t pinned_high_water = 0;  ///< the pool's peak bytes in use since construction
   std::uint64_t groups = 0;
   std::uint64_t elements = 0;       ///< parameters updated
+  /// Staging slabs the memory-lock limit left unlocked since construction (allow_unlocked_fallback).
+  std::uint64_t unlocked_slabs = 0;
   /// False where the pipeline's collector thread could not be started (a limit on threads):
   /// the step collected its write-backs itself (pipeline_stats::collector_thread).
   bool collector_thread = true;
