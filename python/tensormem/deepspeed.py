@@ -35,6 +35,7 @@ import errno
 import operator
 import os
 import threading
+import warnings
 import types
 from typing import List, Optional, Sequence, Tuple
 
@@ -46,7 +47,7 @@ from .torch import AllocatorAssertion, ArenaFull, ContiguousMemoryAllocator  # n
 
 __all__ = [
     "AIOError", "AllocatorAssertion", "ArenaFull", "ContiguousMemoryAllocator", "AsyncIOBuilder", "aio_handle", "aio_read", "aio_write", "deepspeed_memcpy",
-    "new_cpu_locked_tensor", "free_cpu_locked_tensor", "is_pinned", "patch",
+    "new_cpu_locked_tensor", "free_cpu_locked_tensor", "is_pinned", "patch", "allow_unlocked",
     "AsyncTensorSwapper", "SwapperAssertion", "ASYNC_SWAPPER_WAIT_TIMER",
 ]
 
@@ -87,10 +88,21 @@ class _PinnedTensors:
     refuses to allocate there), and takes a new lock (another thread of the parent may have
     held the old one at the fork). Inherited tensors stay usable and can be freed."""
 
+    # The pool's words for its fallback, and the knob that allows it here (DeepSpeed's callers
+    # pass no options).
+    _POOL_HINT = ", or allow the unlocked fallback"
+    _HINT = (", or allow unlocked memory where the limit refuses (TENSORMEM_ALLOW_UNLOCKED=1 in the environment, "
+             "or tensormem.deepspeed.allow_unlocked(True))")
+
     def __init__(self):
         self._lock = threading.Lock()
+        # Where RLIMIT_MEMLOCK refuses to lock (a user without CAP_IPC_LOCK): unlocked memory,
+        # with a RuntimeWarning, instead of MemoryError.
+        self.allow_unlocked = os.environ.get("TENSORMEM_ALLOW_UNLOCKED", "") == "1"
+        self._warned_unlocked = 0  # unlocked slabs already warned of
         self._pool: Optional[_tensormem.PinnedPool] = None
         self._pool_pid = 0  # the process that made _pool
+        self._pool_allows_unlocked = False  # the allow_unlocked _pool was made with
         self._regions = {}  # start address -> (end address, PinnedBuffer)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork_in_child)
@@ -104,12 +116,27 @@ class _PinnedTensors:
             raise ValueError(f"new_cpu_locked_tensor: num_elem must be >= 0, not {num_elem}")
         nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            if self._pool is None or self._pool_pid != os.getpid():
-                self._pool = _tensormem.PinnedPool()
+            if self._pool is None or self._pool_pid != os.getpid() or \
+                    self._pool_allows_unlocked != self.allow_unlocked:
+                self._pool = _tensormem.PinnedPool(allow_unlocked_fallback=self.allow_unlocked)
                 self._pool_pid = os.getpid()
-            buffer = self._pool.allocate(max(nbytes, 1))
+                self._pool_allows_unlocked = self.allow_unlocked
+                self._warned_unlocked = 0
+            try:
+                buffer = self._pool.allocate(max(nbytes, 1))
+            except MemoryError as e:
+                words = str(e)
+                if not words.endswith(self._POOL_HINT):
+                    raise
+                raise MemoryError(f"new_cpu_locked_tensor: {words[:-len(self._POOL_HINT)]}{self._HINT}") from None
             start = buffer.address
             self._regions[start] = (start + nbytes, buffer)
+            unlocked = self._pool.stats()["unlocked_fallbacks"]
+            newly_unlocked, self._warned_unlocked = unlocked > self._warned_unlocked, unlocked
+        if newly_unlocked:
+            warnings.warn(f"new_cpu_locked_tensor: {nbytes} bytes could not be page-locked (RLIMIT_MEMLOCK): "
+                          f"unlocked memory, as TENSORMEM_ALLOW_UNLOCKED / allow_unlocked(True) allows "
+                          f"({unlocked} unlocked slab(s) so far)", RuntimeWarning, stacklevel=3)
         tensor = torch.utils.dlpack.from_dlpack(buffer)[:nbytes].view(dtype)
         assert _address(tensor) == start
         if torch.cuda.is_available():  # let torch know the memory is pinned
@@ -143,6 +170,14 @@ class _PinnedTensors:
 
 
 _PINNED = _PinnedTensors()
+
+
+def allow_unlocked(allowed: bool = True) -> None:
+    """Whether ``new_cpu_locked_tensor`` may hand out unlocked memory where RLIMIT_MEMLOCK
+    refuses to lock (a user without CAP_IPC_LOCK): each time it does, a RuntimeWarning says so.
+    Off by default (MemoryError instead); ``TENSORMEM_ALLOW_UNLOCKED=1`` in the environment turns
+    it on at import. Applies to the tensors made after the call."""
+    _PINNED.allow_unlocked = bool(allowed)
 
 
 def new_cpu_locked_tensor(num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:

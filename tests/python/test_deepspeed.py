@@ -837,3 +837,57 @@ def test_conjugate_and_negative_views_are_written_and_read_as_their_values(tmp_p
         target = target.conj() if name == "conj" else torch._neg_view(target)
         assert h.async_pread(target, path) == 0 and h.wait() == 1
         assert torch.equal(target, plain), name  # and a read into a view gives it those values
+
+
+UNLOCKED_SCRIPT = textwrap.dedent("""
+    import os, warnings, torch
+    from tensormem import deepspeed as ds
+    if os.environ.get("TENSORMEM_ALLOW_UNLOCKED") != "1":
+        try:
+            ds.new_cpu_locked_tensor(4 << 20, torch.zeros(1))  # 16 MiB: over the 8 MiB limit
+            print("LOCKED")
+        except MemoryError as e:
+            print("REFUSED", e)
+        ds.allow_unlocked(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = ds.new_cpu_locked_tensor(4 << 20, torch.zeros(1))
+        small = ds.new_cpu_locked_tensor(256, torch.zeros(1))  # fits the slab the limit locked: no warning
+    t.fill_(2.0)
+    print("WARNINGS", len(caught), caught[0].message if caught else "")
+    print("TENSOR", float(t.sum()), ds.is_pinned(t), ds.free_cpu_locked_tensor(t), small.numel())
+""")
+
+
+@pytest.mark.parametrize("how", ["call", "environment"])
+def test_new_cpu_locked_tensor_past_the_lock_limit_names_and_takes_the_unlocked_fallback(how):
+    # A user without CAP_IPC_LOCK, RLIMIT_MEMLOCK 8 MiB: DeepSpeed's callers pass no options,
+    # so the refusal names the two knobs (the pool's own words named an option no caller here
+    # could set), and with either one the tensor is made of unlocked memory, with a warning.
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the child as user nobody (without CAP_IPC_LOCK)")
+
+    def limited():
+        import resource
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, 8 << 20))
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("TENSORMEM_ALLOW_UNLOCKED", None)
+    if how == "environment":
+        env["TENSORMEM_ALLOW_UNLOCKED"] = "1"
+    r = subprocess.run([sys.executable, "-c", UNLOCKED_SCRIPT], preexec_fn=limited, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    if how == "call":
+        refused = lines.pop(0)
+        assert refused.startswith("REFUSED new_cpu_locked_tensor: ") and "RLIMIT_MEMLOCK is 8388608 bytes" in refused
+        assert refused.endswith("or allow unlocked memory where the limit refuses (TENSORMEM_ALLOW_UNLOCKED=1 in the "
+                                "environment, or tensormem.deepspeed.allow_unlocked(True))"), refused
+    warned, made = lines
+    assert warned.startswith("WARNINGS 1 new_cpu_locked_tensor: 16777216 bytes could not be page-locked "
+                             "(RLIMIT_MEMLOCK): unlocked memory"), warned
+    assert made == "TENSOR 8388608.0 True True 256", made
