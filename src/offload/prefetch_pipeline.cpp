@@ -56,12 +56,15 @@ prefetch_pipeline::prefetch_pipeline(swap_space& space, memory::pinned_pool& poo
     const std::lock_guard lock(mutex_);
     pump();  // (a read that cannot be queued is kept for its acquire: nothing throws here)
   }
-  try {
-    *collector_ = std::thread([this] { collect_writes(); });
-  } catch (...) {
-    // No thread (EAGAIN at a limit on threads, or no memory for its start): the caller's
-    // calls collect the write-backs where they would wait for them.
-    stats_.collector_thread = false;
+  stats_.collector_thread = options_.collector_thread;
+  if (options_.collector_thread) {
+    try {
+      *collector_ = std::thread([this] { collect_writes(); });
+    } catch (...) {
+      // No thread (EAGAIN at a limit on threads, or no memory for its start): the caller's
+      // calls collect the write-backs where they would wait for them.
+      stats_.collector_thread = false;
+    }
   }
 }
 

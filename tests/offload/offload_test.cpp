@@ -363,7 +363,11 @@ std::vector<std::size_t> committed_tensors(swap_space& s, const std::string& pre
   return ids;
 }
 
-TEST(offload_pipeline, random_sizes_never_exceed_the_budget_and_land_every_write) {
+// With the collector thread, and without it (the calls collect the write-backs).
+class offload_pipeline_collector : public ::testing::TestWithParam<bool> {};
+
+TEST_P(offload_pipeline_collector, random_sizes_never_exceed_the_budget_and_land_every_write) {
+  const bool collector = GetParam();
   scratch_dir dir;
   swap_space s(three_folders(dir));
   std::mt19937_64 rng(5);
@@ -387,7 +391,8 @@ TEST(offload_pipeline, random_sizes_never_exceed_the_budget_and_land_every_write
   const std::uint64_t budget = 3 * largest + 100;
   std::vector<bool> dirty(ids.size());
   {
-    prefetch_pipeline p(s, pool, ids, {budget, 0});
+    prefetch_pipeline p(s, pool, ids, {budget, 0, collector});
+    EXPECT_EQ(p.stats().collector_thread, collector);
     EXPECT_EQ(p.buffer_count(), 3U);
     for (std::size_t i = 0; i < ids.size(); ++i) {
       std::byte* b = p.acquire(i);
@@ -407,7 +412,7 @@ TEST(offload_pipeline, random_sizes_never_exceed_the_budget_and_land_every_write
   }
   EXPECT_LE(pool.stats().peak_in_use_bytes, budget);
   EXPECT_EQ(pool.stats().in_use_bytes, 0U);  // every buffer back
-  prefetch_pipeline again(s, pool, ids, {budget, 2});
+  prefetch_pipeline again(s, pool, ids, {budget, 2, collector});
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const auto n = s.padded_bytes(ids[i]);
     std::byte* b = again.acquire(i);
@@ -416,6 +421,9 @@ TEST(offload_pipeline, random_sizes_never_exceed_the_budget_and_land_every_write
   }
   again.finish();
 }
+
+INSTANTIATE_TEST_SUITE_P(offload_pipeline, offload_pipeline_collector, ::testing::Bool(),
+                         [](const auto& param_info) { return param_info.param ? "thread" : "calls"; });
 
 TEST(offload_pipeline, misuse_is_refused) {
   scratch_dir dir;

@@ -24,6 +24,9 @@ struct pipeline_options {
   std::uint64_t pinned_budget = std::uint64_t{256} << 20;
   /// Most reads ahead of the caller (0: as many as the budget allows).
   unsigned max_ahead = 0;
+  /// False: no thread of the pipeline's own; its calls collect the write-backs where they
+  /// would wait for them, as where the thread cannot be started.
+  bool collector_thread = true;
 };
 
 struct pipeline_stats {
