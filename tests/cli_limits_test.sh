@@ -3,7 +3,8 @@
 # from unlocked memory and says so; without a usable temporary folder it skips the swap
 # section, says why and prints the rest; with little free space it swaps only what fits in
 # half of it; a failed transfer is reported after the rest and fails the command, and no
-# swap folder is left behind. `tensormem swap-bench` refuses a run that needs more free space
+# swap folder is left behind; where its swapper's threads cannot start it skips the swap
+# section. `tensormem swap-bench` refuses a run that needs more free space
 # than its folder has, before it writes anything, and stops at the memory-lock limit unless
 # --allow-unlocked lets it run from unlocked memory (said). Prints PASS or what went wrong.
 # Usage: cli_limits_test.sh TENSORMEM
@@ -88,6 +89,20 @@ expect file_too_large "$out" "contents not checked: a transfer failed"
 expect file_too_large_named "$out" "^  failed: write to $work/tensormem-demo-.*/l0\..* failed: File too large"
 expect file_too_large_plan "$out" "online best-fit"
 expect file_too_large_status "$out" "^tensormem: demo: a swap transfer failed"
+# 5. Threads limited (RLIMIT_NPROC: the process and two more, as a user id of its own, since
+#    root is not held to it): the swapper's threads cannot start, so the swap section is
+#    skipped with the reason, the report is whole and the status is 0. Before, the demo
+#    printed only the swapper's error and failed.
+if [ "$(id -u)" = 0 ]; then
+  user=$((1500000000 + $$ % 1000000))
+  out=$(TMPDIR=$work prlimit --nproc=3:3 setpriv --reuid=$user --regid=$user --clear-groups "$work/tensormem" $small 2>&1)
+  rc=$?
+  [ $rc = 0 ] || { echo "FAIL threads: exit status $rc"; fail=1; }
+  expect threads "$out" "^swap: skipped: tensor_swapper: cannot start a thread (a limit on threads or processes"
+  expect threads_plan "$out" "online best-fit"
+else
+  echo "not root: the limit on threads is not checked (it counts every task of this user)"
+fi
 left=$(ls "$work" | grep tensormem-demo-)
 [ -z "$left" ] || { echo "FAIL leftover: the demo left $left in $work"; fail=1; }
 [ $fail = 0 ] && echo PASS

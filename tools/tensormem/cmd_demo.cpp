@@ -8,7 +8,9 @@
 #include <numeric>
 #include <sstream>
 #include <limits>
+#include <optional>
 #include <string>
+#include <system_error>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -166,7 +168,16 @@ swap_section run_swap_section(const core::graph& g, const core::graph_lifetimes&
   // the pool then maps about the chosen bytes, within the budget.
   const std::uint64_t slab = std::min<std::uint64_t>(std::uint64_t{256} << 20, (out.bytes + (2U << 20) - 1) / (2U << 20) * (2U << 20));
   memory::pinned_pool pool({.slab_bytes = static_cast<std::size_t>(slab), .allow_unlocked_fallback = true});
-  swap::tensor_swapper swapper(pool);
+  std::optional<swap::tensor_swapper> made;
+  try {
+    made.emplace(pool);
+  } catch (const std::system_error& e) {
+    if (e.code() != std::errc::resource_unavailable_try_again) throw;
+    // Its threads cannot start (a limit on threads): the rest of the demo needs none.
+    out.skipped = e.what();
+    return out;
+  }
+  swap::tensor_swapper& swapper = *made;
   std::vector<swap::tensor_ref> tensors;
   std::vector<std::string> paths;
   for (const std::size_t k : chosen) {
