@@ -28,10 +28,16 @@ class thread_engine final : public io_engine {
     try {
       for (unsigned t = 0; t < threads; ++t) workers_->emplace_back([this] { work(); });
     } catch (...) {
-      stop();  // the workers started so far: a joinable thread destroyed would end the process
-      core::detail::rethrow_naming_thread_start("a thread-pool I/O engine");
+      // Fewer threads than asked (a limit on threads) still move every request: those that
+      // started are kept. None at all is an error, once those are ended.
+      if (workers_->empty()) {
+        stop();
+        core::detail::rethrow_naming_thread_start("a thread-pool I/O engine");
+      }
     }
   }
+
+  unsigned workers() const noexcept override { return static_cast<unsigned>(workers_->size()); }
 
   // In a forked child the workers do not exist and the lock may be held by one of the
   // parent's: nothing is waited for (the owner's requests were the parent's).
@@ -134,7 +140,14 @@ std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_dep
       fallback_reason = std::string("io_uring unavailable (") + e.what() + "); using threads";
     }
   }
-  return make_thread_engine(queue_depth, std::min(queue_depth, 8U));
+  const unsigned asked = std::clamp(std::min(queue_depth, 8U), 1U, std::max(queue_depth, 1U));
+  auto engine = make_thread_engine(queue_depth, asked);
+  if (engine->workers() < asked) {
+    fallback_reason += (fallback_reason.empty() ? "" : "; ") + std::string("the thread-pool I/O engine started ") +
+                       std::to_string(engine->workers()) + " of its " + std::to_string(asked) +
+                       " threads (a limit on threads)";
+  }
+  return engine;
 }
 
 std::string_view to_string(engine_kind kind) noexcept {

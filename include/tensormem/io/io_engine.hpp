@@ -65,6 +65,9 @@ class io_engine {
   /// completes as if io_uring had moved it. Safe to read from any thread; 0 for the thread
   /// engine.
   virtual std::uint64_t synchronous_requests() const noexcept { return 0; }
+  /// Threads of the engine's own that move requests (the thread engine's workers; fewer than
+  /// asked where a limit on threads stopped the rest); 0 for io_uring, whose kernel moves them.
+  virtual unsigned workers() const noexcept { return 0; }
   /// Registers memory regions that later requests may use (io_uring fixed buffers: the kernel
   /// maps them once instead of per request). Returns false, changing nothing, where the
   /// engine or the system does not allow it (RLIMIT_MEMLOCK, or no io_uring); requests work
@@ -84,11 +87,14 @@ inline constexpr unsigned max_queue_depth = 32768;
 /// naming it: kernels before 5.6 have no plain read or write), std::invalid_argument for a queue depth above
 /// max_queue_depth (0 counts as 1, as for every engine).
 std::unique_ptr<io_engine> make_uring_engine(unsigned queue_depth);
-/// pread/pwrite on `threads` threads, at most `queue_depth` requests in flight.
+/// pread/pwrite on `threads` threads, at most `queue_depth` requests in flight. Where fewer
+/// threads can be started (a limit on threads), those that started move every request
+/// (`workers()` counts them); where none can, std::system_error naming the engine.
 std::unique_ptr<io_engine> make_thread_engine(unsigned queue_depth, unsigned threads = 4);
 
 /// The engine asked for; when io_uring is asked for but unavailable, the thread engine,
-/// with the reason written to `fallback_reason` (empty when no fallback happened). A queue
+/// with the reason written to `fallback_reason` (empty when no fallback happened; a thread
+/// engine with fewer threads than asked says so there too). A queue
 /// depth above max_queue_depth is std::invalid_argument, not a reason to fall back.
 std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_depth,
                                        std::string& fallback_reason);
