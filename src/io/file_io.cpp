@@ -125,11 +125,25 @@ async_file_io::async_file_io(file_io_options options) : options_(options) {
     stats_.engine = std::string(to_string(r->engine->kind()));
     rings_.push_back(std::move(r));
   }
+  std::size_t started = 0;
   try {
-    for (auto& r : rings_) *r->thread = std::thread([this, ring = r.get()] { run(*ring); });
+    for (; started < rings_.size(); ++started) {
+      ring* r = rings_[started].get();
+      *r->thread = std::thread([this, r] { run(*r); });
+    }
   } catch (...) {
-    stop_rings();  // those started so far: a joinable thread destroyed would end the process
-    core::detail::rethrow_naming_thread_start("async_file_io");
+    if (started == 0) core::detail::rethrow_naming_thread_start("async_file_io");
+    // Fewer rings than asked (a limit on threads): those with a thread take every block, and
+    // the others go (nothing was queued on them yet). Said in the stats.
+    rings_.resize(started);
+    try {
+      stats_.fallback += (stats_.fallback.empty() ? "" : "; ") + std::string("async_file_io started ") +
+                         std::to_string(started) + " of its " + std::to_string(options_.rings) +
+                         " rings' threads (a limit on threads)";
+    } catch (...) {
+      stop_rings();  // a joinable thread destroyed would end the process
+      throw;
+    }
   }
 }
 

@@ -45,6 +45,10 @@ struct scratch_dir {
     std::string templ = (std::filesystem::temp_directory_path() / "tensormem-swaptest-XXXXXX").string();
     if (mkdtemp(templ.data()) != nullptr) path = templ;
   }
+  /// With these permissions (std::filesystem::perms::all: for a child running as another user).
+  explicit scratch_dir(std::filesystem::perms perms) : scratch_dir() {
+    if (!path.empty()) std::filesystem::permissions(path, perms);
+  }
   ~scratch_dir() {
     if (!path.empty()) std::filesystem::remove_all(path);
   }

@@ -92,7 +92,10 @@ inline constexpr unsigned max_rings = 256;
 struct file_io_options {
   std::size_t block_bytes = std::size_t{1} << 20;  ///< bytes per request (an op is split in blocks)
   unsigned queue_depth = 128;                      ///< requests in flight per ring, 1 to max_queue_depth
-  unsigned rings = 1;           ///< engines (1 to max_rings), each driven by its own thread; an op's blocks are dealt out in turn
+  /// Engines (1 to max_rings), each driven by its own thread; an op's blocks are dealt out in
+  /// turn. Where a limit on threads lets fewer ring threads start (one at least), those rings
+  /// take every block, and stats().fallback says so.
+  unsigned rings = 1;
   engine_kind engine = engine_kind::uring;
   bool direct = true;           ///< O_DIRECT where buffer, offset and length are 4096-aligned
   /// false: the files are the caller's own, and a symbolic link at a path is refused (EINVAL,
