@@ -1019,7 +1019,9 @@ PYBIND11_MODULE(_tensormem, m) {
            py::arg("staging_buffers") = 8, py::arg("direct") = true, py::arg("checksums") = true,
            py::arg("engine") = "uring", py::arg("reuse_files") = true, py::arg("pack_below") = 0,
            "pack_below: tensors of at most this many bytes go into one unnamed pack file per "
-           "directory, read back by this swapper (no file at the path); 0 = a file per tensor.")
+           "directory, read back by this swapper (no file at the path); 0 = a file per tensor. "
+           "staging_buffers: where the pool may lock fewer (RLIMIT_MEMLOCK, no unlocked fallback), the "
+           "swapper keeps those it got, two or more; stats()['staging_buffers'] and ['fallback'] say so.")
       .def("swap_out", [](py_swapper& s, const std::vector<py::object>& tensors,
                           const std::vector<std::string>& paths, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, true);
