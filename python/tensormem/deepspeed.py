@@ -177,7 +177,9 @@ def allow_unlocked(allowed: bool = True) -> None:
     refuses to lock (a user without CAP_IPC_LOCK): each time it does, a RuntimeWarning says so.
     Off by default (MemoryError instead); ``TENSORMEM_ALLOW_UNLOCKED=1`` in the environment turns
     it on at import. Applies to the tensors made after the call."""
-    _PINNED.allow_unlocked = bool(allowed)
+    if not isinstance(allowed, bool):
+        raise TypeError(f"allow_unlocked: expected True or False, not {allowed!r}")
+    _PINNED.allow_unlocked = allowed
 
 
 def new_cpu_locked_tensor(num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
             swap_dirs=[os.fspath(d) for d in swap_dirs], rank=self.rank, stripe_bytes=operator.index(stripe_bytes),
             capacity_bytes=list(capacity_bytes or []), engine=engine, rings=rings,
             name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd, arithmetic=self.arithmetic,
-            allow_unlocked=bool(allow_unlocked))
+            allow_unlocked=allow_unlocked)
         with torch.no_grad():
             self._core.initialize([p.data_ptr() for p in self._params])
         self.last_stats: Dict[str, float] = {}

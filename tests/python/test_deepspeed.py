@@ -891,3 +891,9 @@ def test_new_cpu_locked_tensor_past_the_lock_limit_names_and_takes_the_unlocked_
     assert warned.startswith("WARNINGS 1 new_cpu_locked_tensor: 16777216 bytes could not be page-locked "
                              "(RLIMIT_MEMLOCK): unlocked memory"), warned
     assert made == "TENSOR 8388608.0 True True 256", made
+
+
+def test_allow_unlocked_takes_a_bool_only():
+    with pytest.raises(TypeError, match="allow_unlocked: expected True or False, not 'no'"):
+        ds.allow_unlocked("no")
+    assert ds._PINNED.allow_unlocked is (os.environ.get("TENSORMEM_ALLOW_UNLOCKED", "") == "1")  # unchanged

@@ -745,6 +745,8 @@ def test_misuse_is_refused(tmp_path):
             OffloadedAdamW(mlp().parameters(), swap_dirs=d, **bad)
     with pytest.raises(TypeError):
         OffloadedAdamW(mlp().parameters(), swap_dirs=d, pinned_budget=2.5 * (1 << 20))  # was truncated
+    with pytest.raises(TypeError):
+        OffloadedAdamW(mlp().parameters(), swap_dirs=d, allow_unlocked="no")  # not taken as True
     with pytest.raises(FileNotFoundError, match="swap folder .*missing: No such file or directory"):
         OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path / "missing")])
     (tmp_path / "a-file").write_text("x")
