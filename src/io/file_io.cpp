@@ -137,9 +137,9 @@ async_file_io::async_file_io(file_io_options options) : options_(options) {
     // the others go (nothing was queued on them yet). Said in the stats.
     rings_.resize(started);
     try {
-      stats_.fallback += (stats_.fallback.empty() ? "" : "; ") + std::string("async_file_io started ") +
-                         std::to_string(started) + " of its " + std::to_string(options_.rings) +
-                         " rings' threads (a limit on threads)";
+      detail::append_reason(stats_.fallback, "async_file_io started " + std::to_string(started) + " of its " +
+                                                 std::to_string(options_.rings) +
+                                                 " rings' threads (a limit on threads)");
     } catch (...) {
       stop_rings();  // a joinable thread destroyed would end the process
       throw;
@@ -468,9 +468,7 @@ file_io_stats async_file_io::stats() const {
     s = stats_;
   }
   for (const auto& r : rings_) s.synchronous_requests += r->engine->synchronous_requests();
-  if (s.synchronous_requests != 0) {
-    s.fallback += (s.fallback.empty() ? "" : "; ") + synchronous_fallback(s.synchronous_requests);
-  }
+  if (s.synchronous_requests != 0) detail::append_reason(s.fallback, synchronous_fallback(s.synchronous_requests));
   return s;
 }
 

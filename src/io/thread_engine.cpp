@@ -29,11 +29,8 @@ class thread_engine final : public io_engine {
       for (unsigned t = 0; t < threads; ++t) workers_->emplace_back([this] { work(); });
     } catch (...) {
       // Fewer threads than asked (a limit on threads) still move every request: those that
-      // started are kept. None at all is an error, once those are ended.
-      if (workers_->empty()) {
-        stop();
-        core::detail::rethrow_naming_thread_start("a thread-pool I/O engine");
-      }
+      // started are kept. None at all is an error.
+      if (workers_->empty()) core::detail::rethrow_naming_thread_start("a thread-pool I/O engine");
     }
   }
 
@@ -140,12 +137,11 @@ std::unique_ptr<io_engine> make_engine(engine_kind preferred, unsigned queue_dep
       fallback_reason = std::string("io_uring unavailable (") + e.what() + "); using threads";
     }
   }
-  const unsigned asked = std::clamp(std::min(queue_depth, 8U), 1U, std::max(queue_depth, 1U));
+  const unsigned asked = std::clamp(queue_depth, 1U, 8U);
   auto engine = make_thread_engine(queue_depth, asked);
   if (engine->workers() < asked) {
-    fallback_reason += (fallback_reason.empty() ? "" : "; ") + std::string("the thread-pool I/O engine started ") +
-                       std::to_string(engine->workers()) + " of its " + std::to_string(asked) +
-                       " threads (a limit on threads)";
+    detail::append_reason(fallback_reason, "the thread-pool I/O engine started " + std::to_string(engine->workers()) +
+                                               " of its " + std::to_string(asked) + " threads (a limit on threads)");
   }
   return engine;
 }
@@ -155,6 +151,12 @@ std::string_view to_string(engine_kind kind) noexcept {
 }
 
 namespace detail {
+void append_reason(std::string& reasons, std::string_view reason) {
+  reasons.reserve(reasons.size() + 2 + reason.size());  // (all or nothing: the appends then allocate nothing)
+  if (!reasons.empty()) reasons += "; ";
+  reasons += reason;
+}
+
 bool submit_or_refuse(io_engine& engine, std::span<const io_request> requests) noexcept {
   try {
     engine.submit(requests);

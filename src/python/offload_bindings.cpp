@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "tensormem/io/io_engine.hpp"
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "engine_name.hpp"
 #include "numpy_abi.hpp"
@@ -82,12 +83,12 @@ py::dict to_dict(const offload::step_stats& s, bool step_thread = true) {
                "Ctrl-C waits for its end";
   }
   if (s.unlocked_slabs != 0) {
-    fallback += std::string(fallback.empty() ? "" : "; ") + std::to_string(s.unlocked_slabs) +
-                " staging slab(s) could not be page-locked (RLIMIT_MEMLOCK): unlocked memory (allow_unlocked)";
+    io::detail::append_reason(fallback, std::to_string(s.unlocked_slabs) + " staging slab(s) could not be "
+                                        "page-locked (RLIMIT_MEMLOCK): unlocked memory (allow_unlocked)");
   }
   if (!s.collector_thread) {
-    fallback += std::string(fallback.empty() ? "" : "; ") +
-                "no thread could be started to collect the step's write-backs: the step collected them itself";
+    io::detail::append_reason(fallback, "no thread could be started to collect the step's write-backs: the step "
+                                        "collected them itself");
   }
   py::dict d;
   d["fallback"] = fallback;

@@ -260,9 +260,9 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
         staging_.push_back(static_cast<std::byte*>(pool_.allocate(options_.block_bytes, io_alignment)));
       } catch (const memory::lock_limit_error&) {
         if (taken < 2) throw;
-        stats_.fallback += (stats_.fallback.empty() ? "" : "; ") + std::string("RLIMIT_MEMLOCK let the swapper lock ") +
-                           std::to_string(taken) + " of its " + std::to_string(count) + " staging buffers of " +
-                           std::to_string(options_.block_bytes) + " bytes";
+        io::detail::append_reason(stats_.fallback, "RLIMIT_MEMLOCK let the swapper lock " + std::to_string(taken) +
+                                                       " of its " + std::to_string(count) + " staging buffers of " +
+                                                       std::to_string(options_.block_bytes) + " bytes");
         break;
       }
       free_staging_->push_back(taken);
@@ -388,8 +388,7 @@ void tensor_swapper::note_buffered(const std::string& where) noexcept {
   if (buffered_noted_) return;
   buffered_noted_ = true;
   try {
-    stats_.fallback += (stats_.fallback.empty() ? "" : "; ") + ("O_DIRECT refused by the filesystem of " + where +
-                                                               "; buffered I/O");
+    io::detail::append_reason(stats_.fallback, "O_DIRECT refused by the filesystem of " + where + "; buffered I/O");
   } catch (...) {
     // No memory for the words: `direct` false still says it, and an empty fallback gets the
     // short form, which allocates nothing.
@@ -1494,7 +1493,7 @@ swap_stats tensor_swapper::stats() const {
   for (const auto& [dir, pack] : *packs_) s.pack_file_bytes += pack->space.peak();
   s.synchronous_requests = engine_->synchronous_requests();
   if (s.synchronous_requests != 0) {
-    s.fallback += (s.fallback.empty() ? "" : "; ") + io::synchronous_fallback(s.synchronous_requests);
+    io::detail::append_reason(s.fallback, io::synchronous_fallback(s.synchronous_requests));
   }
   return s;
 }

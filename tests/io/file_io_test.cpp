@@ -738,6 +738,15 @@ TEST(file_io, a_thread_that_cannot_start_is_an_exception_not_the_end_of_the_proc
   }
 }
 
+// The stats' fallback lists every reason, "; " between them.
+TEST(file_io, fallback_reasons_are_joined) {
+  std::string reasons;
+  detail::append_reason(reasons, "io_uring unavailable");
+  EXPECT_EQ(reasons, "io_uring unavailable");
+  detail::append_reason(reasons, "buffered I/O");
+  EXPECT_EQ(reasons, "io_uring unavailable; buffered I/O");
+}
+
 // Fewer ring threads than rings asked (a limit on threads): async_file_io keeps the rings whose
 // threads started, they take every block, and the stats say so. (Before, the constructor threw
 // when one ring's thread could not start.)

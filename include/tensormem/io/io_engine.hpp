@@ -110,6 +110,9 @@ namespace detail {
 /// flight hold their buffers, so they cannot be given up: a later call collects them).
 bool submit_or_refuse(io_engine& engine, std::span<const io_request> requests) noexcept;
 std::vector<io_completion> wait_or_pause(io_engine& engine) noexcept;
+/// Adds `reason` to a list of fallback reasons (the `fallback` of the stats), "; " between;
+/// std::bad_alloc leaves the list as it was.
+void append_reason(std::string& reasons, std::string_view reason);
 }  // namespace detail
 
 }  // namespace tensormem::io
