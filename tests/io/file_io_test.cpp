@@ -738,6 +738,15 @@ TEST(file_io, a_thread_that_cannot_start_is_an_exception_not_the_end_of_the_proc
   }
 }
 
+// Runs body(path) in a child that may start only `threads` more threads, as a user of its own
+// (swap::testing::with_thread_limit); `path` names a file in a scratch folder it may write in.
+template <class Body>
+int with_thread_limit_and_a_file(std::size_t threads, Body body) {
+  const scratch_dir dir(std::filesystem::perms::all);
+  const std::string path = dir.file("f");
+  return swap::testing::with_thread_limit(threads, [&] { return body(path); });
+}
+
 // The stats' fallback lists every reason, "; " between them.
 TEST(file_io, fallback_reasons_are_joined) {
   std::string reasons;
@@ -754,9 +763,7 @@ TEST(file_io, rings_short_of_threads_keep_those_that_started) {
 #if defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
 #endif
-  const scratch_dir dir(std::filesystem::perms::all);  // the child is a user of its own
-  const std::string path = dir.file("f");
-  const int status = swap::testing::with_thread_limit(3, [&] {
+  const int status = with_thread_limit_and_a_file(3, [](const std::string& path) {
     file_io_options o;
     o.engine = engine_kind::uring;
     o.rings = 8;
@@ -786,9 +793,7 @@ TEST(file_io, a_thread_engine_short_of_threads_keeps_those_that_started) {
 #if defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
 #endif
-  const scratch_dir dir(std::filesystem::perms::all);  // the child is a user of its own
-  const std::string path = dir.file("f");
-  const int status = swap::testing::with_thread_limit(3, [&] {
+  const int status = with_thread_limit_and_a_file(3, [](const std::string& path) {
     std::string reason;
     const auto e = make_engine(engine_kind::threads, 16, reason);
     if (e->workers() != 3) return 1;
@@ -828,9 +833,8 @@ TEST(file_io, a_request_io_uring_cannot_start_is_moved_by_blocking_calls_and_rep
 #if defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "ThreadSanitizer's runtime needs threads of its own in the limited child";
 #endif
-  const scratch_dir dir(std::filesystem::perms::all);  // the child is a user of its own
-  const std::string path = dir.file("f");
-  const int status = swap::testing::with_thread_limit(1, [&] {  // the ring's thread, no kernel worker
+  // The ring's thread alone: no kernel worker.
+  const int status = with_thread_limit_and_a_file(1, [](const std::string& path) {
     file_io_options o;
     o.engine = engine_kind::uring;
     async_file_io io(o);
