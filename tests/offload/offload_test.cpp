@@ -1171,6 +1171,19 @@ TEST(offload_optimizer, bad_arguments_are_refused) {
   auto p = a.p();
   p[0] = nullptr;
   EXPECT_THROW(ok.step(p, a.g(), hyper), std::invalid_argument);
+  // restore_parameters: the same checks, and nothing written where one fails.
+  const auto before = a.values;
+  EXPECT_THROW(ok.restore_parameters(p), std::invalid_argument);  // a null parameter
+  EXPECT_THROW(ok.restore_parameters(std::vector<float*>(numels.size() - 1)), std::invalid_argument);
+  EXPECT_EQ(a.values, before);
+  offloaded_optimizer fresh(numels, small_options(dir));
+  EXPECT_THROW(fresh.restore_parameters(a.p()), std::logic_error);  // before initialize
+  optimizer_options no_master = small_options(dir);
+  no_master.offload_master = false;
+  offloaded_optimizer without(numels, no_master);
+  without.initialize(a.cp());
+  EXPECT_THROW(without.restore_parameters(a.p()), std::logic_error);
+  EXPECT_EQ(a.values, before);
 }
 
 // ------------------------------------------------------------------------------ fork
