@@ -112,6 +112,12 @@ TEST(contiguous_arena, misuse_is_reported_and_changes_nothing) {
     EXPECT_NE(std::string(e.what()).find("already released"), std::string::npos);
   }
   EXPECT_THROW(arena.release(999), std::invalid_argument);
+  try {  // the id this arena would hand out next: never handed out, not released
+    arena.release(a.id + 1);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("never allocated"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(arena.bind(a.id, [](const tensor_block&) {}), std::invalid_argument);
   EXPECT_THROW(arena.block(a.id), std::invalid_argument);
   EXPECT_EQ(arena.stats().used_bytes, 0U);
@@ -127,6 +133,47 @@ TEST(contiguous_arena, alignment_must_be_a_power_of_two_up_to_4096) {
     } catch (const std::invalid_argument& e) {
       EXPECT_TRUE(std::string(e.what()).starts_with("contiguous_arena: alignment")) << e.what();
     }
+  }
+  contiguous_arena pages(host, 8192, {.alignment = 4096});  // the largest alignment taken
+  EXPECT_EQ(pages.allocate(1).offset, 0U);
+  EXPECT_EQ(pages.allocate(1).offset, 4096U);
+  EXPECT_EQ(pages.print_allocation(2), "||");
+  EXPECT_STREQ(pages.print_allocation(0).c_str(), "");  // no cell, nothing written past the end
+}
+
+// defragment(bytes) keeps its contract at the edges: a hole of the free bytes exactly (after
+// rounding to the alignment) is made; one byte more, or a size whose rounding overflows, is
+// refused with nothing moved.
+TEST(contiguous_arena, defragment_makes_a_hole_of_at_most_the_free_bytes_and_refuses_more) {
+  memory::host_resource host;
+  for (const defrag_policy policy : {defrag_policy::minimal_move, defrag_policy::full_compaction}) {
+    SCOPED_TRACE(static_cast<int>(policy));
+    contiguous_arena arena(host, 4096, {.alignment = 256, .policy = policy});
+    std::vector<tensor_block> t;
+    for (int i = 0; i < 8; ++i) {
+      t.push_back(arena.allocate(500));  // 512 each
+      fill(t.back());
+    }
+    arena.release(t[1]);
+    arena.release(t[4]);
+    arena.release(t[6]);  // 1536 free, in holes of 512
+    const std::vector<tensor_block> before = arena.blocks();
+    for (const std::uint64_t too_many : {std::uint64_t{1537}, std::uint64_t{2048}, ~std::uint64_t{0}}) {
+      EXPECT_FALSE(arena.defragment(too_many)) << too_many;
+      EXPECT_EQ(arena.stats().defragmentations, 0U);
+      EXPECT_EQ(arena.stats().moves, 0U);
+      EXPECT_EQ(arena.stats().largest_free_bytes, 512U);
+      ASSERT_EQ(arena.blocks().size(), before.size());
+      for (std::size_t i = 0; i < before.size(); ++i) EXPECT_EQ(arena.blocks()[i].offset, before[i].offset);
+    }
+    ASSERT_TRUE(arena.defragment(1281));  // rounds up to 1536, every free byte
+    EXPECT_EQ(arena.stats().defragmentations, 1U);
+    EXPECT_EQ(arena.stats().largest_free_bytes, 1536U);
+    for (const std::size_t i : {0U, 2U, 3U, 5U, 7U}) EXPECT_TRUE(intact(arena.block(t[i].id))) << i;
+    const tensor_block big = arena.allocate(1536);  // no further defragmentation needed
+    EXPECT_EQ(arena.stats().defragmentations, 1U);
+    fill(big);
+    EXPECT_FALSE(arena.defragment(1));  // nothing free
   }
 }
 
@@ -355,6 +402,19 @@ TEST(contiguous_arena, a_number_no_arena_handed_out_is_refused_as_such) {
   EXPECT_EQ(a.stats().used_bytes, 1024U);
   a.release(mine);
   EXPECT_EQ(a.stats().used_bytes, 0U);
+}
+
+// Among windows that move equally few bytes, the lowest is taken (the documented tie rule),
+// so the same arena always moves the same tensors.
+TEST(compaction, minimal_move_takes_the_lowest_of_equally_cheap_windows) {
+  // Gaps of 50 at 0, 100 and 200; two blocks of 50. A hole of 100 opens by moving either.
+  const std::vector<core::placed_block> blocks = {{50, 50, 1}, {150, 50, 2}};
+  const auto moves = core::plan_minimal_move(blocks, 250, 100);
+  ASSERT_TRUE(moves.has_value());
+  ASSERT_EQ(moves->size(), 1U);
+  EXPECT_EQ((*moves)[0].id, 1U);
+  EXPECT_EQ((*moves)[0].from, 50U);
+  EXPECT_EQ((*moves)[0].to, 0U);
 }
 
 // Brute force over every window [L, R) whose ends are gap edges: the blocks inside slide

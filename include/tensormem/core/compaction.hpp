@@ -30,7 +30,8 @@ std::vector<block_move> plan_full_compaction(std::span<const placed_block> block
 
 /// Minimal-move compaction: among all compactions of one contiguous address range (the
 /// blocks between two gaps slide down until the range's free space is one hole at its
-/// top), the one that opens at least `need` contiguous bytes while moving the fewest bytes.
+/// top), the one that opens at least `need` contiguous bytes while moving the fewest bytes
+/// (the lowest such range where several move equally few).
 /// Two pointers over the gaps: O(n). Returns nothing when the free bytes in `[0, capacity)`
 /// are fewer than `need`. `blocks` sorted by offset, all inside `[0, capacity)`.
 /// Compared with full compaction it never moves more and usually far less: blocks below and
