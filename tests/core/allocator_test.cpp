@@ -178,6 +178,45 @@ TYPED_TEST(allocator_test, fixed_capacity_tail_counts_as_free) {
   (void)x;
 }
 
+// A fixed arena taken whole by one allocation, and one unit more refused, at capacities on
+// either side of the allocators' 64- and 4096-list boundaries (the O(1) allocator's exact lists
+// end at the capacity: a request past it must not read beyond them).
+TYPED_TEST(allocator_test, the_whole_capacity_in_one_allocation_and_a_unit_more_refused) {
+  for (const std::uint64_t units : {1U, 2U, 63U, 64U, 65U, 127U, 128U, 4095U, 4096U, 4097U, 65535U, 65536U, 65537U}) {
+    SCOPED_TRACE(units);
+    TypeParam a(units * 256, 256);
+    EXPECT_FALSE(a.allocate(units * 256 + 1).has_value());
+    EXPECT_FALSE(a.allocate((units + 1) * 256).has_value());
+    const allocation whole = must_allocate(a, units * 256);
+    EXPECT_EQ(whole.offset, 0U);
+    EXPECT_FALSE(a.allocate(1).has_value());
+    a.deallocate(whole);
+    EXPECT_FALSE(a.allocate((units + 1) * 256).has_value());
+    EXPECT_EQ(must_allocate(a, units * 256 - 255).offset, 0U);
+    EXPECT_EQ(a.check_invariants(), "");
+  }
+}
+
+// One hole of h units below a used unit, then a request of r units, for sizes on either side
+// of 64, 4096 and 65536 units (the bitmap words and groups of the O(1) allocator's lists):
+// the hole is taken exactly when it holds the request, else the arena grows.
+TYPED_TEST(allocator_test, a_hole_is_taken_only_when_it_holds_the_request) {
+  const std::vector<std::uint64_t> sizes = {1,    10,   63,   64,   65,   4031, 4032, 4040, 4095, 4096,
+                                            4097, 8127, 8128, 8191, 8192, 65472, 65535, 65536, 65537};
+  for (const std::uint64_t h : sizes) {
+    for (const std::uint64_t r : sizes) {
+      SCOPED_TRACE(::testing::Message() << "hole " << h << " units, request " << r);
+      TypeParam a(growing, 256);
+      const allocation hole = must_allocate(a, h * 256);
+      must_allocate(a, 256);
+      a.deallocate(hole);
+      const allocation got = must_allocate(a, r * 256);
+      EXPECT_EQ(got.offset, h >= r ? 0 : (h + 1) * 256);
+      EXPECT_EQ(a.peak(), h >= r ? (h + 1) * 256 : (h + 1 + r) * 256);
+    }
+  }
+}
+
 TYPED_TEST(allocator_test, capacities_above_2_pow_40) {
   const std::uint64_t tib = std::uint64_t{1} << 40;
   TypeParam a(4 * tib, 4096);
@@ -307,6 +346,73 @@ TYPED_TEST(allocator_test, reserve_changes_no_handle) {
         << "step " << step;
   }
   EXPECT_EQ(reserved.check_invariants(), "");
+}
+
+// The O(1) allocator's size classes (sizes of exact_units units and more; alignment 1 here, so
+// 65,536 bytes and more, 4,096 bytes to a class) at the edges of its scan window: a class
+// list is newest first, and only its first scan_limit blocks are looked at.
+namespace tlsf_edges {
+constexpr std::uint64_t base = tlsf_allocator::exact_units;  // the first class: [base, base + 4096)
+
+// Frees `sizes` in the order given, each below a used byte, so that none merges.
+std::vector<allocation> free_in_order(tlsf_allocator& a, const std::vector<std::uint64_t>& sizes) {
+  std::vector<allocation> holes;
+  for (const std::uint64_t bytes : sizes) {
+    holes.push_back(must_allocate(a, bytes));
+    must_allocate(a, 1);
+  }
+  for (const allocation& h : holes) a.deallocate(h);
+  return holes;
+}
+}  // namespace tlsf_edges
+
+// A block that enters the scanned window when one ahead of it leaves is looked at: the
+// window's largest size is no longer known then.
+TEST(tlsf_edges, a_block_that_enters_the_scan_window_is_seen) {
+  using namespace tlsf_edges;
+  tlsf_allocator a(growing, 1);
+  std::vector<std::uint64_t> sizes = {base + 3464};  // freed first: ninth in its list
+  for (std::uint64_t i = 0; i < tlsf_allocator::scan_limit; ++i) sizes.push_back(base + i);
+  const std::vector<allocation> holes = free_in_order(a, sizes);
+  const std::uint64_t peak = a.peak();
+  // Beyond the window: not found, the arena grows (the documented waste bound).
+  EXPECT_EQ(must_allocate(a, base + 3000).offset, peak);  // (kept: freed, it would list first)
+  must_allocate(a, base + 3);  // takes the window's block of that size exactly
+  const allocation entered = must_allocate(a, base + 3000);
+  EXPECT_EQ(entered.offset, holes[0].offset);
+  EXPECT_EQ(a.check_invariants(), "");
+}
+
+// A free block at the end of the arena that sits beyond its list's window is still taken,
+// whole or in part, before the arena grows.
+TEST(tlsf_edges, a_free_tail_beyond_the_scan_window_is_taken_before_growing) {
+  using namespace tlsf_edges;
+  for (const std::uint64_t request : {base + 3000, base + 4000}) {
+    SCOPED_TRACE(request);
+    tlsf_allocator a(growing, 1);
+    std::vector<allocation> holes;
+    for (std::uint64_t i = 0; i < tlsf_allocator::scan_limit + 2; ++i) {
+      holes.push_back(must_allocate(a, base + i));
+      must_allocate(a, 1);
+    }
+    const allocation tail = must_allocate(a, base + 4000);
+    a.deallocate(tail);  // the free tail, listed first for now
+    for (const allocation& h : holes) a.deallocate(h);  // newer: listed ahead of the tail
+    const std::uint64_t peak = a.peak();
+    EXPECT_EQ(must_allocate(a, request).offset, tail.offset);
+    EXPECT_EQ(a.peak(), peak);
+  }
+}
+
+// A class block of exactly the size asked for is taken whole: no empty remainder is made.
+TEST(tlsf_edges, an_exact_fit_from_a_class_leaves_no_empty_block) {
+  using namespace tlsf_edges;
+  tlsf_allocator a(growing, 1);
+  const std::vector<allocation> holes = free_in_order(a, {base + 5});
+  const std::uint64_t blocks = a.stats().free_blocks;
+  EXPECT_EQ(must_allocate(a, base + 5).offset, holes[0].offset);
+  EXPECT_EQ(a.stats().free_blocks, blocks - 1);
+  EXPECT_EQ(a.check_invariants(), "");
 }
 
 }  // namespace
