@@ -51,6 +51,17 @@ TEST(trace_io, malformed_input_names_file_and_line) {
   EXPECT_EQ(error_of("id,lower,upper,size\n"), "t.csv:1: no buffers after the header");
   EXPECT_EQ(error_of("id,lower,upper,size\na,0,1\n"), "t.csv:2: expected 4 columns, found 3");
   EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2,3\n"), "t.csv:2: expected 4 columns, found 5");
+  // A bad field is quoted whole up to 40 bytes; a longer one is cut there and its size given.
+  const std::string forty(40, 'x');
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1," + forty + "\n"),
+            "t.csv:2: size is not an unsigned integer: '" + forty + "'");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1," + forty + "y\n"),
+            "t.csv:2: size is not an unsigned integer: '" + forty + "...' (41 bytes)");
+  // More fields than the reader keeps (six) are counted, not stored.
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2,3,4,5\n"), "t.csv:2: expected 4 columns, found 7");
+  EXPECT_EQ(error_of("id,lower,upper,size\na,0,1,2,3,4,5,6,7,8,9\n"), "t.csv:2: expected 4 columns, found 11");
+  EXPECT_EQ(error_of("id,lower,upper,size,offset,x,y\na,0,1,2,0\n"),
+            "t.csv:1: expected the header 'id,lower,upper,size' or 'id,lower,upper,size,offset'");
   EXPECT_EQ(error_of("id,lower,upper,size\n\"a,b\",0,1,2\n"),
             "t.csv:2: expected 4 columns, found 5 (quotes are not read: an id cannot hold a comma)");
   // Only before the header is a byte order mark skipped.
