@@ -60,6 +60,8 @@ TEST(graph, malformed_graphs_are_rejected) {
   graph g;
   const auto a = g.add_tensor("a", 1);
   EXPECT_THROW(g.add_op("bad", {a}, {7}), std::invalid_argument);
+  EXPECT_THROW(g.add_op("bad", {a + 1}, {}), std::invalid_argument);  // one past the last tensor
+  EXPECT_TRUE(g.ops().empty());
   const auto b = g.add_tensor("b", 1);
   g.add_op("uses_a", {a}, {b});
   try {
@@ -77,6 +79,30 @@ TEST(graph, malformed_graphs_are_rejected) {
   const auto i = writes_input.add_tensor("i", 1, tensor_role::graph_input);
   writes_input.add_op("w", {}, {i});
   EXPECT_THROW(derive_lifetimes(writes_input), std::invalid_argument);
+}
+
+// Tensors no op touches: an activation takes no memory, a graph input lives for the whole run,
+// and a graph output that nothing produces is refused by name.
+TEST(graph, tensors_no_op_touches) {
+  graph g;
+  const auto in = g.add_tensor("in", 16, tensor_role::graph_input);
+  const auto unused_input = g.add_tensor("unused_input", 32, tensor_role::graph_input);
+  const auto idle = g.add_tensor("idle", 64);
+  const auto out = g.add_tensor("out", 8, tensor_role::graph_output);
+  g.add_op("op", {in}, {out});
+  const graph_lifetimes l = derive_lifetimes(g);
+  EXPECT_EQ(l.buffers.size(), 3U);
+  EXPECT_EQ(std::find(l.tensor_of.begin(), l.tensor_of.end(), idle), l.tensor_of.end());
+  EXPECT_EQ(buffer_of(l, unused_input).lower, 0U);
+  EXPECT_EQ(buffer_of(l, unused_input).upper, 1U);
+  graph orphan;
+  orphan.add_tensor("o", 8, tensor_role::graph_output);
+  try {
+    derive_lifetimes(orphan);
+    ADD_FAILURE() << "an output nothing produces was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("output 'o' is never produced"), std::string::npos) << e.what();
+  }
 }
 
 TEST(transformer_step, activations_live_until_backward) {
@@ -218,6 +244,7 @@ TEST(graph, the_tensor_past_the_limit_is_refused_and_changes_nothing) {
   EXPECT_EQ(graph().tensor_limit(), graph::max_tensors);
   EXPECT_EQ(graph::max_tensors, std::uint64_t{std::numeric_limits<std::uint32_t>::max()});
   EXPECT_THROW(graph(graph::max_tensors + 1), std::invalid_argument);
+  EXPECT_EQ(graph(graph::max_tensors).tensor_limit(), graph::max_tensors);
   graph g(3);
   EXPECT_EQ(g.add_tensor("a", 1), 0U);
   EXPECT_EQ(g.add_tensor("b", 2), 1U);
