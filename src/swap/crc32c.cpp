@@ -133,4 +133,8 @@ std::uint32_t crc32c(const void* data, std::size_t bytes, std::uint32_t crc) noe
   return ~crc_table(p, bytes, crc);
 }
 
+std::uint32_t detail::crc32c_portable(const void* data, std::size_t bytes, std::uint32_t crc) noexcept {
+  return ~crc_table(static_cast<const unsigned char*>(data), bytes, ~crc);
+}
+
 }  // namespace tensormem::swap
