@@ -182,10 +182,12 @@ class Torch2Adam(torch.optim.Optimizer):
 
 
 @pytest.mark.parametrize("simd", ["scalar", "avx2", "avx512"])
-@pytest.mark.parametrize("kind, betas", [("adamw", (0.9, 0.999)), ("adamw", (0.3, 0.99)), ("adam", (0.9, 0.999))])
+@pytest.mark.parametrize("kind, betas", [("adamw", (0.9, 0.999)), ("adamw", (0.3, 0.99)), ("adamw", (0.5, 0.99)),
+                                         ("adam", (0.9, 0.999))])
 def test_torch2_arithmetic_equals_pytorch2s_adam(tmp_path, simd, kind, betas):
     """PyTorch 2.x rounds the first moment by lerp_ (a weight of 0.7 takes lerp's other
-    branch): arithmetic="torch2" gives its bits at every vector level, "torch1" does not."""
+    branch, and so does a weight of 0.5 exactly): arithmetic="torch2" gives its bits at every
+    vector level, "torch1" does not."""
     skip_without(simd)
     require_exact_sqrt()
     ours_class = OffloadedAdamW if kind == "adamw" else OffloadedAdam
