@@ -34,6 +34,23 @@ void for_each_stripe(std::size_t id, std::uint64_t padded, std::uint64_t stripe,
   }
 }
 
+}  // namespace
+
+std::vector<std::uint64_t> detail::stripe_shares(std::size_t id, std::uint64_t padded, std::uint64_t stripe,
+                                                 std::size_t folders) {
+  std::vector<std::uint64_t> share(folders, 0);
+  const std::uint64_t whole = padded / stripe;  // stripes 0 .. whole - 1 are full
+  const std::uint64_t n = folders;
+  for (std::uint64_t f = 0; f < n; ++f) {
+    const std::uint64_t first = (f + n - id % n) % n;  // the first stripe c with (id + c) mod n = f
+    if (first < whole) share[f] = ((whole - 1 - first) / n + 1) * stripe;
+  }
+  if (const std::uint64_t rest = padded % stripe; rest != 0) share[(id + whole) % n] += rest;
+  return share;
+}
+
+namespace {
+
 // The space's files are its own: a symbolic link where one of them goes is refused, never
 // followed to a file elsewhere.
 io::file_io_options own_files(io::file_io_options options) {
@@ -172,13 +189,12 @@ std::size_t swap_space::add(const std::string& name, std::uint64_t bytes) {
   e.name = name;
   e.bytes = bytes;
   e.padded = round_up(bytes, page);
-  e.folder_share.assign(dirs_.size(), 0);
   const std::size_t id = entries_->size();
-  for_each_stripe(id, e.padded, options_.stripe_bytes, dirs_.size(),
-                  [&](std::size_t f, std::uint64_t, std::uint64_t, std::uint64_t n) { e.folder_share[f] += n; });
+  e.folder_share = detail::stripe_shares(id, e.padded, options_.stripe_bytes, dirs_.size());
   for (std::size_t f = 0; f < dirs_.size(); ++f) {
     const std::uint64_t cap = options_.capacity_bytes.empty() ? 0 : options_.capacity_bytes[f];
-    if (cap != 0 && reserved_[f] + 2 * e.folder_share[f] > cap) {
+    // (2 x a share is at most 2^63; what is left of the capacity is compared, never a sum.)
+    if (cap != 0 && 2 * e.folder_share[f] > cap - std::min(cap, reserved_[f])) {
       throw offload_error("swap folder " + options_.folders[f] + " is full: tensor " + name + " needs " +
                               std::to_string(2 * e.folder_share[f]) + " bytes (two generations), " +
                               std::to_string(cap - std::min(cap, reserved_[f])) + " of its capacity " +

@@ -247,8 +247,13 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
   EXPECT_THROW(s.add("", 10), std::invalid_argument);
   EXPECT_THROW(s.add("a/b", 10), std::invalid_argument);
   EXPECT_THROW(s.add("..", 10), std::invalid_argument);
-  const std::size_t id = s.add("x", 40000);
-  EXPECT_THROW(s.add("x", 10), std::invalid_argument);
+  // The ends of the ranges of letters and digits, '.', '_' and '-' make a name; the characters
+  // just outside those ranges do not.
+  for (const char* bad : {"a`", "a{", "a@", "a[", "a/", "a:", "a b"}) {
+    EXPECT_THROW(s.add(bad, 10), std::invalid_argument) << bad;
+  }
+  const std::size_t id = s.add("azAZ09._-x", 40000);
+  EXPECT_THROW(s.add("azAZ09._-x", 10), std::invalid_argument);
   {
     std::ofstream(dir.path / "b" / "rank3" / "stale.g1") << "left by a killed run";
     try {
@@ -302,6 +307,45 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
   EXPECT_THROW(s.commit(id), std::logic_error);      // nothing written
   EXPECT_THROW(s.write(id, b.data + 1), std::invalid_argument);
   EXPECT_THROW(s.read(7, b.data), std::out_of_range);
+  EXPECT_THROW((void)s.name(s.size()), std::out_of_range);  // one past the last tensor
+  EXPECT_THROW((void)s.committed(s.size()), std::out_of_range);
+  // Sizes up to 2^62 bytes are taken (this one is then past the folders' capacity); above, refused.
+  try {
+    s.add("huge", std::uint64_t{1} << 62);
+    ADD_FAILURE() << "2^62 bytes fitted in 300,000";
+  } catch (const offload_error& e) {
+    EXPECT_EQ(e.error(), ENOSPC) << e.what();
+  }
+  EXPECT_THROW(s.add("huger", (std::uint64_t{1} << 62) + 1), std::invalid_argument);
+  // Committed from its first commit on (the generation in slot 0).
+  EXPECT_FALSE(s.committed(id));
+  auto written = s.write(id, b.data);
+  s.finish(written);
+  s.commit(id);
+  EXPECT_TRUE(s.committed(id));
+}
+
+// Each folder's share of a tensor, from counts of stripes, equals the stripes dealt out one by
+// one; a tensor of 2^62 bytes (2^39 stripes of 8 MiB) is counted at once.
+TEST(offload_swap_space, folder_shares_equal_the_stripes_dealt_one_by_one) {
+  constexpr std::uint64_t stripe = 4096;
+  for (std::size_t folders = 1; folders <= 5; ++folders) {
+    for (std::size_t id = 0; id < 7; ++id) {
+      for (std::uint64_t pages = 0; pages <= 23; ++pages) {
+        for (const std::uint64_t tail : {std::uint64_t{0}, std::uint64_t{1000}}) {
+          const std::uint64_t padded = pages * stripe + tail;
+          std::vector<std::uint64_t> dealt(folders, 0);
+          for (std::uint64_t c = 0, at = 0; at < padded; ++c, at += stripe) {
+            dealt[(id + c) % folders] += std::min(stripe, padded - at);
+          }
+          ASSERT_EQ(detail::stripe_shares(id, padded, stripe, folders), dealt)
+              << folders << " folders, tensor " << id << ", " << padded << " bytes";
+        }
+      }
+    }
+  }
+  const std::vector<std::uint64_t> huge = detail::stripe_shares(5, std::uint64_t{1} << 62, std::size_t{8} << 20, 3);
+  EXPECT_EQ(huge[0] + huge[1] + huge[2], std::uint64_t{1} << 62);
 }
 
 // An engine that fails (ENOSPC) every write request to files whose name contains `needle`

@@ -128,4 +128,12 @@ class swap_space {
   io::async_file_io io_;
 };
 
+namespace detail {
+/// The bytes of one generation of tensor `id` (`padded` bytes, cut into stripes of `stripe`
+/// bytes, stripe c in folder (id + c) mod `folders`) that each folder holds, computed from the
+/// counts of stripes (not stripe by stripe: a tensor of 2^62 bytes has 2^39 stripes of 8 MiB).
+std::vector<std::uint64_t> stripe_shares(std::size_t id, std::uint64_t padded, std::uint64_t stripe,
+                                         std::size_t folders);
+}  // namespace detail
+
 }  // namespace tensormem::offload
