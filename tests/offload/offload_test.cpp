@@ -216,7 +216,10 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
     // Nothing there, a file there: each refused with its own errno.
     const std::string file_there = (dir.path / "a-file").string();
     std::ofstream(file_there) << "x";
-    const std::pair<std::string, int> cases[] = {{(dir.path / "missing").string(), ENOENT}, {file_there, ENOTDIR}};
+    // And a link to itself, which cannot be looked at: the cause, not "missing".
+    std::filesystem::create_symlink(dir.path / "loop", dir.path / "loop");
+    const std::pair<std::string, int> cases[] = {
+        {(dir.path / "missing").string(), ENOENT}, {file_there, ENOTDIR}, {(dir.path / "loop").string(), ELOOP}};
     for (const auto& [folder, error] : cases) {
       bad.folders.push_back(folder);
       try {
@@ -323,6 +326,24 @@ TEST(offload_swap_space, misuse_is_refused_and_changes_nothing) {
   s.finish(written);
   s.commit(id);
   EXPECT_TRUE(s.committed(id));
+}
+
+// A folder's capacity holds exactly two generations of its shares; a byte less does not.
+TEST(offload_swap_space, a_capacity_of_exactly_two_generations_is_enough) {
+  for (const std::uint64_t spare : {std::uint64_t{0}, std::uint64_t{1}}) {
+    scratch_dir dir;
+    swap_space_options o = three_folders(dir);
+    // 3 x 8192 + 4096 bytes over three folders from tensor 0: shares of 12288, 8192 and 8192.
+    o.capacity_bytes = {2 * 12288 - spare, 2 * 8192, 2 * 8192};
+    swap_space s(o);
+    if (spare == 0) {
+      s.add("fits", 3 * 8192 + 4096);
+      EXPECT_THROW(s.add("more", 1), offload_error);  // folder b is full now
+    } else {
+      EXPECT_THROW(s.add("fits", 3 * 8192 + 4096), offload_error);
+      EXPECT_EQ(s.size(), 0U);
+    }
+  }
 }
 
 // Each folder's share of a tensor, from counts of stripes, equals the stripes dealt out one by
