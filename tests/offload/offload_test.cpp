@@ -615,19 +615,27 @@ optimizer_options small_options(const scratch_dir& dir) {
   return o;
 }
 
+// For the children under a memory-lock limit of 1 MiB: groups of 1 MiB, so records of 3 MiB
+// (AdamW with a master copy), above the limit; and what a child reports without a scratch folder.
+optimizer_options one_mib_groups(const scratch_dir& dir, std::uint64_t pinned_budget) {
+  optimizer_options o = small_options(dir);
+  o.group_bytes = std::uint64_t{1} << 20;
+  o.pipeline.pinned_budget = pinned_budget;
+  return o;
+}
+int no_scratch_folder(std::string& out) {
+  out = "no scratch folder";
+  return 3;
+}
+
 // Under a memory-lock limit too small for two records of its largest group, the optimizer's
 // first step of locking says which option makes them smaller and which allows unlocked
 // memory, in the optimizer's words rather than the pool's.
 TEST(offload_optimizer, a_memory_lock_limit_too_small_names_group_bytes) {
   const auto [code, message] = memory::testing::in_limited_child([](std::string& out) {
     const scratch_dir dir;  // made by the limited user
-    if (dir.path.empty()) {
-      out = "no scratch folder";
-      return 3;
-    }
-    optimizer_options o = small_options(dir);
-    o.group_bytes = std::uint64_t{1} << 20;  // records of 3 MiB (AdamW with a master copy)
-    o.pipeline.pinned_budget = std::uint64_t{64} << 20;
+    if (dir.path.empty()) return no_scratch_folder(out);
+    const optimizer_options o = one_mib_groups(dir, std::uint64_t{64} << 20);
     try {
       offloaded_optimizer opt({std::uint64_t{1} << 18}, o);
       const std::vector<float> params(std::size_t{1} << 18, 1.0F);
@@ -698,13 +706,8 @@ std::vector<std::vector<float>> values_after_two_clean_steps() {
 TEST(offload_optimizer, a_memory_lock_limit_with_the_unlocked_fallback_steps_from_unlocked_memory) {
   const auto [code, message] = memory::testing::in_limited_child([](std::string& out) {
     const scratch_dir dir;  // made by the limited user
-    if (dir.path.empty()) {
-      out = "no scratch folder";
-      return 3;
-    }
-    optimizer_options o = small_options(dir);
-    o.group_bytes = std::uint64_t{1} << 20;  // records of 3 MiB, above the 1 MiB limit
-    o.pipeline.pinned_budget = std::uint64_t{16} << 20;
+    if (dir.path.empty()) return no_scratch_folder(out);
+    optimizer_options o = one_mib_groups(dir, std::uint64_t{16} << 20);
     o.allow_unlocked_fallback = true;
     const std::vector<std::uint64_t> sizes = {300'000, 7, 200'000};
     offloaded_optimizer opt(sizes, o);

@@ -132,6 +132,7 @@ namespace detail {
 /// The bytes of one generation of tensor `id` (`padded` bytes, cut into stripes of `stripe`
 /// bytes, stripe c in folder (id + c) mod `folders`) that each folder holds, computed from the
 /// counts of stripes (not stripe by stripe: a tensor of 2^62 bytes has 2^39 stripes of 8 MiB).
+/// `stripe` and `folders` are positive (the space's options are checked for it).
 std::vector<std::uint64_t> stripe_shares(std::size_t id, std::uint64_t padded, std::uint64_t stripe,
                                          std::size_t folders);
 }  // namespace detail
