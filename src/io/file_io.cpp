@@ -426,26 +426,42 @@ file_io_error async_file_io::wait_for(std::uint64_t ticket) {
 }
 
 // Reads a finished, validated operation's range back through the page cache and compares.
+// An interrupted read is repeated; a read that fails (or a file that cannot be opened again)
+// fails the operation with its errno, and a file that ends inside the range with EBADMSG, each
+// saying so: only bytes that were read and differ are reported as differing.
 void async_file_io::check_validation(op& o) {
   if (o.error != 0 || !o.validate || o.bytes == 0) return;
   std::vector<std::byte> back(o.bytes);
   const int fd = ::open(o.path.c_str(), O_RDONLY | O_CLOEXEC);
+  int error = fd < 0 ? errno : 0;
   std::size_t got = 0;
   while (fd >= 0 && got < o.bytes) {
     const ssize_t n = ::pread(fd, back.data() + got, o.bytes - got, static_cast<off_t>(o.file_offset + got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) error = errno;
     if (n <= 0) break;
     got += static_cast<std::size_t>(n);
   }
   if (fd >= 0) ::close(fd);
-  if (got == o.bytes && std::memcmp(back.data(), o.buffer, o.bytes) == 0) return;
+  if (error == 0 && got == o.bytes && std::memcmp(back.data(), o.buffer, o.bytes) == 0) return;
   {
     const std::lock_guard stats_lock(mutex_);
     ++stats_.failed;
     (o.write ? stats_.bytes_written : stats_.bytes_read) -= o.bytes;
   }
-  o.error = EBADMSG;
-  o.message = "validation of " + o.path + " failed: the file's " + std::to_string(o.bytes) +
-              " bytes at offset " + std::to_string(o.file_offset) + " differ from the buffer";
+  const std::string range = std::to_string(o.bytes) + " bytes at offset " + std::to_string(o.file_offset);
+  if (error != 0) {
+    o.error = error;
+    o.message = "validation of " + o.path + " failed: cannot read the file's " + range + " back: " +
+                std::generic_category().message(error);
+  } else if (got < o.bytes) {
+    o.error = EBADMSG;
+    o.message = "validation of " + o.path + " failed: the file ends " + std::to_string(got) + " bytes into the " +
+                range;
+  } else {
+    o.error = EBADMSG;
+    o.message = "validation of " + o.path + " failed: the file's " + range + " differ from the buffer";
+  }
 }
 
 std::size_t async_file_io::pending() const {

@@ -638,13 +638,21 @@ std::string tensor_swapper::why_short(const job& j, std::uint64_t file_bytes, in
   const std::uint64_t whole = header_bytes + round_up(j.tensor.bytes, io_alignment);
   if (file_bytes >= whole) return {};
   alignas(io_alignment) std::byte page[header_bytes];  // O_DIRECT's alignment
-  const ssize_t got = pread(j.fd, page, header_bytes, 0);
-  if (got < 0) {
-    error = errno;
-    return "cannot read the header of " + j.path + ": " + std::strerror(error);
+  // Short and interrupted reads are continued (a file system may return either), up to the
+  // end of the file.
+  std::size_t got = 0;
+  while (got < header_bytes) {
+    const ssize_t n = pread(j.fd, page + got, header_bytes - got, static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      error = errno;
+      return "cannot read the header of " + j.path + ": " + std::strerror(error);
+    }
+    if (n == 0) break;
+    got += static_cast<std::size_t>(n);
   }
   // Cut below a header since the fstat: no swap file any more.
-  if (static_cast<std::size_t>(got) < header_bytes) return why_short(j, static_cast<std::uint64_t>(got), error);
+  if (got < header_bytes) return why_short(j, got, error);
   file_header h{};
   std::string problem = header_problem(page, j.path, j.key, j.tensor.bytes, h, error);
   if (!problem.empty()) return problem;

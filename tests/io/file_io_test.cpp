@@ -30,24 +30,8 @@ namespace {
 
 using swap::testing::pattern;
 using swap::testing::scratch_dir;
-
-// 4096-aligned memory, as pinned tensors are.
-struct aligned_buffer {
-  std::byte* data;
-  std::size_t size;
-  explicit aligned_buffer(std::size_t n) : data(static_cast<std::byte*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096))), size(n) {}
-  ~aligned_buffer() { std::free(data); }
-  aligned_buffer(const aligned_buffer&) = delete;
-  aligned_buffer& operator=(const aligned_buffer&) = delete;
-};
-
-std::vector<std::byte> file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> out(c.size());
-  if (!c.empty()) std::memcpy(out.data(), c.data(), c.size());
-  return out;
-}
+using swap::testing::aligned_buffer;
+using swap::testing::file_bytes;
 
 void write_plain(const std::string& path, const std::vector<std::byte>& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

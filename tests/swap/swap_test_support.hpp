@@ -23,8 +23,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -63,6 +66,26 @@ inline std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   for (auto& b : v) b = static_cast<std::byte>(rng());
   return v;
+}
+
+/// 4096-aligned memory, as pinned tensors are.
+struct aligned_buffer {
+  std::byte* data;
+  std::size_t size;
+  explicit aligned_buffer(std::size_t n)
+      : data(static_cast<std::byte*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096))), size(n) {}
+  ~aligned_buffer() { std::free(data); }
+  aligned_buffer(const aligned_buffer&) = delete;
+  aligned_buffer& operator=(const aligned_buffer&) = delete;
+};
+
+/// A file's bytes (none where it cannot be read).
+inline std::vector<std::byte> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(c.size());
+  if (!c.empty()) std::memcpy(out.data(), c.data(), c.size());
+  return out;
 }
 
 /// A gate that engines wait at: closed until `open`.

@@ -162,7 +162,9 @@ class async_file_io {
   /// pipe's other end), or is shorter than
   /// `file_offset + bytes`, std::invalid_argument for an empty path
   /// or one holding a NUL byte (io::check_path_argument); nothing is queued then. With `validate`,
-  /// `wait` reads the range again through the page cache and compares. Returns the
+  /// `wait` reads the range again through the page cache and compares: bytes that differ, or
+  /// a file that now ends inside the range, fail the operation with EBADMSG, and a read back
+  /// that fails, with its errno (each message says which). Returns the
   /// operation's ticket for `wait_for`.
   std::uint64_t read(void* buffer, std::size_t bytes, const std::string& path, std::uint64_t file_offset,
                      bool validate = false);
