@@ -101,7 +101,10 @@ void sync_folder_of(std::string_view who, const std::string& path) { sync_folder
 
 void sync_folder(std::string_view who, const std::string& folder, const std::string& path) {
   const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  const int error = fd < 0 || ::fsync(fd) != 0 ? errno : 0;
+  int synced = fd < 0 ? -1 : 0;
+  while (fd >= 0 && (synced = ::fsync(fd)) != 0 && errno == EINTR) {
+  }  // an interrupted sync is repeated
+  const int error = synced != 0 ? errno : 0;
   if (fd >= 0) ::close(fd);
   if (error != 0) {
     throw std::system_error(error, std::generic_category(),

@@ -557,7 +557,11 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
     std::memcpy(tail, tail_words, 16);
     std::memcpy(tail + 16, checkpoint_end, 8);
     out.write_all(tail, tail_bytes, at);
-    if (::fsync(out.fd) != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + tmp);
+    int synced = 0;
+    do {
+      synced = ::fsync(out.fd);
+    } while (synced != 0 && errno == EINTR);  // interrupted before it finished: nothing is lost
+    if (synced != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + tmp);
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);
     }

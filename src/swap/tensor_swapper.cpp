@@ -725,12 +725,17 @@ void tensor_swapper::start_packed(job& j) {
 // Allocates the pack's blocks ahead of the writes (fallocate, in steps of at least 64 MiB or
 // a quarter of the pack): writes past the end of a file are serialized by the file system,
 // writes into allocated blocks are not; a full disk fails the slot's tensor here, before any
-// byte is written. A file system without fallocate (EOPNOTSUPP) grows by its writes.
+// byte is written. A file system without fallocate (EOPNOTSUPP) grows by its writes. An
+// interrupted fallocate (tmpfs's, while a signal is pending) is repeated.
 int tensor_swapper::reserve_pack(pack_file& pack, std::uint64_t end) {
   if (end <= pack.reserved) return 0;
   const std::uint64_t step = std::max<std::uint64_t>({end - pack.reserved, std::uint64_t{64} << 20, pack.reserved / 4});
   for (const std::uint64_t want : {pack.reserved + step, end}) {
-    if (fallocate(pack.fd, 0, 0, static_cast<off_t>(want)) == 0) {
+    int rc = 0;
+    do {
+      rc = fallocate(pack.fd, 0, 0, static_cast<off_t>(want));
+    } while (rc != 0 && errno == EINTR);
+    if (rc == 0) {
       pack.reserved = want;
       return 0;
     }
@@ -1053,7 +1058,11 @@ void tensor_swapper::close_and_commit(job& j) {
   if (j.out && j.error == 0 && !j.own_temp) {
     // A reused spare may be longer than this version: cut it to this length.
     const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
-    if (ftruncate(j.fd, length) != 0) {
+    int rc = 0;
+    do {
+      rc = ftruncate(j.fd, length);
+    } while (rc != 0 && errno == EINTR);  // (a network file system's may be interrupted)
+    if (rc != 0) {
       j.error = errno;
       set_message(j.message, [&] { return "cannot set the length of " + j.temp_path + ": " + std::strerror(j.error); });
     }

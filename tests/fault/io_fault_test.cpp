@@ -1,9 +1,10 @@
-// Injected faults of the blocking transfer calls. This executable defines pread, pwrite,
-// preadv and pwritev, so the library's calls in it come here first. Armed for the files
-// under one folder, a call is interrupted (EINTR, as a signal makes it on a file system whose
-// transfers can be interrupted), moves fewer bytes than asked (as a network or user-space file
-// system may), fails with a given errno, or writes nothing; disarmed, or for any other file,
-// each goes straight to the C library's. Regular files on a local disk never do any of these,
+// Injected faults of the system calls that move and size files. This executable defines
+// pread, pwrite, preadv, pwritev, fallocate, ftruncate, fsync and statvfs, so the library's
+// calls in it come here first. Armed for the files under chosen folders, a call is
+// interrupted (EINTR, as a signal makes it on a file system whose calls can be interrupted),
+// moves fewer bytes than asked (as a network or user-space file system may), fails with a
+// given errno, writes nothing, or reports a given free space; disarmed, or for any other file,
+// each goes straight to the C library's. Regular files on a local disk never do most of these,
 // so without the injection the code that handles them would never run.
 
 #include <gtest/gtest.h>
@@ -46,6 +47,9 @@ struct injection {
   std::vector<std::string> folders;           // canonical, each with a trailing '/'
   std::atomic<unsigned> interrupt_every{0};   // every k-th armed call fails with EINTR (0: none)
   std::atomic<unsigned> interrupt_next{0};    // this many armed calls fail with EINTR first
+  std::atomic<unsigned> interrupt_sizing{0};  // this many armed fallocate, ftruncate and fsync calls,
+                                              // each let through when repeated
+  std::atomic<int> fail_fsync{0};             // an errno every armed fsync fails with (0: none)
   std::atomic<std::size_t> most_bytes{0};     // moved per call at most (0: no limit)
   std::atomic<int> fail_reads{0};             // an errno every armed read fails with (0: none)
   std::atomic<int> fail_writes{0};            // the same for writes
@@ -55,6 +59,7 @@ struct injection {
   std::atomic<std::uint64_t> calls{0}, interrupted{0}, shortened{0}, failed{0};
 };
 injection inject;
+std::atomic<bool> passed_last{true};  // the last fallocate, ftruncate or fsync was let through
 
 // Arms the injection for the files under `folders` (the counters start at 0) until destroyed.
 struct armed_for {
@@ -67,9 +72,10 @@ struct armed_for {
   }
   ~armed_for() {
     inject.armed = false;
-    inject.interrupt_every = inject.interrupt_next = 0;
+    inject.interrupt_every = inject.interrupt_next = inject.interrupt_sizing = 0;
+    passed_last = true;
     inject.most_bytes = 0;
-    inject.fail_reads = inject.fail_writes = 0;
+    inject.fail_reads = inject.fail_writes = inject.fail_fsync = 0;
     inject.writes_move_nothing = false;
     inject.free_bytes = -1;
     inject.fail_statvfs = 0;
@@ -179,6 +185,43 @@ extern "C" ssize_t pwritev(int fd, const iovec* iov, int count, off_t offset) {
   if (limit == 0 && asked != 0) return 0;
   std::vector<iovec> part;
   return real(fd, part.data(), cut(iov, count, limit, part), offset);
+}
+
+// fallocate, ftruncate and fsync: while interrupt_sizing lasts, every other call is
+// interrupted (the first, then not its repetition, then the next), otherwise left alone.
+bool interrupt_sizing(int fd) {
+  if (!targeted(fd)) return false;
+  if (!passed_last.exchange(true)) return false;  // the repetition of an interrupted call
+  unsigned left = inject.interrupt_sizing.load();
+  while (left != 0) {
+    if (inject.interrupt_sizing.compare_exchange_weak(left, left - 1)) {
+      passed_last = false;
+      ++inject.interrupted;
+      errno = EINTR;
+      return true;
+    }
+  }
+  return false;
+}
+
+extern "C" int fallocate(int fd, int mode, off_t offset, off_t length) {
+  static const auto real = next_definition<int (*)(int, int, off_t, off_t)>("fallocate");
+  return interrupt_sizing(fd) ? -1 : real(fd, mode, offset, length);
+}
+
+extern "C" int ftruncate(int fd, off_t length) {
+  static const auto real = next_definition<int (*)(int, off_t)>("ftruncate");
+  return interrupt_sizing(fd) ? -1 : real(fd, length);
+}
+
+extern "C" int fsync(int fd) {
+  static const auto real = next_definition<int (*)(int)>("fsync");
+  if (interrupt_sizing(fd)) return -1;
+  if (const int e = inject.fail_fsync.load(); e != 0 && targeted(fd)) {
+    errno = e;
+    return -1;
+  }
+  return real(fd);
 }
 
 extern "C" int statvfs(const char* path, struct statvfs* out) {
@@ -435,6 +478,41 @@ TEST_P(injected_swap, a_cut_file_is_named_when_its_header_read_is_interrupted) {
   EXPECT_EQ(back, std::vector<std::byte>(bytes));
 }
 
+// A pack's fallocate and a reused spare's ftruncate, interrupted, are repeated: the swap-outs
+// succeed and read back (before, each failed its tensor with EINTR).
+TEST_P(injected_swap, an_interrupted_fallocate_or_ftruncate_is_repeated) {
+  const bool direct = GetParam();
+  swap::tensor_swapper s(pool_, {.engine = io::engine_kind::threads, .staging_buffers = 2, .direct = direct,
+                                 .pack_below = 64 << 10});
+  auto small = pattern(10000, 11);
+  const std::string packed = dir_.file("packed");
+  {
+    armed_for armed(dir_.path);
+    inject.interrupt_sizing = 1;
+    ASSERT_EQ(swap_out_one(s, small, packed), 0);
+    EXPECT_EQ(inject.interrupted, 1U);  // the pack's fallocate
+  }
+  std::vector<std::byte> back(small.size());
+  EXPECT_EQ(swap_in_one(s, back, packed).error, 0);
+  EXPECT_EQ(back, small);
+  // A path swapped out twice, larger then smaller: the second write goes into the spare,
+  // which is cut to the new length.
+  const std::string path = dir_.file("whole");
+  auto large = pattern(300000, 12), smaller = pattern(100000, 13);
+  ASSERT_EQ(swap_out_one(s, large, path), 0);
+  ASSERT_EQ(swap_out_one(s, large, path), 0);  // the first version becomes the spare
+  {
+    armed_for armed(dir_.path);
+    inject.interrupt_sizing = 1;
+    ASSERT_EQ(swap_out_one(s, smaller, path), 0);
+    EXPECT_EQ(inject.interrupted, 1U);
+  }
+  EXPECT_EQ(std::filesystem::file_size(path), 4096U + (100000U + 4095U) / 4096U * 4096U);
+  back.assign(smaller.size(), std::byte{0});
+  EXPECT_EQ(swap_in_one(s, back, path).error, 0);
+  EXPECT_EQ(back, smaller);
+}
+
 INSTANTIATE_TEST_SUITE_P(buffered_and_direct, injected_swap, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "direct" : "buffered"; });
 
@@ -520,8 +598,9 @@ TEST(injected_io, a_swap_space_checks_free_space_and_names_the_failed_stripe) {
 }
 
 // Checkpoints are written and read with pwrite and pread: interrupted and short calls are
-// continued (the loaded state equals the saved one), and a write that makes no progress fails
-// the save with EIO, leaving the previous checkpoint as it was.
+// continued (the loaded state equals the saved one), interrupted syncs are repeated, and a
+// sync that fails or a write that makes no progress fails the save (EIO), leaving the previous
+// checkpoint as it was.
 TEST(injected_io, checkpoints_are_saved_and_loaded_through_interruptions) {
   scratch_dir swaps, checkpoints;
   const std::vector<std::uint64_t> numels = {5000, 3, 2048};
@@ -551,6 +630,27 @@ TEST(injected_io, checkpoints_are_saved_and_loaded_through_interruptions) {
     back.load(ck);
     EXPECT_EQ(records(back), records(o));
     EXPECT_EQ(back.steps(), o.steps());
+  }
+  {
+    // The file's sync and then its folder's, each interrupted once: repeated, and saved.
+    armed_for armed(checkpoints.path);
+    inject.interrupt_sizing = 2;
+    o.save(ck, "synced");
+    EXPECT_EQ(inject.interrupted, 2U);
+    offload::offloaded_optimizer back(numels, optimizer_options_in(swaps));
+    EXPECT_EQ(back.load(ck), "synced");
+    // A sync that fails: the save fails with its errno, and the checkpoint stays as it was.
+    const auto before = file_bytes(ck);
+    inject.fail_fsync = EIO;
+    try {
+      o.save(ck, "not synced");
+      ADD_FAILURE() << "a save whose sync failed succeeded";
+    } catch (const std::system_error& e) {
+      EXPECT_EQ(e.code().value(), EIO) << e.what();
+      EXPECT_NE(std::string(e.what()).find("cannot sync " + ck + ".tmp"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(file_bytes(ck), before);
+    EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
   }
   const auto saved = file_bytes(ck);
   armed_for armed(checkpoints.path);
