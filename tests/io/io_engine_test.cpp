@@ -272,6 +272,18 @@ TEST(io_engine, a_queue_deeper_than_io_uring_allows_is_an_argument_error) {
   }
 }
 
+// The thread engine starts the threads asked for, at least one and no more than its queue
+// depth (a thread more would have nothing to move).
+TEST(io_engine, the_thread_engine_starts_the_threads_asked_within_its_queue_depth) {
+  EXPECT_EQ(make_thread_engine(16, 3)->workers(), 3U);
+  EXPECT_EQ(make_thread_engine(16, 1)->workers(), 1U);
+  EXPECT_EQ(make_thread_engine(16, 0)->workers(), 1U);
+  EXPECT_EQ(make_thread_engine(2, 8)->workers(), 2U);
+  const auto smallest = make_thread_engine(0, 0);
+  EXPECT_EQ(smallest->queue_depth(), 1U);
+  EXPECT_EQ(smallest->workers(), 1U);
+}
+
 INSTANTIATE_TEST_SUITE_P(engines, io_engine_test,
                          ::testing::Values(engine_kind::uring, engine_kind::threads),
                          [](const auto& param_info) {
