@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "segments.hpp"
+#include "tensormem/io/file_io.hpp"
 #include "tensormem/io/io_engine.hpp"
 
 namespace tensormem::io {
@@ -282,6 +283,15 @@ TEST(io_engine, the_thread_engine_starts_the_threads_asked_within_its_queue_dept
   const auto smallest = make_thread_engine(0, 0);
   EXPECT_EQ(smallest->queue_depth(), 1U);
   EXPECT_EQ(smallest->workers(), 1U);
+}
+
+// The names the statistics report an engine by.
+TEST(io_engine, engines_are_named_in_the_statistics) {
+  EXPECT_EQ(to_string(engine_kind::uring), "uring");
+  EXPECT_EQ(to_string(engine_kind::threads), "threads");
+  file_io_options options;
+  options.engine = engine_kind::threads;
+  EXPECT_EQ(async_file_io(options).stats().engine, "threads");
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, io_engine_test,
