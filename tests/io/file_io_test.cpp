@@ -165,6 +165,11 @@ TEST_P(file_io_test, errors_at_queuing_name_the_path_and_queue_nothing) {
   EXPECT_EQ(io.wait().completed, 0U);
   EXPECT_THROW(io.write(nullptr, 1, small, 0), std::invalid_argument);
   EXPECT_THROW(io.write(b.data, 1, small, UINT64_MAX), std::invalid_argument);
+  // The largest file offset: a range that ends there passes the argument check (and this
+  // file is too short for it); one byte further is refused as an argument.
+  constexpr auto last = static_cast<std::uint64_t>(INT64_MAX);
+  EXPECT_THROW(io.read(b.data, 10, small, last - 10), std::system_error);
+  EXPECT_THROW(io.read(b.data, 10, small, last - 9), std::invalid_argument);
 }
 
 // A pipe held the caller in open() (a read until a writer came, a write until a reader did);
@@ -280,6 +285,14 @@ TEST_P(file_io_test, a_link_is_refused_where_the_files_are_the_callers_own) {
   io.read(back.data, 4096, target, 0);
   EXPECT_TRUE(io.wait().errors.empty());
   EXPECT_EQ(std::memcmp(back.data, b.data, 4096), 0);
+  // Followed, a dangling link is a missing file (ENOENT) for a read, not a refused link.
+  try {
+    follows.read(back.data, 4096, dangling, 0);
+    ADD_FAILURE() << "a read through a dangling link was queued";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), ENOENT) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("symbolic link"), std::string::npos) << e.what();
+  }
 }
 
 // "a\0b" would name the file "a" at the system call: such a path, and an empty one, are
@@ -384,6 +397,72 @@ TEST(file_io, a_ring_out_of_memory_fails_what_it_could_not_submit_and_waits_agai
   EXPECT_LT(waits->load(), 0) << "the engine's waits did not fail";
   EXPECT_EQ(file_bytes(path), pattern(16384, 8));
   EXPECT_EQ(io.stats().bytes_written, 16384U);
+}
+
+// Counts the requests handed to it.
+class counting_engine final : public swap::testing::forwarding_engine {
+ public:
+  counting_engine(std::unique_ptr<io_engine> inner, std::shared_ptr<std::atomic<std::size_t>> count)
+      : forwarding_engine(std::move(inner)), count_(std::move(count)) {}
+  void submit(std::span<const io_request> requests) override {
+    *count_ += requests.size();
+    inner_->submit(requests);
+  }
+
+ private:
+  std::shared_ptr<std::atomic<std::size_t>> count_;
+};
+
+// Each ring has an engine of its own, and an operation's blocks are dealt to the rings in
+// turn, the next operation going on from the ring after the last one used.
+TEST(file_io, blocks_are_dealt_to_the_rings_in_turn) {
+  scratch_dir dir;
+  std::vector<std::shared_ptr<std::atomic<std::size_t>>> counts;
+  file_io_options o;
+  o.rings = 3;
+  o.block_bytes = 4096;
+  o.make_engine = [&](unsigned qd) {
+    counts.push_back(std::make_shared<std::atomic<std::size_t>>(0));
+    return std::make_unique<counting_engine>(make_thread_engine(qd, 1), counts.back());
+  };
+  async_file_io io(o);
+  ASSERT_EQ(counts.size(), 3U);
+  aligned_buffer b(9 * 4096);
+  std::memcpy(b.data, pattern(9 * 4096, 4).data(), 9 * 4096);
+  const std::string path = dir.file("f");
+  io.write(b.data, 7 * 4096, path, 0);  // blocks 0-6: rings 0, 1, 2, 0, 1, 2, 0
+  ASSERT_TRUE(io.wait().errors.empty());
+  EXPECT_EQ(*counts[0], 3U);
+  EXPECT_EQ(*counts[1], 2U);
+  EXPECT_EQ(*counts[2], 2U);
+  io.write(b.data + 7 * 4096, 2 * 4096, path, 7 * 4096);  // rings 1 and 2
+  ASSERT_TRUE(io.wait().errors.empty());
+  EXPECT_EQ(*counts[0], 3U);
+  EXPECT_EQ(*counts[1], 3U);
+  EXPECT_EQ(*counts[2], 3U);
+  EXPECT_EQ(io.stats().requests, 9U);
+  EXPECT_EQ(file_bytes(path), pattern(9 * 4096, 4));
+}
+
+// Under O_DIRECT the blocks are rounded up to whole 4096-byte pages: a block size of 5,000
+// bytes moves 8,192 per request, one of 1,000 bytes 4,096.
+TEST(file_io, direct_blocks_are_rounded_up_to_whole_pages) {
+  scratch_dir dir;
+  for (const std::size_t block : {std::size_t{5000}, std::size_t{1000}}) {
+    file_io_options o;
+    o.engine = engine_kind::threads;
+    o.block_bytes = block;
+    async_file_io io(o);
+    aligned_buffer b(65536);
+    std::memcpy(b.data, pattern(65536, 5).data(), 65536);
+    const std::string path = dir.file("d" + std::to_string(block));
+    io.write(b.data, 65536, path, 0);
+    ASSERT_TRUE(io.wait().errors.empty());
+    const file_io_stats st = io.stats();
+    if (st.direct_ops == 0) GTEST_SKIP() << "O_DIRECT refused here: " << st.fallback;
+    EXPECT_EQ(st.requests, block == 5000 ? 8U : 16U) << "block_bytes " << block;
+    EXPECT_EQ(file_bytes(path), pattern(65536, 5));
+  }
 }
 
 // A wait with a deadline that passes collects nothing: the operations stay pending, their
@@ -684,6 +763,10 @@ TEST(file_io, options_are_checked) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("rings must be 1 to 256, not 257"), std::string::npos) << e.what();
   }
+  o.rings = max_rings;  // the most: accepted (a thread each, and a worker each for these engines)
+  o.engine = engine_kind::threads;
+  o.queue_depth = 1;
+  EXPECT_EQ(async_file_io{o}.stats().engine, "threads");
 }
 
 // A thread that cannot be started (EAGAIN at the user's process limit) is an exception from
