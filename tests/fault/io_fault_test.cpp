@@ -415,6 +415,31 @@ TEST(injected_io, a_validation_read_that_fails_is_reported_as_such) {
   EXPECT_EQ(file_bytes(path), data);  // the bytes themselves were written
 }
 
+// A write that moves nothing (a file system that stops making progress) fails its operation
+// as a short write, 0 of its bytes, with EIO; it is never taken for a success.
+TEST(injected_io, a_write_that_moves_nothing_fails_as_a_short_write) {
+  scratch_dir dir;
+  io::file_io_options options;
+  options.engine = io::engine_kind::threads;
+  options.direct = false;
+  options.block_bytes = 4096;
+  io::async_file_io io(options);
+  const std::string path = (dir.path / "w").string();
+  const auto data = pattern(10000, 9);
+  armed_for armed(dir.path);
+  inject.writes_move_nothing = true;
+  io.write(data.data(), data.size(), path, 0);
+  const auto r = io.wait();
+  ASSERT_EQ(r.errors.size(), 1U);
+  EXPECT_EQ(r.errors[0].error, EIO);
+  // The blocks complete in any order; the first short one is named (4,096 or 1,808 bytes).
+  EXPECT_TRUE(r.errors[0].message == "short write to " + path + ": 0 of 4096 bytes" ||
+              r.errors[0].message == "short write to " + path + ": 0 of 1808 bytes")
+      << r.errors[0].message;
+  EXPECT_EQ(io.stats().failed, 1U);
+  EXPECT_EQ(io.stats().bytes_written, 0U);
+}
+
 class injected_swap : public ::testing::TestWithParam<bool> {
  protected:
   memory::pinned_pool pool_;
