@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
@@ -29,6 +30,7 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include "tensormem/io/file_io.hpp"
@@ -413,6 +415,46 @@ TEST(injected_io, a_validation_read_that_fails_is_reported_as_such) {
   EXPECT_EQ(io.stats().bytes_written, 0U);
   inject.fail_reads = 0;
   EXPECT_EQ(file_bytes(path), data);  // the bytes themselves were written
+}
+
+// Validation reads the file again by its path when the operation is collected: a file cut
+// short since (its read back interrupted on the way) fails as ending inside the range, and a
+// file removed since fails with the errno of opening it (ENOENT), each saying so.
+TEST(injected_io, validation_names_a_file_cut_or_removed_since_the_write) {
+  scratch_dir dir;
+  io::file_io_options options;
+  options.engine = io::engine_kind::threads;
+  options.direct = false;
+  io::async_file_io io(options);
+  const auto data = pattern(20000, 10);
+  const auto finished = [&](std::uint64_t ops) {
+    while (io.stats().ops < ops) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  const std::string cut = (dir.path / "cut").string();
+  io.write(data.data(), data.size(), cut, 0, true);
+  finished(1);
+  std::filesystem::resize_file(cut, 10000);
+  {
+    armed_for armed(dir.path);
+    inject.most_bytes = 4000;
+    inject.interrupt_every = 2;  // the read that finds the end comes right after an interrupted one
+    const auto r = io.wait();
+    ASSERT_EQ(r.errors.size(), 1U);
+    EXPECT_EQ(r.errors[0].error, EBADMSG);
+    EXPECT_EQ(r.errors[0].message, "validation of " + cut + " failed: the file ends 10000 bytes into the 20000 "
+                                   "bytes at offset 0");
+    EXPECT_GT(inject.interrupted, 2U);
+  }
+  const std::string gone = (dir.path / "gone").string();
+  io.write(data.data(), data.size(), gone, 100, true);
+  finished(2);
+  std::filesystem::remove(gone);
+  const auto r = io.wait();
+  ASSERT_EQ(r.errors.size(), 1U);
+  EXPECT_EQ(r.errors[0].error, ENOENT);
+  EXPECT_EQ(r.errors[0].message, "validation of " + gone + " failed: cannot read the file's 20000 bytes at offset 100 "
+                                 "back: " + std::generic_category().message(ENOENT));
+  EXPECT_EQ(io.stats().failed, 2U);
 }
 
 // A write that moves nothing (a file system that stops making progress) fails its operation
