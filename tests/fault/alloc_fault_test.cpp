@@ -728,6 +728,8 @@ TEST(strong_guarantee, a_transfer_that_cannot_be_queued_leaves_nothing_behind) {
       const auto done = io.wait_until(std::chrono::steady_clock::now() + std::chrono::seconds(10));
       ASSERT_TRUE(done.has_value()) << "allocation " << n << ": wait() waits for an op that was never queued";
       ASSERT_TRUE(done->errors.empty());
+      ASSERT_EQ(done->completed, queued ? 1U : 0U) << "allocation " << n << ": an op never queued was collected";
+      ASSERT_EQ(io.pending(), 0U) << "allocation " << n;
       ASSERT_EQ(open_descriptors(), descriptors) << "allocation " << n;
       // The file holds the old bytes (1) after a refused write, the new (2) after a queued one.
       std::memset(data, 0, bytes);
