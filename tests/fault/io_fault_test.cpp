@@ -719,8 +719,29 @@ TEST(injected_io, checkpoints_are_saved_and_loaded_through_interruptions) {
     EXPECT_EQ(file_bytes(ck), before);
     EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
   }
+  {
+    // A checkpoint cut inside its header (the sizes in the header are checked against the
+    // file's later), read with every second call interrupted: the read that finds the end
+    // follows an interrupted one, and the load says the file is truncated.
+    const std::string cut = (checkpoints.path / "cut").string();
+    std::filesystem::copy_file(ck, cut);
+    std::filesystem::resize_file(cut, 60);
+    armed_for armed(checkpoints.path);
+    inject.most_bytes = 777;
+    inject.interrupt_every = 2;
+    offload::offloaded_optimizer back(numels, optimizer_options_in(swaps));
+    try {
+      back.load(cut);
+      ADD_FAILURE() << "a truncated checkpoint was loaded";
+    } catch (const std::system_error& e) {
+      ADD_FAILURE() << "a truncated checkpoint read as a failed read: " << e.what();
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), "checkpoint " + cut + " is truncated");
+    }
+  }
   const auto saved = file_bytes(ck);
   armed_for armed(checkpoints.path);
+  inject.interrupt_next = 1;  // (the write that moves nothing comes right after an interrupted one)
   inject.writes_move_nothing = true;
   try {
     o.save(ck);
