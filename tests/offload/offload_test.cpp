@@ -509,7 +509,16 @@ TEST(offload_pipeline, misuse_is_refused) {
   p.release(2, false);
   p.acquire(3);
   p.release(3, false);
+  EXPECT_THROW(p.acquire(4), std::logic_error);  // past the last position
+  EXPECT_THROW(p.release(4, false), std::logic_error);
   p.finish();
+  // A single tensor needs one buffer: exactly its cost is enough, a byte less is not.
+  const std::vector<std::size_t> one = {ids[0]};
+  EXPECT_THROW(prefetch_pipeline(s, pool, one, {8192 - 1, 0}), std::invalid_argument);
+  prefetch_pipeline single(s, pool, one, {8192, 0});
+  single.acquire(0);
+  single.release(0, false);
+  single.finish();
 }
 
 // A collector that cannot be started (EAGAIN: a limit on threads): the caller's calls collect
@@ -889,6 +898,16 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   other[1] = 4;
   offloaded_optimizer mismatch(other, small_options(dir));
   EXPECT_THROW(mismatch.load(ck), std::runtime_error);
+  other = numels;
+  other[0] = 4999;  // the first parameter's size, named as such
+  offloaded_optimizer first(other, small_options(dir));
+  try {
+    first.load(ck);
+    ADD_FAILURE() << "a checkpoint of other sizes was loaded";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "checkpoint " + ck + " does not match this optimizer: parameter 0 has 5000 "
+                                     "elements, expected 4999");
+  }
   optimizer_options sgd = small_options(dir);
   sgd.kind = optimizer_kind::sgd;
   offloaded_optimizer kind(numels, sgd);
@@ -1230,6 +1249,30 @@ TEST(offload_optimizer, bad_arguments_are_refused) {
   o = small_options(dir);
   o.simd = 7;
   EXPECT_THROW(offloaded_optimizer(numels, o), std::invalid_argument);
+  // At the edges: 4096-byte groups are the smallest taken, a budget of exactly two records
+  // is enough (small_options' records are 3 x 8192 bytes), and each level of SIMD is taken
+  // as asked where the processor has it and refused where it has not; -1 picks the best.
+  o = small_options(dir);
+  o.group_bytes = 4095;
+  EXPECT_THROW(offloaded_optimizer(numels, o), std::invalid_argument);
+  o.group_bytes = 4096;
+  EXPECT_NO_THROW(offloaded_optimizer(numels, o));
+  o = small_options(dir);
+  o.pipeline.pinned_budget = 2 * 3 * 8192 - 1;
+  EXPECT_THROW(offloaded_optimizer(numels, o), std::invalid_argument);
+  o.pipeline.pinned_budget = 2 * 3 * 8192;
+  EXPECT_NO_THROW(offloaded_optimizer(numels, o));
+  for (const simd_level level : {simd_level::scalar, simd_level::avx2, simd_level::avx512}) {
+    o = small_options(dir);
+    o.simd = static_cast<int>(level);
+    if (simd_supported(level)) {
+      EXPECT_EQ(offloaded_optimizer(numels, o).simd(), level);
+    } else {
+      EXPECT_THROW(offloaded_optimizer(numels, o), std::invalid_argument);
+    }
+  }
+  o.simd = -1;
+  EXPECT_EQ(offloaded_optimizer(numels, o).simd(), best_simd_level());
   offloaded_optimizer ok(numels, small_options(dir));
   model_params a(numels);
   const std::vector<param_hyper> hyper(numels.size());
