@@ -58,6 +58,7 @@ struct injection {
   std::atomic<bool> writes_move_nothing{false};  // armed writes return 0
   std::atomic<long long> free_bytes{-1};      // what statvfs says is free (-1: the truth)
   std::atomic<int> fail_statvfs{0};           // an errno statvfs fails with (0: none)
+  std::atomic<long long> cut_before_read{-1};  // the next armed pread cuts its file to this first
   std::atomic<std::uint64_t> calls{0}, interrupted{0}, shortened{0}, failed{0};
 };
 injection inject;
@@ -81,10 +82,20 @@ struct armed_for {
     inject.writes_move_nothing = false;
     inject.free_bytes = -1;
     inject.fail_statvfs = 0;
+    inject.cut_before_read = -1;
   }
   armed_for(const armed_for&) = delete;
   armed_for& operator=(const armed_for&) = delete;
 };
+
+// The file an open descriptor names (empty where it cannot be told).
+std::string path_of(int fd) {
+  char link[40];
+  std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  char path[4096];
+  const ssize_t n = ::readlink(link, path, sizeof path);
+  return n > 0 ? std::string(path, static_cast<std::size_t>(n)) : std::string();
+}
 
 bool under_a_folder(std::string_view path) {
   return std::any_of(inject.folders.begin(), inject.folders.end(),
@@ -93,12 +104,11 @@ bool under_a_folder(std::string_view path) {
 
 bool targeted(int fd) {
   if (!inject.armed.load()) return false;
-  char link[40];
-  std::snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-  char path[4096];
-  const ssize_t n = ::readlink(link, path, sizeof path);
-  return n > 0 && under_a_folder(std::string_view(path, static_cast<std::size_t>(n)));
+  const std::string path = path_of(fd);
+  return !path.empty() && under_a_folder(path);
 }
+
+
 
 // -1 with errno set where the call is to fail; otherwise 0, and `limit` is what it may move.
 int decide(bool write, std::size_t asked, std::size_t& limit) {
@@ -157,7 +167,11 @@ F next_definition(const char* name) {
 extern "C" ssize_t pread(int fd, void* buffer, std::size_t bytes, off_t offset) {
   static const auto real = next_definition<ssize_t (*)(int, void*, std::size_t, off_t)>("pread");
   std::size_t limit = bytes;
-  if (targeted(fd) && decide(false, bytes, limit) < 0) return -1;
+  if (!targeted(fd)) return real(fd, buffer, bytes, offset);
+  if (const long long cut = inject.cut_before_read.exchange(-1); cut >= 0) {
+    ::truncate(path_of(fd).c_str(), static_cast<off_t>(cut));  // (as another process may, at any time)
+  }
+  if (decide(false, bytes, limit) < 0) return -1;
   return real(fd, buffer, limit, offset);
 }
 
@@ -578,6 +592,27 @@ TEST_P(injected_swap, an_interrupted_fallocate_or_ftruncate_is_repeated) {
   back.assign(smaller.size(), std::byte{0});
   EXPECT_EQ(swap_in_one(s, back, path).error, 0);
   EXPECT_EQ(back, smaller);
+}
+
+// A file cut again between the swapper's look at its length and its read of the header (by
+// another process), here to 1,000 bytes: named as too short for a swap file, buffered and
+// under O_DIRECT (where the read that follows the short one starts at an unaligned offset; at
+// the end of the file the kernel returns 0 for it rather than EINVAL).
+TEST_P(injected_swap, a_file_cut_below_its_header_while_it_is_looked_at_is_named) {
+  const bool direct = GetParam();
+  swap::tensor_swapper s(pool_, {.engine = io::engine_kind::threads, .staging_buffers = 2, .direct = direct,
+                                 .checksums = false});
+  auto t = pattern(100000, 6);
+  const std::string path = dir_.file("cut_again");
+  ASSERT_EQ(swap_out_one(s, t, path), 0);
+  std::filesystem::resize_file(path, 3 * 4096);
+  std::vector<std::byte> back(t.size());
+  armed_for armed(dir_.path);
+  inject.cut_before_read = 1000;
+  const swap::swap_result r = swap_in_one(s, back, path);
+  EXPECT_EQ(r.error, EBADMSG) << r.message;
+  EXPECT_EQ(r.message, path + " is not a tensormem swap file: 1000 bytes, less than a swap file's 4096-byte header");
+  EXPECT_EQ(std::filesystem::file_size(path), 1000U);
 }
 
 INSTANTIATE_TEST_SUITE_P(buffered_and_direct, injected_swap, ::testing::Values(false, true),
