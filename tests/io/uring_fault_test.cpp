@@ -160,6 +160,34 @@ TEST_F(uring_fault_test, a_cancelled_request_is_moved_by_blocking_calls_and_coun
   EXPECT_EQ(engine->synchronous_requests(), moved + 2);
 }
 
+// A completion the kernel reports as -EAGAIN or -EINTR is submitted again (the same bytes at
+// the same offset, safe to repeat), and every request completes whole with the right bytes.
+TEST_F(uring_fault_test, transient_completion_results_are_submitted_again) {
+  int calls = 0;
+  int transient = 0;
+  detail::uring_faults faults;
+  faults.result = [&](int res) {
+    switch (calls++ % 3) {
+      case 0:
+        ++transient;
+        return -EAGAIN;
+      case 1:
+        ++transient;
+        return -EINTR;
+      default:
+        return res;
+    }
+  };
+  auto engine = detail::make_uring_engine(4, faults);
+  std::vector<std::vector<char>> out(12, std::vector<char>(4096));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    for (std::size_t k = 0; k < out[i].size(); ++k) out[i][k] = static_cast<char>(i * 17 + k % 241);
+  }
+  write_and_read_back(*engine, out);
+  EXPECT_GE(transient, 2 * 24);  // two of every three completions, of the 24 requests and their retries
+  EXPECT_EQ(engine->synchronous_requests(), 0U);
+}
+
 // A kernel whose io_uring lacks an operation the engine uses (before Linux 5.6: no plain read
 // or write) sets a ring up, but every request would fail with EINVAL: the engine refuses to be
 // made, naming the operation, so that make_engine's callers fall back to threads and say why.
