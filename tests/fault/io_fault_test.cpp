@@ -265,6 +265,15 @@ using swap::testing::file_bytes;
 using io::io_completion;
 using io::io_request;
 
+// async_file_io on the thread engine, through the page cache: every transfer goes through the
+// calls defined above.
+io::file_io_options buffered_on_threads() {
+  io::file_io_options options;
+  options.engine = io::engine_kind::threads;
+  options.direct = false;
+  return options;
+}
+
 // The injection itself: a call on a file outside the folder is left alone, one inside it
 // is cut and interrupted as told (so that the tests below test what they say).
 TEST(injected_io, reaches_the_files_under_its_folder_only) {
@@ -411,9 +420,7 @@ TEST(injected_io, validation_reads_back_through_interruptions) {
 // not that the bytes differ; the operation counts as failed.
 TEST(injected_io, a_validation_read_that_fails_is_reported_as_such) {
   scratch_dir dir;
-  io::file_io_options options;
-  options.engine = io::engine_kind::threads;
-  options.direct = false;
+  io::file_io_options options = buffered_on_threads();
   io::async_file_io io(options);
   const std::string path = (dir.path / "v").string();
   const auto data = pattern(20000, 8);
@@ -436,9 +443,7 @@ TEST(injected_io, a_validation_read_that_fails_is_reported_as_such) {
 // file removed since fails with the errno of opening it (ENOENT), each saying so.
 TEST(injected_io, validation_names_a_file_cut_or_removed_since_the_write) {
   scratch_dir dir;
-  io::file_io_options options;
-  options.engine = io::engine_kind::threads;
-  options.direct = false;
+  io::file_io_options options = buffered_on_threads();
   io::async_file_io io(options);
   const auto data = pattern(20000, 10);
   const auto finished = [&](std::uint64_t ops) {
@@ -475,9 +480,7 @@ TEST(injected_io, validation_names_a_file_cut_or_removed_since_the_write) {
 // as a short write, 0 of its bytes, with EIO; it is never taken for a success.
 TEST(injected_io, a_write_that_moves_nothing_fails_as_a_short_write) {
   scratch_dir dir;
-  io::file_io_options options;
-  options.engine = io::engine_kind::threads;
-  options.direct = false;
+  io::file_io_options options = buffered_on_threads();
   options.block_bytes = 4096;
   io::async_file_io io(options);
   const std::string path = (dir.path / "w").string();
