@@ -1,6 +1,7 @@
 #include "tensormem/io/file_io.hpp"
 
 #include "tensormem/io/path_argument.hpp"
+#include "tensormem/io/detail/blocking.hpp"
 #include "tensormem/core/detail/thread_start.hpp"
 
 #include <sys/stat.h>
@@ -101,9 +102,7 @@ void sync_folder_of(std::string_view who, const std::string& path) { sync_folder
 
 void sync_folder(std::string_view who, const std::string& folder, const std::string& path) {
   const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  int synced = fd < 0 ? -1 : 0;
-  while (fd >= 0 && (synced = ::fsync(fd)) != 0 && errno == EINTR) {
-  }  // an interrupted sync is repeated
+  const int synced = fd < 0 ? -1 : detail::repeat_interrupted([fd] { return ::fsync(fd); });
   const int error = synced != 0 ? errno : 0;
   if (fd >= 0) ::close(fd);
   if (error != 0) {
@@ -436,15 +435,10 @@ void async_file_io::check_validation(op& o) {
   if (o.error != 0 || !o.validate || o.bytes == 0) return;
   std::vector<std::byte> back(o.bytes);
   const int fd = ::open(o.path.c_str(), O_RDONLY | O_CLOEXEC);
-  int error = fd < 0 ? errno : 0;
-  std::size_t got = 0;
-  while (fd >= 0 && got < o.bytes) {
-    const ssize_t n = ::pread(fd, back.data() + got, o.bytes - got, static_cast<off_t>(o.file_offset + got));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) error = errno;
-    if (n <= 0) break;
-    got += static_cast<std::size_t>(n);
-  }
+  const detail::transferred read_back =
+      fd < 0 ? detail::transferred{0, errno} : detail::pread_fully(fd, back.data(), o.bytes, o.file_offset);
+  const int error = read_back.error;
+  const std::size_t got = read_back.bytes;
   if (fd >= 0) ::close(fd);
   if (error == 0 && got == o.bytes && std::memcmp(back.data(), o.buffer, o.bytes) == 0) return;
   {

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "tensormem/io/detail/blocking.hpp"
 #include "tensormem/io/file_io.hpp"
 #include "tensormem/io/path_argument.hpp"
 #include "tensormem/memory/errors.hpp"
@@ -59,29 +60,16 @@ struct file {
   file(const file&) = delete;
   file& operator=(const file&) = delete;
   void write_all(const void* data, std::size_t bytes, std::uint64_t offset) const {
-    const auto* p = static_cast<const char*>(data);
-    while (bytes != 0) {
-      const ssize_t n = ::pwrite(fd, p, bytes, static_cast<off_t>(offset));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        throw std::system_error(n < 0 ? errno : EIO, std::generic_category(), "cannot write checkpoint " + path);
-      }
-      p += n;
-      bytes -= static_cast<std::size_t>(n);
-      offset += static_cast<std::uint64_t>(n);
+    const io::detail::transferred done = io::detail::pwrite_fully(fd, data, bytes, offset);
+    if (done.bytes < bytes) {
+      throw std::system_error(done.error != 0 ? done.error : EIO, std::generic_category(),
+                              "cannot write checkpoint " + path);
     }
   }
   void read_all(void* data, std::size_t bytes, std::uint64_t offset) const {
-    auto* p = static_cast<char*>(data);
-    while (bytes != 0) {
-      const ssize_t n = ::pread(fd, p, bytes, static_cast<off_t>(offset));
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) throw std::system_error(errno, std::generic_category(), "cannot read checkpoint " + path);
-      if (n == 0) throw std::runtime_error("checkpoint " + path + " is truncated");
-      p += n;
-      bytes -= static_cast<std::size_t>(n);
-      offset += static_cast<std::uint64_t>(n);
-    }
+    const io::detail::transferred done = io::detail::pread_fully(fd, data, bytes, offset);
+    if (done.error != 0) throw std::system_error(done.error, std::generic_category(), "cannot read checkpoint " + path);
+    if (done.bytes < bytes) throw std::runtime_error("checkpoint " + path + " is truncated");
   }
 };
 
@@ -557,10 +545,7 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
     std::memcpy(tail, tail_words, 16);
     std::memcpy(tail + 16, checkpoint_end, 8);
     out.write_all(tail, tail_bytes, at);
-    int synced = 0;
-    do {
-      synced = ::fsync(out.fd);
-    } while (synced != 0 && errno == EINTR);  // interrupted before it finished: nothing is lost
+    const int synced = io::detail::repeat_interrupted([&] { return ::fsync(out.fd); });
     if (synced != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + tmp);
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);

@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "tensormem/core/best_fit_allocator.hpp"
+#include "tensormem/io/detail/blocking.hpp"
 #include "tensormem/io/file_io.hpp"
 #include "tensormem/io/path_argument.hpp"
 #include "tensormem/memory/errors.hpp"
@@ -640,17 +641,12 @@ std::string tensor_swapper::why_short(const job& j, std::uint64_t file_bytes, in
   alignas(io_alignment) std::byte page[header_bytes];  // O_DIRECT's alignment
   // Short and interrupted reads are continued (a file system may return either), up to the
   // end of the file.
-  std::size_t got = 0;
-  while (got < header_bytes) {
-    const ssize_t n = pread(j.fd, page + got, header_bytes - got, static_cast<off_t>(got));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      error = errno;
-      return "cannot read the header of " + j.path + ": " + std::strerror(error);
-    }
-    if (n == 0) break;
-    got += static_cast<std::size_t>(n);
+  const io::detail::transferred read = io::detail::pread_fully(j.fd, page, header_bytes, 0);
+  if (read.error != 0) {
+    error = read.error;
+    return "cannot read the header of " + j.path + ": " + std::strerror(error);
   }
+  const std::size_t got = read.bytes;
   // Cut below a header since the fstat: no swap file any more.
   if (got < header_bytes) return why_short(j, got, error);
   file_header h{};
@@ -731,10 +727,7 @@ int tensor_swapper::reserve_pack(pack_file& pack, std::uint64_t end) {
   if (end <= pack.reserved) return 0;
   const std::uint64_t step = std::max<std::uint64_t>({end - pack.reserved, std::uint64_t{64} << 20, pack.reserved / 4});
   for (const std::uint64_t want : {pack.reserved + step, end}) {
-    int rc = 0;
-    do {
-      rc = fallocate(pack.fd, 0, 0, static_cast<off_t>(want));
-    } while (rc != 0 && errno == EINTR);
+    const int rc = io::detail::repeat_interrupted([&] { return fallocate(pack.fd, 0, 0, static_cast<off_t>(want)); });
     if (rc == 0) {
       pack.reserved = want;
       return 0;
@@ -1058,10 +1051,8 @@ void tensor_swapper::close_and_commit(job& j) {
   if (j.out && j.error == 0 && !j.own_temp) {
     // A reused spare may be longer than this version: cut it to this length.
     const auto length = static_cast<off_t>(header_bytes + round_up(j.tensor.bytes, io_alignment));
-    int rc = 0;
-    do {
-      rc = ftruncate(j.fd, length);
-    } while (rc != 0 && errno == EINTR);  // (a network file system's may be interrupted)
+    // (a network file system's may be interrupted)
+    const int rc = io::detail::repeat_interrupted([&] { return ftruncate(j.fd, length); });
     if (rc != 0) {
       j.error = errno;
       set_message(j.message, [&] { return "cannot set the length of " + j.temp_path + ": " + std::strerror(j.error); });
