@@ -139,6 +139,7 @@ std::byte* prefetch_pipeline::acquire(std::size_t i) {
     wait_until(lock, [&] { return it.s != state::waiting; });
   }
   ++next_acquire_;
+  pump();  // the caller is one position further: reads up to max_ahead past it start now
   swap_space::transfer io = std::move(it.io);
   std::exception_ptr failed = std::exchange(it.error, nullptr);
   lock.unlock();

@@ -521,6 +521,44 @@ TEST(offload_pipeline, misuse_is_refused) {
   single.finish();
 }
 
+// Once position i is acquired, positions up to i + max_ahead are read (with max_ahead 0, as
+// far as the budget's buffers allow), whether i is released clean or dirty. The swap space
+// counts each request when it is queued (one per tensor of a stripe), so the count after every
+// call is exact: positions read so far, plus the write-backs queued. (Before, an acquire
+// started no read: with max_ahead 1 the next position's read started only when the caller
+// released the one it held, so it never overlapped the caller's work, and after a dirty
+// release only when the caller waited for it.)
+TEST(offload_pipeline, reads_run_at_most_max_ahead_positions_ahead) {
+  scratch_dir dir;
+  swap_space s(three_folders(dir));
+  const std::vector<std::size_t> ids = committed_tensors(s, "r", 7, 8192);
+  memory::pinned_pool pool({.alignment = 4096});
+  for (const unsigned ahead : {1U, 2U, 3U}) {
+    const std::uint64_t before = s.stats().io.requests;
+    const auto queued = [&] { return s.stats().io.requests - before; };
+    prefetch_pipeline p(s, pool, ids, {7 * 8192, ahead, false});
+    EXPECT_EQ(queued(), ahead);  // positions 0 to ahead - 1
+    std::uint64_t writes = 0;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      p.acquire(i);
+      const std::uint64_t read = std::min<std::size_t>(i + 1 + ahead, ids.size());
+      EXPECT_EQ(queued(), read + writes) << ahead << " " << i;
+      const bool dirty = i % 2 == 0;
+      p.release(i, dirty);
+      writes += dirty ? 1 : 0;
+      EXPECT_EQ(queued(), read + writes) << ahead << " " << i;
+    }
+    p.finish();
+  }
+  const std::uint64_t before = s.stats().io.requests;
+  prefetch_pipeline budget_bound(s, pool, ids, {3 * 8192, 0, false});
+  EXPECT_EQ(s.stats().io.requests - before, 3U);  // one read per buffer
+  budget_bound.acquire(0);
+  budget_bound.release(0, false);
+  EXPECT_EQ(s.stats().io.requests - before, 4U);
+  budget_bound.finish();
+}
+
 // A collector that cannot be started (EAGAIN: a limit on threads): the caller's calls collect
 // the write-backs where they would wait for them. Two buffers for three dirty tensors, so that
 // the third acquire has a buffer only once it has collected the first write-back itself; every

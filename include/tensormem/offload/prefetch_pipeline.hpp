@@ -22,7 +22,8 @@ namespace tensormem::offload {
 struct pipeline_options {
   /// Bytes of staging buffers the pipeline may hold (reading, held by the caller, writing).
   std::uint64_t pinned_budget = std::uint64_t{256} << 20;
-  /// Most reads ahead of the caller (0: as many as the budget allows).
+  /// Most positions read ahead of the caller (0: as many as the budget allows): once position
+  /// i is acquired, the reads of positions up to i + max_ahead are started (buffers allowing).
   unsigned max_ahead = 0;
   /// False: no thread of the pipeline's own; its calls collect the write-backs where they
   /// would wait for them, as where the thread cannot be started.
