@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -518,22 +519,42 @@ TEST_P(async_test, two_thousand_tensors_through_an_open_file_limit_of_256) {
       refs.push_back({tensors.back().data(), tensors.back().size()});
       paths.push_back(dir.file(std::to_string(i)));
     }
-    for (const auto& r : s.wait(s.swap_out(refs, paths))) {
-      if (r.error != 0) _exit(1);
-    }
+    // The files open under the folder, sampled while the tensors move: never more than the
+    // swapper's budget, a quarter of the limit.
+    std::atomic<bool> moving{true};
+    std::size_t most_open = 0;
+    std::thread sampler([&] {
+      const std::string folder = dir.path.string() + "/";
+      while (moving) {
+        std::size_t open = 0;
+        std::error_code ec;
+        for (const auto& e : fs::directory_iterator("/proc/self/fd", ec)) {
+          std::error_code link_ec;
+          open += fs::read_symlink(e.path(), link_ec).string().starts_with(folder) ? 1U : 0U;
+        }
+        most_open = std::max(most_open, open);
+      }
+    });
+    bool failed_out = false, failed_in = false;
+    for (const auto& r : s.wait(s.swap_out(refs, paths))) failed_out = failed_out || r.error != 0;
     std::vector<std::vector<std::byte>> back;
     std::vector<tensor_ref> in;
     for (const auto& t : tensors) back.emplace_back(t.size());
     for (auto& b : back) in.push_back({b.data(), b.size()});
-    for (const auto& r : s.wait(s.swap_in(paths, in))) {
-      if (r.error != 0) _exit(2);
-    }
+    for (const auto& r : s.wait(s.swap_in(paths, in))) failed_in = failed_in || r.error != 0;
+    moving = false;
+    sampler.join();
+    if (failed_out) _exit(1);
+    if (failed_in) _exit(2);
+    if (most_open > 256U / 4 || most_open == 0) _exit(4);
     _exit(back == tensors ? 0 : 3);
   }
   int status = 0;
   waitpid(pid, &status, 0);
   ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: swap-out failed, 2: swap-in failed, 3: contents differ, 10: setrlimit";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "1: swap-out failed, 2: swap-in failed, 3: contents differ, 4: more files open than the budget of 64 "
+         "(or none seen), 10: setrlimit";
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, async_test,

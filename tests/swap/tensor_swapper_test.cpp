@@ -333,6 +333,17 @@ TEST(swapper, options_it_cannot_work_with_are_refused) {
   }
   tensor_swapper edge(pool, {.queue_depth = 1, .block_bytes = 4096, .staging_buffers = 2});
   EXPECT_EQ(edge.stats().failed, 0U);
+  // As many staging buffers as asked, and one allocation of header pages: no more.
+  EXPECT_EQ(edge.stats().staging_buffers, 2U);
+  EXPECT_EQ(pool.stats().allocations, 3U);
+  // The deepest queue is taken (the thread engine: no ring of 32,768 entries to make); its
+  // 65,536 header pages are one allocation.
+  tensor_swapper deepest(pool, {.engine = io::engine_kind::threads,
+                                .queue_depth = io::max_queue_depth,
+                                .block_bytes = 4096,
+                                .staging_buffers = 3});
+  EXPECT_EQ(deepest.stats().staging_buffers, 3U);
+  EXPECT_EQ(pool.stats().allocations, 3U + 4U);
 }
 
 // The swapper's three threads (reaper, committer, worker): when one cannot start, those
@@ -428,6 +439,24 @@ TEST(swapper, a_memory_lock_limit_keeps_the_staging_it_allows_or_names_the_optio
     return a == b ? 0 : 5;
   });
   ASSERT_EQ(code, 0) << message;
+
+  // Room for exactly two: the header pages' 256 KiB slab and two dedicated 320 KiB buffers
+  // are 896 KiB of the 1 MiB limit, a third would be 1,216 KiB. Two is enough to work.
+  const auto [two, two_message] = memory::testing::in_limited_child([](std::string& out) {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 10});
+    try {
+      tensor_swapper s(pool, {.queue_depth = 4, .block_bytes = std::size_t{320} << 10, .staging_buffers = 4});
+      out = s.stats().fallback;
+      return s.stats().staging_buffers == 2 ? 0 : 1;
+    } catch (const std::exception& e) {
+      out = std::string("refused: ") + e.what();
+      return 2;
+    }
+  });
+  ASSERT_EQ(two, 0) << two_message;
+  EXPECT_NE(two_message.find("RLIMIT_MEMLOCK let the swapper lock 2 of its 4 staging buffers of 327680 bytes"),
+            std::string::npos)
+      << two_message;
 
   const auto [refused, words] = memory::testing::in_limited_child([](std::string& out) {
     memory::pinned_pool pool({.slab_bytes = std::size_t{256} << 10});
