@@ -261,6 +261,18 @@ TEST_P(integrity, a_truncated_file_is_refused_as_cut_short_not_read) {
     EXPECT_EQ(r.message, path + " is cut short: 8192 bytes, where the swap file of its " + std::to_string(bytes) +
                              "-byte tensor holds " + std::to_string(whole) + " (truncated after it was written)");
     EXPECT_EQ(back, std::vector<std::byte>(t.size()));  // nothing read into it
+    // The header alone is a swap file cut short; a byte less is no swap file.
+    for (const std::size_t left : {std::size_t{4096}, std::size_t{4095}}) {
+      ASSERT_EQ(swap_out_one(s, t, path), 0);
+      fs::resize_file(path, left);
+      r = swap_in_one(s, back, path);
+      EXPECT_EQ(r.error, EBADMSG) << r.message;
+      EXPECT_EQ(r.message, left == 4096 ? path + " is cut short: 4096 bytes, where the swap file of its " +
+                                              std::to_string(bytes) + "-byte tensor holds " + std::to_string(whole) +
+                                              " (truncated after it was written)"
+                                        : path + " is not a tensormem swap file: 4095 bytes, less than a swap "
+                                                 "file's 4096-byte header");
+    }
     // One page short of whole: still refused.
     ASSERT_EQ(swap_out_one(s, t, path), 0);
     fs::resize_file(path, whole - 1);

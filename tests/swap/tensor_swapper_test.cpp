@@ -174,7 +174,20 @@ TEST_P(swapper_test, checksum_catches_corruption_and_misuse_is_reported) {
   const std::string never = dir.file("never-written");
   const swap_result missing = swapper.wait(swapper.swap_in({&never, 1}, {&t, 1})).at(0);
   EXPECT_EQ(missing.error, ENOENT);
-  EXPECT_NE(missing.message.find("never swapped out"), std::string::npos) << missing.message;
+  EXPECT_EQ(missing.message, "cannot open " + never + ": " + std::strerror(ENOENT) +
+                                 " (never swapped out, or discarded or removed since)");
+  // Only a swap-in of a path that does not exist says so: not a swap-in refused for another
+  // reason (a folder), nor a swap-out into a folder that does not exist.
+  const std::string folder = dir.file("folder");
+  fs::create_directory(folder);
+  const swap_result not_a_file = swapper.wait(swapper.swap_in({&folder, 1}, {&t, 1})).at(0);
+  EXPECT_NE(not_a_file.error, 0);
+  EXPECT_EQ(not_a_file.message.find("never swapped out"), std::string::npos) << not_a_file.message;
+  const std::string orphan = dir.file("no-such-folder/a");
+  const swap_result no_folder = swapper.wait(swapper.swap_out({&t, 1}, {&orphan, 1})).at(0);
+  EXPECT_EQ(no_folder.error, ENOENT);
+  EXPECT_EQ(no_folder.message.find("never swapped out"), std::string::npos) << no_folder.message;
+  EXPECT_EQ(no_folder.message.rfind("swap-out of " + orphan + ": cannot create ", 0), 0U) << no_folder.message;
 
   std::vector<std::byte> small(100);
   const tensor_ref s{small.data(), small.size()};
@@ -186,7 +199,7 @@ TEST_P(swapper_test, checksum_catches_corruption_and_misuse_is_reported) {
   ASSERT_EQ(swapper.wait(swapper.swap_out({&s, 1}, {&path, 1})).at(0).error, 0);
   EXPECT_EQ(fs::file_size(path), 4096U + 4096U);
   EXPECT_THROW(swapper.wait(12345), std::invalid_argument);
-  EXPECT_EQ(swapper.stats().failed, 3U);
+  EXPECT_EQ(swapper.stats().failed, 5U);
 }
 
 TEST_P(swapper_test, a_full_file_size_limit_fails_that_tensor_and_keeps_its_bytes) {
