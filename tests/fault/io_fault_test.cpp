@@ -58,7 +58,7 @@ struct injection {
   std::atomic<bool> writes_move_nothing{false};  // armed writes return 0
   std::atomic<long long> free_bytes{-1};      // what statvfs says is free (-1: the truth)
   std::atomic<int> fail_statvfs{0};           // an errno statvfs fails with (0: none)
-  std::atomic<long long> cut_before_read{-1};  // the next armed pread cuts its file to this first
+  std::atomic<long long> cut_before_read{-1};  // the next armed pread or preadv cuts its file to this first
   std::atomic<long long> fallocate_room{-1};   // an armed fallocate past this many bytes fails
                                                // with ENOSPC (-1: the disk's own room)
   std::atomic<std::uint64_t> calls{0}, interrupted{0}, shortened{0}, failed{0};
@@ -189,6 +189,9 @@ extern "C" ssize_t pwrite(int fd, const void* buffer, std::size_t bytes, off_t o
 extern "C" ssize_t preadv(int fd, const iovec* iov, int count, off_t offset) {
   static const auto real = next_definition<ssize_t (*)(int, const iovec*, int, off_t)>("preadv");
   if (!targeted(fd)) return real(fd, iov, count, offset);
+  if (const long long cut = inject.cut_before_read.exchange(-1); cut >= 0) {
+    ::truncate(path_of(fd).c_str(), static_cast<off_t>(cut));
+  }
   std::size_t limit = 0;
   if (decide(false, total(iov, count), limit) < 0) return -1;
   std::vector<iovec> part;
@@ -604,6 +607,29 @@ TEST_P(injected_swap, an_interrupted_fallocate_or_ftruncate_is_repeated) {
   back.assign(smaller.size(), std::byte{0});
   EXPECT_EQ(swap_in_one(s, back, path).error, 0);
   EXPECT_EQ(back, smaller);
+}
+
+// A file cut (by another process) after the swapper looked at its length: a read that finds
+// the end moves 0 bytes, and the swap-in fails as a short read saying so, whether the cut
+// leaves nothing or the header and the first block. Checksums are off, so only the read's
+// length can tell; one engine thread, so the reads come in order.
+TEST_P(injected_swap, a_read_that_finds_the_end_of_a_file_cut_since_fails_as_short) {
+  swap::tensor_swapper s(pool_, {.block_bytes = 64 << 10, .staging_buffers = 2, .direct = GetParam(),
+                                 .checksums = false},
+                         io::make_thread_engine(8, 1));
+  auto t = pattern(200000, 23);
+  const std::string path = dir_.file("cut");
+  for (const long long left : {0LL, 4096LL + (64 << 10)}) {
+    SCOPED_TRACE(left);
+    ASSERT_EQ(swap_out_one(s, t, path), 0);
+    std::vector<std::byte> back(t.size());
+    armed_for armed(dir_.path);
+    inject.cut_before_read = left;
+    const swap::swap_result r = swap_in_one(s, back, path);
+    EXPECT_EQ(r.error, EIO);
+    const int expected = left == 0 ? 4096 + (64 << 10) : 64 << 10;  // the header and first block, or a block
+    EXPECT_EQ(r.message, "short read from " + path + ": 0 of " + std::to_string(expected) + " bytes");
+  }
 }
 
 // A pack grows in steps of at least 64 MiB ahead of its writes. On a disk with room for the

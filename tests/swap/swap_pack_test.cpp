@@ -395,6 +395,54 @@ TEST_P(pack_test, without_unnamed_files_the_pack_takes_a_free_name_and_leaves_ta
   EXPECT_EQ(status, 0);
 }
 
+// A kernel that does not know O_TMPFILE opens the folder itself and refuses to write it
+// (EISDIR): the pack is a named file unlinked at once there too.
+TEST_P(pack_test, a_kernel_without_unnamed_files_gets_a_named_pack) {
+  const io::engine_kind kind = GetParam();
+  scratch_dir dir;
+  ASSERT_FALSE(dir.path.empty());
+  const int status = testing::without_unnamed_files(dir.path, [&] {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+    tensor_swapper swapper(pool, {.engine = kind, .staging_buffers = 2, .pack_below = std::size_t{1} << 20});
+    auto t = pattern(7'000, 31);
+    std::vector<std::byte> back(t.size());
+    const std::string path = dir.file("t");
+    const tensor_ref out{t.data(), t.size()}, in{back.data(), back.size()};
+    bool ok = swapper.wait(swapper.swap_out({&out, 1}, {&path, 1})).at(0).error == 0;
+    ok = ok && swapper.wait(swapper.swap_in({&path, 1}, {&in, 1})).at(0).error == 0;
+    ok = ok && back == t && swapper.stats().packed_tensors == 1 && pack_descriptor(dir.path) >= 0;
+    return ok && fs::is_empty(dir.path);
+  }, EISDIR);
+  if (status == 77) GTEST_SKIP() << "cannot install a seccomp filter here";
+  EXPECT_EQ(status, 0);
+}
+
+// A pack opened buffered by choice says nothing of O_DIRECT; opened for O_DIRECT where the
+// file system takes it, it moves straight and says nothing either; only a refusal is noted.
+TEST_P(pack_test, a_pack_notes_buffered_io_only_where_o_direct_was_refused) {
+  const io::engine_kind kind = GetParam();
+  scratch_dir dir;
+  const fs::path probe = dir.path / "probe";
+  const int fd = open(probe.c_str(), O_CREAT | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
+  const bool takes_direct = fd >= 0;
+  if (fd >= 0) close(fd);
+  fs::remove(probe);
+  for (const bool direct : {false, true}) {
+    SCOPED_TRACE(direct ? "direct" : "buffered");
+    memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+    tensor_swapper swapper(pool, {.engine = kind, .staging_buffers = 2, .direct = direct,
+                                  .pack_below = std::size_t{1} << 20});
+    auto t = pattern(7'000, 32);
+    const std::string path = dir.file(direct ? "d" : "b");
+    const tensor_ref out{t.data(), t.size()};
+    ASSERT_EQ(swapper.wait(swapper.swap_out({&out, 1}, {&path, 1})).at(0).error, 0);
+    const swap_stats st = swapper.stats();
+    EXPECT_EQ(st.packed_tensors, 1U);
+    EXPECT_EQ(st.direct, direct && takes_direct);
+    EXPECT_EQ(st.fallback.find("O_DIRECT refused") != std::string::npos, direct && !takes_direct) << st.fallback;
+  }
+}
+
 // No free name among the pack's tries: the swap-out fails with EEXIST and says where, and
 // nothing is created behind the dangling links that took the names.
 TEST_P(pack_test, without_unnamed_files_and_no_free_name_the_swap_out_fails) {

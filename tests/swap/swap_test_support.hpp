@@ -249,12 +249,13 @@ int with_failing_syscall(long nr, int error, Body body) {
   return under_seccomp_filter(program, [] { return true; }, body);
 }
 
-/// Runs `body` in a child process where every open with O_TMPFILE fails with EOPNOTSUPP, as
-/// on a file system that has no unnamed files (a seccomp filter on open and openat). Returns
-/// 0 when `body` returned true, 1 when false, 77 when the filter could not be installed
-/// here (the caller skips).
+/// Runs `body` in a child process where every open with O_TMPFILE fails with `refusal`:
+/// EOPNOTSUPP, as on a file system that has no unnamed files, or EISDIR, as on a kernel that
+/// does not know the flag (a seccomp filter on open and openat). Returns 0 when `body`
+/// returned true, 1 when false, 77 when the filter could not be installed here (the caller
+/// skips).
 template <class Body>
-int without_unnamed_files(const std::filesystem::path& dir, Body body) {
+int without_unnamed_files(const std::filesystem::path& dir, Body body, int refusal = EOPNOTSUPP) {
   constexpr std::uint32_t arch = native_audit_arch;
   if (arch == 0) return 77;
   constexpr std::uint32_t tmpfile_bit = 020000000;  // the kernel's __O_TMPFILE
@@ -275,13 +276,13 @@ int without_unnamed_files(const std::filesystem::path& dir, Body body) {
 #endif
       BPF_STMT(BPF_LD | BPF_W | BPF_ABS, arg_low(1)),  // open's flags
       BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, tmpfile_bit, 0, 1),
-      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EOPNOTSUPP),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | static_cast<std::uint32_t>(refusal)),
       BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
   };
   // The filter works: an unnamed file is refused as such a file system refuses it.
   return under_seccomp_filter(program, [&] {
     const int probe = open(dir.c_str(), O_TMPFILE | O_RDWR, 0600);
-    return probe < 0 && errno == EOPNOTSUPP;
+    return probe < 0 && errno == refusal;
   }, body);
 }
 
