@@ -632,6 +632,26 @@ TEST_P(injected_swap, a_read_that_finds_the_end_of_a_file_cut_since_fails_as_sho
   }
 }
 
+// A path whose current version is packed, swapped out again with a tensor too large for the
+// pack that fails (EIO): the packed version stays current and reads back.
+TEST_P(injected_swap, a_failed_swap_out_past_the_pack_keeps_the_packed_version) {
+  swap::tensor_swapper s(pool_, {.engine = io::engine_kind::threads, .staging_buffers = 2, .direct = GetParam(),
+                                 .pack_below = 64 << 10});
+  auto small = pattern(10000, 24), large = pattern(300000, 25);
+  const std::string path = dir_.file("p");
+  ASSERT_EQ(swap_out_one(s, small, path), 0);
+  ASSERT_EQ(s.stats().packed_tensors, 1U);
+  {
+    armed_for armed(dir_.path);
+    inject.fail_writes = EIO;
+    EXPECT_EQ(swap_out_one(s, large, path), EIO);
+  }
+  std::vector<std::byte> back(small.size());
+  const swap::swap_result r = swap_in_one(s, back, path);
+  EXPECT_EQ(r.error, 0) << r.message;
+  EXPECT_EQ(back, small);
+}
+
 // A pack grows in steps of at least 64 MiB ahead of its writes. On a disk with room for the
 // slot but not for the step, the slot alone is reserved and the swap-out succeeds; with room
 // for neither, that tensor's swap-out fails with ENOSPC, naming it, and the pack's other

@@ -242,6 +242,23 @@ TEST_P(integrity, a_failed_swap_out_keeps_the_old_file_and_never_reads_back_as_s
                                        "5: failed swap-out read back as success, 6: partial file left";
 }
 
+// An empty tensor swapped in from the file of a tensor of another size reads the header
+// alone, exactly one page, and the header says whose it is; from an empty tensor's file it
+// succeeds.
+TEST_P(integrity, an_empty_tensor_from_a_file_of_another_size_is_refused_by_its_header) {
+  tensor_swapper s(pool_, {.engine = GetParam(), .staging_buffers = 2});
+  auto t = pattern(50000, 26);
+  const std::string path = dir_.file("full"), empty_path = dir_.file("empty");
+  ASSERT_EQ(swap_out_one(s, t, path), 0);
+  std::vector<std::byte> none;
+  const swap_result r = swap_in_one(s, none, path);
+  EXPECT_EQ(r.error, EINVAL) << r.message;
+  EXPECT_NE(r.message.find("holds 50000 bytes"), std::string::npos) << r.message;
+  ASSERT_EQ(swap_out_one(s, none, empty_path), 0);
+  EXPECT_EQ(fs::file_size(empty_path), 4096U);
+  EXPECT_EQ(swap_in_one(s, none, empty_path).error, 0);
+}
+
 // A swap file cut short after it was written is refused as such before anything is read (it
 // failed as a short read, EIO, which reads as a disk error), its tensor untouched; one of
 // another size or tensor still says so, and so does a damaged header.
