@@ -1,5 +1,5 @@
 // Injected faults of the system calls that move and size files. This executable defines
-// pread, pwrite, preadv, pwritev, fallocate, ftruncate, fsync and statvfs, so the library's
+// pread, pwrite, preadv, pwritev, fallocate, ftruncate, fsync, close and statvfs, so the library's
 // calls in it come here first. Armed for the files under chosen folders, a call is
 // interrupted (EINTR, as a signal makes it on a file system whose calls can be interrupted),
 // moves fewer bytes than asked (as a network or user-space file system may), fails with a
@@ -59,6 +59,8 @@ struct injection {
   std::atomic<long long> free_bytes{-1};      // what statvfs says is free (-1: the truth)
   std::atomic<int> fail_statvfs{0};           // an errno statvfs fails with (0: none)
   std::atomic<long long> cut_before_read{-1};  // the next armed pread or preadv cuts its file to this first
+  std::atomic<int> fail_close{0};             // an errno every armed close fails with, after
+                                              // closing (as a network file system's may)
   std::atomic<long long> fallocate_room{-1};   // an armed fallocate past this many bytes fails
                                                // with ENOSPC (-1: the disk's own room)
   std::atomic<std::uint64_t> calls{0}, interrupted{0}, shortened{0}, failed{0};
@@ -86,6 +88,7 @@ struct armed_for {
     inject.fail_statvfs = 0;
     inject.cut_before_read = -1;
     inject.fallocate_room = -1;
+    inject.fail_close = 0;
   }
   armed_for(const armed_for&) = delete;
   armed_for& operator=(const armed_for&) = delete;
@@ -235,6 +238,17 @@ extern "C" int fallocate(int fd, int mode, off_t offset, off_t length) {
     return -1;
   }
   return real(fd, mode, offset, length);
+}
+
+extern "C" int close(int fd) {
+  static const auto real = next_definition<int (*)(int)>("close");
+  const int e = inject.fail_close.load();
+  const bool fail = e != 0 && targeted(fd);
+  const int rc = real(fd);
+  if (!fail) return rc;
+  ++inject.failed;
+  errno = e;
+  return -1;
 }
 
 extern "C" int ftruncate(int fd, off_t length) {
@@ -650,6 +664,28 @@ TEST_P(injected_swap, a_failed_swap_out_past_the_pack_keeps_the_packed_version) 
   const swap::swap_result r = swap_in_one(s, back, path);
   EXPECT_EQ(r.error, 0) << r.message;
   EXPECT_EQ(back, small);
+}
+
+// A swap-out whose file fails to close (EIO: a network file system reports a failed write
+// there) fails, saying so, and the path's previous version stays.
+TEST_P(injected_swap, a_swap_out_whose_file_fails_to_close_fails_and_keeps_the_last_version) {
+  swap::tensor_swapper s(pool_, {.engine = io::engine_kind::threads, .staging_buffers = 2, .direct = GetParam()});
+  auto first = pattern(100000, 27), second = pattern(100000, 28);
+  const std::string path = dir_.file("c");
+  ASSERT_EQ(swap_out_one(s, first, path), 0);
+  {
+    armed_for armed(dir_.path);
+    inject.fail_close = EIO;
+    const swap::tensor_ref refs[] = {{second.data(), second.size()}};
+    const std::string paths[] = {path};
+    const auto r = s.wait(s.swap_out(refs, paths)).at(0);
+    EXPECT_EQ(r.error, EIO);
+    EXPECT_EQ(r.message.rfind("cannot close ", 0), 0U) << r.message;
+    EXPECT_NE(r.message.find(std::string(": ") + std::strerror(EIO)), std::string::npos) << r.message;
+  }
+  std::vector<std::byte> back(first.size());
+  EXPECT_EQ(swap_in_one(s, back, path).error, 0);
+  EXPECT_EQ(back, first);
 }
 
 // A pack grows in steps of at least 64 MiB ahead of its writes. On a disk with room for the

@@ -316,6 +316,37 @@ TEST(swapper, staging_beyond_the_machines_memory_is_refused_before_any_is_taken)
   EXPECT_GT(pool.stats().allocations, 0U);
 }
 
+// A swap-in batch whose tensors share a byte is refused, changing nothing (each byte is
+// written once); what writes no byte twice is taken: one tensor swapped out to two paths in
+// one batch, and an empty tensor inside another's memory.
+TEST(swapper, a_batch_is_refused_only_where_a_swap_in_would_write_a_byte_twice) {
+  swap_dir dir;
+  memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+  tensor_swapper s(pool, {.staging_buffers = 2});
+  std::vector<std::byte> a(10000), none;
+  fill(a.data(), a.size(), 41);
+  const std::string p1 = dir.file("1"), p2 = dir.file("2"), p3 = dir.file("3");
+  const tensor_ref twice[] = {{a.data(), a.size()}, {a.data(), a.size()}};
+  const std::string out_paths[] = {p1, p2};
+  for (const auto& r : s.wait(s.swap_out(twice, out_paths))) EXPECT_EQ(r.error, 0) << r.message;
+  const tensor_ref empty{none.data(), 0};
+  ASSERT_EQ(s.wait(s.swap_out({&empty, 1}, {&p3, 1})).at(0).error, 0);
+  std::vector<std::byte> x(15000);
+  const tensor_ref overlapping[] = {{x.data(), 10000}, {x.data() + 5000, 10000}};
+  try {
+    s.swap_in(out_paths, overlapping);
+    ADD_FAILURE() << "accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "tensor_swapper: the tensors for " + p1 + " and " + p2 +
+                                         " overlap in memory; a swap-in writes each byte once");
+  }
+  EXPECT_EQ(x, std::vector<std::byte>(x.size()));
+  const tensor_ref with_empty[] = {{x.data(), 10000}, {x.data() + 5000, 0}};
+  const std::string in_paths[] = {p1, p3};
+  for (const auto& r : s.wait(s.swap_in(in_paths, with_empty))) EXPECT_EQ(r.error, 0) << r.message;
+  EXPECT_TRUE(std::equal(a.begin(), a.end(), x.begin()));
+}
+
 // Options it cannot work with are refused when it is made, saying which and why, before any
 // staging buffer is taken (a queue depth of 0 ran at 1, and fewer than two staging buffers
 // were two, without a word).
