@@ -417,6 +417,32 @@ TEST_P(pack_test, a_kernel_without_unnamed_files_gets_a_named_pack) {
   EXPECT_EQ(status, 0);
 }
 
+// One batch of packed and unpacked tensors, out and back in: the packed ones are read in
+// the order of their slots, the others as given, and every tensor comes back.
+TEST_P(pack_test, a_batch_of_packed_and_unpacked_tensors_comes_back) {
+  const io::engine_kind kind = GetParam();
+  scratch_dir dir;
+  memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+  tensor_swapper swapper(pool, {.engine = kind, .staging_buffers = 2, .pack_below = std::size_t{64} << 10});
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<tensor_ref> refs, back_refs;
+  std::vector<std::string> paths;
+  for (std::size_t i = 0; i < 6; ++i) bytes.push_back(pattern(i % 2 == 0 ? 3'000 + 1'000 * i : 100'000 + i, 40 + i));
+  for (std::size_t i = 0; i < 6; ++i) {
+    refs.push_back({bytes[i].data(), bytes[i].size()});
+    paths.push_back(dir.file("m" + std::to_string(i)));
+  }
+  for (const auto& r : swapper.wait(swapper.swap_out(refs, paths))) EXPECT_EQ(r.error, 0) << r.message;
+  EXPECT_EQ(swapper.stats().packed_tensors, 3U);
+  std::vector<std::vector<std::byte>> back;
+  for (const auto& b : bytes) back.emplace_back(b.size());
+  for (auto& b : back) back_refs.push_back({b.data(), b.size()});
+  std::reverse(back_refs.begin(), back_refs.end());
+  std::reverse(paths.begin(), paths.end());
+  for (const auto& r : swapper.wait(swapper.swap_in(paths, back_refs))) EXPECT_EQ(r.error, 0) << r.message;
+  EXPECT_EQ(back, bytes);
+}
+
 // A pack opened buffered by choice says nothing of O_DIRECT; opened for O_DIRECT where the
 // file system takes it, it moves straight and says nothing either; only a refusal is noted.
 TEST_P(pack_test, a_pack_notes_buffered_io_only_where_o_direct_was_refused) {
