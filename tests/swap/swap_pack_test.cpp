@@ -439,7 +439,10 @@ TEST_P(pack_test, a_batch_of_packed_and_unpacked_tensors_comes_back) {
   for (auto& b : back) back_refs.push_back({b.data(), b.size()});
   std::reverse(back_refs.begin(), back_refs.end());
   std::reverse(paths.begin(), paths.end());
-  for (const auto& r : swapper.wait(swapper.swap_in(paths, back_refs))) EXPECT_EQ(r.error, 0) << r.message;
+  for (const auto& r : swapper.wait(swapper.swap_in(paths, back_refs))) {
+    EXPECT_EQ(r.error, 0) << r.message;
+    EXPECT_EQ(r.message, "");  // a success has no words
+  }
   EXPECT_EQ(back, bytes);
 }
 
