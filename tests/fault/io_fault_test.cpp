@@ -62,7 +62,9 @@ struct injection {
   std::atomic<int> fail_close{0};             // an errno every armed close fails with, after
                                               // closing (as a network file system's may)
   std::atomic<long long> fallocate_room{-1};   // an armed fallocate past this many bytes fails
-                                               // with ENOSPC (-1: the disk's own room)
+                                               // with fallocate_error (-1: the disk's own room)
+  std::atomic<int> fallocate_error{ENOSPC};    // ENOSPC: the disk is full; EFBIG: past a file
+                                               // size limit
   std::atomic<std::uint64_t> calls{0}, interrupted{0}, shortened{0}, failed{0};
 };
 injection inject;
@@ -88,6 +90,7 @@ struct armed_for {
     inject.fail_statvfs = 0;
     inject.cut_before_read = -1;
     inject.fallocate_room = -1;
+    inject.fallocate_error = ENOSPC;
     inject.fail_close = 0;
   }
   armed_for(const armed_for&) = delete;
@@ -234,7 +237,7 @@ extern "C" int fallocate(int fd, int mode, off_t offset, off_t length) {
   if (interrupt_sizing(fd)) return -1;
   if (const long long room = inject.fallocate_room.load(); room >= 0 && offset + length > room && targeted(fd)) {
     ++inject.failed;
-    errno = ENOSPC;
+    errno = inject.fallocate_error.load();
     return -1;
   }
   return real(fd, mode, offset, length);
@@ -689,29 +692,33 @@ TEST_P(injected_swap, a_swap_out_whose_file_fails_to_close_fails_and_keeps_the_l
 }
 
 // A pack grows in steps of at least 64 MiB ahead of its writes. On a disk with room for the
-// slot but not for the step, the slot alone is reserved and the swap-out succeeds; with room
-// for neither, that tensor's swap-out fails with ENOSPC, naming it, and the pack's other
-// tensors still read back.
+// slot but not for the step (ENOSPC), or under a file size limit between them (EFBIG), the
+// slot alone is reserved and the swap-out succeeds; with room for neither, that tensor's
+// swap-out fails with the errno, naming it, and the pack's other tensors still read back.
 TEST_P(injected_swap, a_pack_reserves_only_its_slot_where_the_step_ahead_does_not_fit) {
-  swap::tensor_swapper s(pool_, {.engine = io::engine_kind::threads, .staging_buffers = 2, .direct = GetParam(),
-                                 .pack_below = 64 << 10});
-  auto first = pattern(10000, 21), second = pattern(20000, 22);
-  const std::string a = dir_.file("a"), b = dir_.file("b");
-  {
-    armed_for armed(dir_.path);
-    inject.fallocate_room = 1 << 20;
-    ASSERT_EQ(swap_out_one(s, first, a), 0);
-    EXPECT_EQ(inject.failed, 1U);  // the 64 MiB step; then the slot's own end fits
-    inject.fallocate_room = 0;
-    const swap::tensor_ref refs[] = {{second.data(), second.size()}};
-    const std::string paths[] = {b};
-    const auto r = s.wait(s.swap_out(refs, paths)).at(0);
-    EXPECT_EQ(r.error, ENOSPC);
-    EXPECT_EQ(r.message, "cannot grow the pack file for " + b + ": " + std::strerror(ENOSPC));
+  for (const int error : {ENOSPC, EFBIG}) {
+    SCOPED_TRACE(error);
+    swap::tensor_swapper s(pool_, {.engine = io::engine_kind::threads, .staging_buffers = 2, .direct = GetParam(),
+                                   .pack_below = 64 << 10});
+    auto first = pattern(10000, 21), second = pattern(20000, 22);
+    const std::string a = dir_.file("a"), b = dir_.file("b");
+    {
+      armed_for armed(dir_.path);
+      inject.fallocate_error = error;
+      inject.fallocate_room = 1 << 20;
+      ASSERT_EQ(swap_out_one(s, first, a), 0);
+      EXPECT_EQ(inject.failed, 1U);  // the 64 MiB step; then the slot's own end fits
+      inject.fallocate_room = 0;
+      const swap::tensor_ref refs[] = {{second.data(), second.size()}};
+      const std::string paths[] = {b};
+      const auto r = s.wait(s.swap_out(refs, paths)).at(0);
+      EXPECT_EQ(r.error, error);
+      EXPECT_EQ(r.message, "cannot grow the pack file for " + b + ": " + std::strerror(error));
+    }
+    std::vector<std::byte> back(first.size());
+    EXPECT_EQ(swap_in_one(s, back, a).error, 0);
+    EXPECT_EQ(back, first);
   }
-  std::vector<std::byte> back(first.size());
-  EXPECT_EQ(swap_in_one(s, back, a).error, 0);
-  EXPECT_EQ(back, first);
 }
 
 // A file cut again between the swapper's look at its length and its read of the header (by
