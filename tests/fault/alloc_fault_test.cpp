@@ -1099,6 +1099,32 @@ TEST(strong_guarantee, a_swap_that_cannot_be_queued_or_collected_changes_nothing
   }
 }
 
+// A swapper destroyed with a swap-out not waited for, where collecting its results runs out of
+// memory: the destructor still waits for the transfers to end before the staging goes back to
+// the pool, and returns; what was swapped out reads back whole.
+TEST(strong_guarantee, a_swapper_destroyed_out_of_memory_waits_for_its_transfers) {
+  const scratch_folder scratch;
+  memory::pinned_pool pool(memory::pool_options{.slab_bytes = 4 << 20});
+  std::vector<std::byte> data(3 * 65536 + 17);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = std::byte{static_cast<unsigned char>(i % 251)};
+  const std::string path = (std::filesystem::path(scratch.path) / "t").string();
+  const swap::tensor_ref ref{data.data(), data.size()};
+  {
+    swap::tensor_swapper s(pool, swap::swap_options{.block_bytes = 65536, .staging_buffers = 4});
+    s.swap_out({&ref, 1}, {&path, 1});
+    countdown = 0;  // the destructor's first allocation, collecting the results, fails
+  }
+  countdown = -1;
+  EXPECT_EQ(pool.stats().in_use_bytes, 0U);
+  swap::tensor_swapper again(pool, swap::swap_options{.block_bytes = 65536, .staging_buffers = 4});
+  std::vector<std::byte> back(data.size());
+  const swap::tensor_ref in{back.data(), back.size()};
+  const auto r = again.wait(again.swap_in({&path, 1}, {&in, 1}));
+  ASSERT_EQ(r.size(), 1U);
+  EXPECT_EQ(r[0].error, 0) << r[0].message;
+  EXPECT_EQ(back, data);
+}
+
 // The swapper's record of the memory its transfers use: an add or remove refused for lack of
 // memory changes nothing (no key left that changes no count), and after reserve(k) the next
 // k new keys need no memory.
