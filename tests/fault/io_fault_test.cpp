@@ -534,10 +534,13 @@ class injected_swap : public ::testing::TestWithParam<bool> {
   scratch_dir dir_;
 };
 
-int swap_out_one(swap::tensor_swapper& s, std::vector<std::byte>& t, const std::string& path) {
+swap::swap_result swap_out_result(swap::tensor_swapper& s, std::vector<std::byte>& t, const std::string& path) {
   const swap::tensor_ref refs[] = {{t.data(), t.size()}};
   const std::string paths[] = {path};
-  return s.wait(s.swap_out(refs, paths))[0].error;
+  return s.wait(s.swap_out(refs, paths))[0];
+}
+int swap_out_one(swap::tensor_swapper& s, std::vector<std::byte>& t, const std::string& path) {
+  return swap_out_result(s, t, path).error;
 }
 
 swap::swap_result swap_in_one(swap::tensor_swapper& s, std::vector<std::byte>& t, const std::string& path) {
@@ -679,9 +682,7 @@ TEST_P(injected_swap, a_swap_out_whose_file_fails_to_close_fails_and_keeps_the_l
   {
     armed_for armed(dir_.path);
     inject.fail_close = EIO;
-    const swap::tensor_ref refs[] = {{second.data(), second.size()}};
-    const std::string paths[] = {path};
-    const auto r = s.wait(s.swap_out(refs, paths)).at(0);
+    const auto r = swap_out_result(s, second, path);
     EXPECT_EQ(r.error, EIO);
     EXPECT_EQ(r.message.rfind("cannot close ", 0), 0U) << r.message;
     EXPECT_NE(r.message.find(std::string(": ") + std::strerror(EIO)), std::string::npos) << r.message;
@@ -709,9 +710,7 @@ TEST_P(injected_swap, a_pack_reserves_only_its_slot_where_the_step_ahead_does_no
       ASSERT_EQ(swap_out_one(s, first, a), 0);
       EXPECT_EQ(inject.failed, 1U);  // the 64 MiB step; then the slot's own end fits
       inject.fallocate_room = 0;
-      const swap::tensor_ref refs[] = {{second.data(), second.size()}};
-      const std::string paths[] = {b};
-      const auto r = s.wait(s.swap_out(refs, paths)).at(0);
+      const auto r = swap_out_result(s, second, b);
       EXPECT_EQ(r.error, error);
       EXPECT_EQ(r.message, "cannot grow the pack file for " + b + ": " + std::strerror(error));
     }
