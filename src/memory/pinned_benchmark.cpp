@@ -43,6 +43,7 @@ pinned_benchmark_result run_pinned_benchmark(const pinned_benchmark_options& o) 
   const auto stop = clock::now();
   r.mlock_ns_per_pair = std::chrono::duration<double, std::nano>(stop - start).count() /
                         static_cast<double>(o.mlock_pairs);
+  r.mlock_system_calls = direct.stats().system_calls;
   r.speedup = r.pool_ns_per_pair > 0 ? r.mlock_ns_per_pair / r.pool_ns_per_pair : 0;
   return r;
 }

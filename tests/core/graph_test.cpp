@@ -231,6 +231,9 @@ TEST(transformer_step, sizes_past_two_to_the_64_are_refused) {
   }
   EXPECT_TRUE(saw_scores);
   expect_overflow({1, 1, 1, std::uint64_t{1} << 31, 1, 1, 4}, "the attention scores");
+  // Activations of exactly 2^64 - 1 bytes (3 x 5 x 17 x 257 x 641 x 65537 x 6700417) fit; the
+  // MLP's, four times as many, are the first that do not.
+  expect_overflow({1, 641 * 65537, 1, 17 * 257, 15, 1, 6700417}, "the MLP activations");
   expect_overflow({1, 1, 1, 4, 1, std::uint64_t{1} << 62, 1}, "the logits");
   expect_overflow({1, std::uint64_t{1} << 32, 1, 1, 1, 1, 1}, "the MLP weights");
   expect_overflow({1, 1, 1, 1, std::uint64_t{1} << 62, 1, 1}, "the token ids");

@@ -94,9 +94,18 @@ TEST(cgroup_limit, an_escaped_mount_point_is_read_where_it_is) {
   fs.files["/mnt/cgroup two\\x/a/memory.max"] = "4096\n";
   const char* mount = "30 23 0:26 / /mnt/cgroup\\040two\\134x rw - cgroup2 cgroup2 rw\n";
   EXPECT_EQ(cgroup_memory_limit("0::/a\n", mount, fs.reader()), 4096U);
-  // A backslash not followed by three octal digits stays as it is.
+  // Every octal digit counts, 0 to 7 (\047 is an apostrophe; the kernel escapes only the
+  // four characters above, but the decoding is the same for any).
+  fs.files["/mnt/it's/a/memory.max"] = "2048\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /mnt/it\\047s rw - cgroup2 cgroup2 rw\n", fs.reader()), 2048U);
+  // A backslash not followed by three octal digits stays as it is, at the end of the field or
+  // before three more characters.
   fs.files["/mnt/c\\9x/a/memory.max"] = "8192\n";
   EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /mnt/c\\9x rw - cgroup2 cgroup2 rw\n", fs.reader()), 8192U);
+  fs.files["/mnt/c\\9xy/a/memory.max"] = "12288\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /mnt/c\\9xy rw - cgroup2 cgroup2 rw\n", fs.reader()), 12288U);
+  fs.files["/mnt/c\\08y/a/memory.max"] = "20480\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /mnt/c\\08y rw - cgroup2 cgroup2 rw\n", fs.reader()), 20480U);
   fs.files["/mnt/c\\04/a/memory.max"] = "16384\n";
   EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /mnt/c\\04 rw - cgroup2 cgroup2 rw\n", fs.reader()), 16384U);
 }
@@ -117,6 +126,15 @@ TEST(cgroup_limit, no_limit_from_max_text_missing_files_or_malformed_lines) {
   EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /sys/fs/cgroup rw cgroup2 cgroup2 rw\n", fs.reader()),
             none);  // no " - " separator
   EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 - cgroup2 cgroup2 rw\n", fs.reader()), none);  // too few fields
+  // The mount's root and mount point are the fourth and fifth fields: five before the
+  // separator are enough, four are not; after it, the type, the source and the options.
+  fs.files["/sys/fs/cgroup/a/memory.max"] = "4096\n";
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /sys/fs/cgroup - cgroup2 cgroup2 rw\n", fs.reader()), 4096U);
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / - cgroup2 cgroup2 rw\n", fs.reader()), none);
+  EXPECT_EQ(cgroup_memory_limit("0::/a\n", "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2\n", fs.reader()), none);
+  // A line of cgroup v2 is hierarchy 0 with no controllers; another hierarchy without
+  // controllers is not v2's.
+  EXPECT_EQ(cgroup_memory_limit("1::/a\n", v2_mount, fs.reader()), none);
 }
 
 // What a cgroup leaves: limit - (usage - inactive file cache), the lowest over the cgroup and
@@ -195,6 +213,11 @@ TEST(memory_shortfall, is_reported_exactly_past_the_memory_and_saturates) {
   const auto saturated = shortfall_against(huge, 160, memory);
   ASSERT_TRUE(saturated);
   EXPECT_EQ(saturated->need_bytes, none);
+  // The largest count whose product still fits is reported exactly.
+  const auto exact = shortfall_against(none / 160, 160, memory);
+  ASSERT_TRUE(exact);
+  EXPECT_EQ(exact->need_bytes, none / 160 * 160);
+  EXPECT_NE(exact->need_bytes, none);
   // Memory that cannot be read refuses nothing; neither does an item of no bytes.
   EXPECT_FALSE(shortfall_against(huge, 160, std::numeric_limits<std::size_t>::max()));
   EXPECT_FALSE(shortfall_against(huge, 0, memory));

@@ -352,7 +352,35 @@ TEST(pinned_host_resource, allocate_locked_refuses_what_allocate_refuses) {
   pinned_host_resource resource;
   EXPECT_THROW(resource.allocate_locked(4096, 3), std::invalid_argument);
   EXPECT_THROW(resource.allocate_locked(std::numeric_limits<std::size_t>::max() - 100, 4096), out_of_memory);
+  // The largest size that can be padded to its alignment is refused by the machine's memory;
+  // one byte more cannot be represented.
+  const auto refusal = [&](std::size_t bytes) {
+    try {
+      resource.allocate_locked(bytes, 4096);
+    } catch (const out_of_memory& e) {
+      return std::string(e.what());
+    }
+    return std::string("served");
+  };
+  const std::size_t largest = std::numeric_limits<std::size_t>::max() - 4096;
+  EXPECT_NE(refusal(largest).find("more than this machine's"), std::string::npos) << refusal(largest);
+  EXPECT_NE(refusal(largest + 1).find("cannot be represented"), std::string::npos) << refusal(largest + 1);
+  // A page whose alignment alone needs a mapping larger than the machine: refused before any
+  // mapping, by the machine's memory, not tried (MAP_POPULATE would end in the OOM killer).
+  const std::size_t physical = tensormem::memory::physical_memory_bytes();
+  const std::size_t past = std::bit_ceil(physical) << 1U;
+  for (const bool locked : {true, false}) {
+    try {
+      void* p = locked ? resource.allocate_locked(4096, past) : resource.allocate(4096, past);
+      resource.deallocate(p, 4096, past);
+      ADD_FAILURE() << "an alignment of " << past << " bytes was served";
+    } catch (const out_of_memory& e) {
+      EXPECT_NE(std::string(e.what()).find("more than this machine's " + std::to_string(physical)), std::string::npos)
+          << e.what();
+    }
+  }
   EXPECT_EQ(resource.stats().mappings, 0U);
+  EXPECT_EQ(resource.stats().system_calls, 0U);
   void* p = resource.allocate_locked(0, 4096);  // a distinct pointer, as allocate gives
   ASSERT_NE(p, nullptr);
   EXPECT_EQ(resource.stats().locked_bytes, 4096U);
@@ -360,17 +388,98 @@ TEST(pinned_host_resource, allocate_locked_refuses_what_allocate_refuses) {
   EXPECT_EQ(resource.stats().mappings, 0U);
 }
 
+// The process's virtual size, in pages (0 where it cannot be read).
+unsigned long mapped_pages() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  unsigned long pages = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  return pages;
+}
+
+// Alignments above a page: the mapping is made larger by the alignment less a page and both
+// ends are trimmed, so the block is aligned, holds its bytes, is the only part left mapped
+// (the virtual size grows by the block alone) and is counted as one locked mapping of its
+// page-rounded size; each trimmed end is one more system call.
+TEST(pinned_host_resource, alignments_above_a_page_are_trimmed_to_the_block) {
+  pinned_host_resource resource;
+  const std::size_t page = pinned_host_resource::page_bytes();
+  // One allocation first: the first reads the machine's memory, and the heap grows for it.
+  resource.deallocate(resource.allocate_locked(1, 2 * page), 1, 2 * page);
+  static_cast<void>(mapped_pages());
+  for (const std::size_t alignment : {2 * page, std::size_t{64} << 10U, std::size_t{2} << 20U, 64 * mib}) {
+    for (const std::size_t bytes : {std::size_t{1}, page + 5, 3 * mib}) {
+      const std::size_t mapped = (bytes + page - 1) / page * page;
+      const unsigned long pages_before = mapped_pages();
+      const std::uint64_t calls_before = resource.stats().system_calls;
+      auto* p = static_cast<unsigned char*>(resource.allocate_locked(bytes, alignment));
+      const unsigned long pages_after = mapped_pages();
+      const pinned_stats s = resource.stats();
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % alignment, 0U) << alignment;
+      std::memset(p, 0x5a, bytes);
+      EXPECT_EQ(p[bytes - 1], 0x5a);
+      EXPECT_EQ(s.mappings, 1U);
+      EXPECT_EQ(s.mapped_bytes, mapped);
+      EXPECT_EQ(s.locked_bytes, mapped);
+      // mmap, mlock, and a munmap for each end cut off (at least one: the extra is not 0).
+      const std::uint64_t calls = s.system_calls - calls_before;
+      EXPECT_GE(calls, 3U) << alignment;
+      EXPECT_LE(calls, 4U) << alignment;
+      // Nothing of the extra stays mapped (the heap may grow by a few pages meanwhile: a trimmed
+      // end left mapped shows where it is larger than that, as with 64 MiB nearly always).
+      EXPECT_LE((pages_after - pages_before) * page, mapped + 256 * 1024) << "alignment " << alignment;
+      resource.deallocate(p, bytes, alignment);
+      EXPECT_EQ(resource.stats().mappings, 0U);
+      EXPECT_EQ(resource.stats().locked_bytes, 0U);
+      EXPECT_EQ(resource.stats().mapped_bytes, 0U);
+    }
+  }
+}
+
+// A mapping handed out unlocked is given back as unlocked: the locked bytes count only the
+// locked ones, before and after either is freed, in either order.
+TEST(pinned_host_resource, locked_and_unlocked_mappings_are_counted_apart_when_freed) {
+  const auto [code, message] = in_limited_child([](std::string& out) {
+    try {
+      pinned_host_resource resource(pinned_options{.allow_unlocked_fallback = true});
+      void* locked = resource.allocate(256 << 10U, 4096);  // within the 1 MiB limit
+      void* unlocked = resource.allocate(2 * mib, 4096);   // past it: unlocked
+      void* locked2 = resource.allocate(256 << 10U, 4096);
+      std::memset(unlocked, 1, 2 * mib);
+      const auto text = [&](const char* when) {
+        const pinned_stats s = resource.stats();
+        return std::string(when) + ": locked " + std::to_string(s.locked_bytes) + ", mapped " +
+               std::to_string(s.mapped_bytes) + ", fallbacks " + std::to_string(s.unlocked_fallbacks) + "; ";
+      };
+      bool ok = resource.stats().locked_bytes == 512U << 10U && resource.stats().unlocked_fallbacks == 1;
+      out += text("all three");
+      resource.deallocate(unlocked, 2 * mib, 4096);
+      ok = ok && resource.stats().locked_bytes == 512U << 10U && resource.stats().mapped_bytes == 512U << 10U;
+      out += text("unlocked freed");
+      resource.deallocate(locked, 256 << 10U, 4096);
+      ok = ok && resource.stats().locked_bytes == 256U << 10U;
+      out += text("one locked freed");
+      void* unlocked2 = resource.allocate(2 * mib, 4096);
+      resource.deallocate(locked2, 256 << 10U, 4096);
+      ok = ok && resource.stats().locked_bytes == 0 && resource.stats().mapped_bytes == 2 * mib;
+      out += text("locked freed before an unlocked one");
+      resource.deallocate(unlocked2, 2 * mib, 4096);
+      ok = ok && resource.stats().locked_bytes == 0 && resource.stats().mappings == 0 &&
+           resource.stats().unlocked_fallbacks == 2;
+      out += text("all freed");
+      return ok ? 0 : 1;
+    } catch (const std::exception& e) {
+      out = e.what();
+      return 2;
+    }
+  });
+  EXPECT_EQ(code, 0) << message;
+}
+
 TEST(pinned_pool, a_refused_lock_unmaps_and_counts_its_calls) {
   const auto [code, message] = in_limited_child([](std::string& out) {
-    const auto mapped_pages = [] {  // the process's virtual size, in pages
-      std::FILE* f = std::fopen("/proc/self/statm", "r");
-      unsigned long pages = 0;
-      if (f != nullptr) {
-        if (std::fscanf(f, "%lu", &pages) != 1) pages = 0;
-        std::fclose(f);
-      }
-      return pages;
-    };
     pinned_host_resource resource;
     const unsigned long before = mapped_pages();
     try {

@@ -42,12 +42,14 @@ void add_pinned_bench_command(CLI::App& app) {
       j["speedup"] = r.speedup;
       j["locked_bytes_after_release"] = r.locked_bytes_after_release;
       j["pool_system_calls"] = r.pool_system_calls;
+      j["mlock_system_calls"] = r.mlock_system_calls;
       std::cout << j.dump() << '\n';
       return;
     }
     std::cout << fmt::format("pinned pool           {:>12.1f} ns per allocate/free pair ({} system calls)\n",
                              r.pool_ns_per_pair, r.pool_system_calls)
-              << fmt::format("mmap + mlock each     {:>12.1f} ns per pair\n", r.mlock_ns_per_pair)
+              << fmt::format("mmap + mlock each     {:>12.1f} ns per pair ({} system calls)\n", r.mlock_ns_per_pair,
+                             r.mlock_system_calls)
               << fmt::format("speedup               {:>12.1f} x\n", r.speedup)
               << fmt::format("locked bytes left     {:>12}\n", r.locked_bytes_after_release);
   });

@@ -21,6 +21,7 @@ struct pinned_benchmark_result {
   double speedup = 0;                          ///< mlock / pool
   std::int64_t locked_bytes_after_release = 0; ///< VmLck growth left once the pool is gone
   std::uint64_t pool_system_calls = 0;         ///< made by the pool during its pairs
+  std::uint64_t mlock_system_calls = 0;        ///< made by the mapping per pair (mmap, mlock, munmap each)
 };
 
 /// Allocate/free pairs of the same size sequence from a pinned_pool (one slab, reused) and
