@@ -71,7 +71,10 @@ TEST(trace_log_adaptor, writes_a_trace_the_planner_reads) {
   EXPECT_EQ(buffers[0].id, "a0");
   EXPECT_EQ(buffers[0].lower, 0U);
   EXPECT_EQ(buffers[0].upper, 2U);
+  EXPECT_EQ(buffers[1].lower, 1U);
+  EXPECT_EQ(buffers[1].upper, 4U);
   EXPECT_EQ(buffers[2].lower, 3U);
+  EXPECT_EQ(buffers[2].upper, 6U);  // still live when flushed: one past the step after the last event
   EXPECT_EQ(core::lower_bound(buffers), 3000U);
   core::best_fit_allocator online(core::growing, 1);
   EXPECT_EQ(core::replay(buffers, online).high_water, 3000U);
