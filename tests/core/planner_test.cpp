@@ -688,6 +688,38 @@ TEST(planner, tiny_instances_reach_the_brute_force_optimum) {
   }
 }
 
+// The canonical search alone, against brute force, with no limit of time or nodes: at the
+// optimum's capacity it finds a valid plan within it; one byte below, it proves there is none
+// (false, not stopped). For each preorder, on tiny random instances, some of them with
+// buffers that share a section boundary, so that the parts split apart.
+TEST(planner, canonical_search_is_exact_at_the_optimum_and_one_byte_below) {
+  std::mt19937_64 rng(11);
+  const detail::preorder orders[] = {detail::preorder::length_area_total, detail::preorder::total_area_length,
+                                     detail::preorder::total_length_area};
+  for (int instance = 0; instance < 300; ++instance) {
+    const std::uint64_t horizon = instance % 2 == 0 ? 8 : 16;
+    const auto b = random_instance(rng, 3 + static_cast<std::size_t>(instance % 6), horizon, 16);
+    const std::uint64_t optimum = brute_force_optimum(b);
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    const detail::search_graph g = detail::make_search_graph(p);
+    for (const detail::preorder order : orders) {
+      std::vector<std::uint64_t> offsets;
+      bool stopped = true;
+      ASSERT_TRUE(detail::canonical_search(p, g, optimum, order, {}, UINT64_MAX, offsets, stopped))
+          << "instance " << instance << ", preorder " << static_cast<int>(order);
+      EXPECT_FALSE(stopped);
+      EXPECT_EQ(validate(b, offsets, optimum), "") << "instance " << instance;
+      EXPECT_LE(detail::arena_of(p, offsets), optimum);
+      std::vector<std::uint64_t> none;
+      stopped = true;
+      EXPECT_FALSE(detail::canonical_search(p, g, optimum - 1, order, {}, UINT64_MAX, none, stopped))
+          << "instance " << instance << ": a plan below the optimum " << optimum;
+      EXPECT_FALSE(stopped);
+      EXPECT_TRUE(none.empty());
+    }
+  }
+}
+
 // The skylines run on two threads and their plans are offered in a fixed order: the plan
 // does not depend on the thread count (minimalloc_C: the greedy orders stay far above the
 // bound, the skylines run, the canonical search reaches it).
