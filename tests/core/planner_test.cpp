@@ -688,6 +688,52 @@ TEST(planner, tiny_instances_reach_the_brute_force_optimum) {
   }
 }
 
+// The search's static data against brute force: each section's members and total bytes,
+// each buffer's overlap list (the other buffers of some bytes alive with it, each once), and
+// the count of overlapping pairs (zero-byte buffers among them).
+TEST(planner, search_graph_and_overlap_pairs_equal_brute_force) {
+  std::mt19937_64 rng(5);
+  for (int instance = 0; instance < 200; ++instance) {
+    const std::size_t n = 1 + static_cast<std::size_t>(instance % 40);
+    const auto b = random_buffers(rng, n, 30, 12, [&] { return rng() % 4 == 0 ? 0 : 1 + rng() % 100; });
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    const detail::search_graph g = detail::make_search_graph(p);
+    const auto overlap = [&](std::size_t x, std::size_t y) { return p.lo[x] < p.hi[y] && p.lo[y] < p.hi[x]; };
+    std::uint64_t pairs = 0;
+    for (std::size_t x = 0; x < n; ++x) {
+      for (std::size_t y = x + 1; y < n; ++y) pairs += overlap(x, y) ? 1U : 0U;
+    }
+    EXPECT_EQ(detail::overlap_pairs(p), pairs) << "instance " << instance;
+    ASSERT_EQ(g.section_begin.size(), p.sections + std::size_t{1});
+    for (std::uint32_t s = 0; s < p.sections; ++s) {
+      std::vector<std::uint32_t> members(g.section_members.begin() + g.section_begin[s],
+                                         g.section_members.begin() + g.section_begin[s + 1]);
+      std::vector<std::uint32_t> expected;
+      std::uint64_t total = 0;
+      for (std::uint32_t x = 0; x < n; ++x) {
+        if (p.bytes[x] != 0 && p.lo[x] <= s && s < p.hi[x]) {
+          expected.push_back(x);
+          total += p.bytes[x];
+        }
+      }
+      std::sort(members.begin(), members.end());
+      EXPECT_EQ(members, expected) << "instance " << instance << ", section " << s;
+      EXPECT_EQ(g.section_total[s], total) << "instance " << instance << ", section " << s;
+    }
+    ASSERT_EQ(g.overlap_begin.size(), n + 1);
+    for (std::uint32_t x = 0; x < n; ++x) {
+      std::vector<std::uint32_t> listed(g.overlaps.begin() + g.overlap_begin[x],
+                                        g.overlaps.begin() + g.overlap_begin[x + 1]);
+      std::vector<std::uint32_t> expected;
+      for (std::uint32_t y = 0; y < n; ++y) {
+        if (y != x && p.bytes[x] != 0 && p.bytes[y] != 0 && overlap(x, y)) expected.push_back(y);
+      }
+      std::sort(listed.begin(), listed.end());
+      EXPECT_EQ(listed, expected) << "instance " << instance << ", buffer " << x;
+    }
+  }
+}
+
 // The canonical search alone, against brute force, with no limit of time or nodes: at the
 // optimum's capacity it finds a valid plan within it; one byte below, it proves there is none
 // (false, not stopped). For each preorder, on tiny random instances, some of them with
