@@ -100,8 +100,17 @@ TEST(planner, empty_and_degenerate_inputs) {
   EXPECT_EQ(plan(std::vector<buffer>{}).arena_bytes, 0U);
   const std::vector<buffer> zero = {{"z", 0, 1, 0, {}}, {"a", 0, 2, 10, {}}};
   EXPECT_EQ(checked_plan(zero).arena_bytes, 10U);
-  const std::vector<buffer> bad = {{"x", 3, 3, 1, {}}};
-  EXPECT_THROW(plan(bad), std::invalid_argument);
+  for (const auto& [lower, upper] : {std::pair<std::uint64_t, std::uint64_t>{3, 3}, {4, 3}}) {
+    try {
+      plan(std::vector<buffer>{{"a", 0, 9, 4, {}}, {"x", lower, upper, 1, {}}});
+      ADD_FAILURE() << "a lifetime [" << lower << ", " << upper << ") was planned";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("buffer 'x' has an empty lifetime [" + std::to_string(lower) + ", " +
+                                           std::to_string(upper) + ")"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   plan_options o;
   o.alignment = 3;
   EXPECT_THROW(plan(zero, o), std::invalid_argument);
