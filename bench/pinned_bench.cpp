@@ -19,6 +19,7 @@ void bm_pinned(benchmark::State& state) {
     state.counters["speedup"] = r.speedup;
     state.counters["locked_bytes_after_release"] = static_cast<double>(r.locked_bytes_after_release);
     state.counters["pool_system_calls"] = static_cast<double>(r.pool_system_calls);
+    state.counters["mlock_system_calls"] = static_cast<double>(r.mlock_system_calls);
   }
 }
 BENCHMARK(bm_pinned)->UseManualTime()->Iterations(3)->Unit(benchmark::kNanosecond);

@@ -744,9 +744,10 @@ TEST(planner, search_graph_and_overlap_pairs_equal_brute_force) {
 }
 
 // The canonical search alone, against brute force, with no limit of time or nodes: at the
-// optimum's capacity it finds a valid plan within it; one byte below, it proves there is none
-// (false, not stopped). For each preorder, on tiny random instances, some of them with
-// buffers that share a section boundary, so that the parts split apart.
+// optimum's capacity it finds a valid plan within it; one byte below, it finds none (false,
+// not stopped). For each preorder, on tiny random instances. Every one of these instances has
+// its optimum at its lower bound, so "one byte below" is refused by the sections' totals
+// alone; the search's proofs above the bound are not exercised here (docs/RELIABILITY.md).
 TEST(planner, canonical_search_is_exact_at_the_optimum_and_one_byte_below) {
   std::mt19937_64 rng(11);
   const detail::preorder orders[] = {detail::preorder::length_area_total, detail::preorder::total_area_length,
