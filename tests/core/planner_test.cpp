@@ -451,6 +451,17 @@ TEST(planner_greedy, peaks_over_spans_equal_the_naive_ones) {
       }
     }
   }
+  // A buffer alive in every section, where the count of sections is a power of two: its range
+  // maximum is the tree's root alone, which random instances almost never reach.
+  for (std::uint64_t sections = 1; sections <= 256; sections *= 2) {
+    std::vector<buffer> whole = {{"whole", 0, sections, 1000, {}}};
+    for (std::uint64_t t = 0; t < sections; ++t) whole.push_back({"t" + std::to_string(t), t, t + 1, t + 1, {}});
+    const detail::plan_problem p = detail::make_problem(whole, 1);
+    ASSERT_EQ(p.sections, sections);
+    const auto peak = detail::peak_live_over_span(p);
+    EXPECT_EQ(peak, naive_peaks(p)) << sections << " sections";
+    EXPECT_EQ(peak[0], 1000 + sections) << sections << " sections";
+  }
   // Raised: the buffers that end above the lower bound (20), not one that ends at it.
   const detail::plan_problem two = detail::make_problem(std::vector<buffer>{{"a", 0, 2, 10, {}}, {"b", 1, 3, 10, {}}}, 1);
   std::vector<double> key = {1.0, 1.0};
