@@ -7,11 +7,16 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "tensormem/memory/host_resource.hpp"
+#include "tensormem/trace/trace_io.hpp"
 
 namespace tensormem::cli {
 namespace {
@@ -96,6 +101,64 @@ TEST(arena_ops, a_random_script_with_defragmentations_is_verified_at_every_step)
     EXPECT_GT(a.stats().defragmentations, 10U);
     EXPECT_EQ(r.steps, ops.size());
   }
+}
+
+// Every parse error names the script and the line it is on, a line too long included
+// (reported by the reader before the line is split into words).
+TEST(arena_ops, parse_errors_name_the_line) {
+  auto message = [](const std::string& script) {
+    std::istringstream in(script);
+    try {
+      parse_arena_ops(in, "s.txt");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("parsed");
+  };
+  EXPECT_EQ(message("alloc a 1\n# a comment\nfrobnicate b\n"),
+            "s.txt:3: unknown step 'frobnicate' (expected alloc or free)");
+  EXPECT_EQ(message("alloc a 1\nalloc b 1 2\n"), "s.txt:2: unexpected '2' at the end of the step");
+  EXPECT_EQ(message("alloc a 18446744073709551616\n"),
+            "s.txt:1: BYTES does not fit in 64 bits: '18446744073709551616'");
+  const std::string fits(trace::max_line_bytes, ' ');
+  EXPECT_EQ(message("alloc a 1\n" + fits + "\nfree a\n"), "parsed");
+  EXPECT_EQ(message("alloc a 1\n" + fits + " \nfree a\n"),
+            "s.txt:2: line longer than " + std::to_string(trace::max_line_bytes) + " bytes");
+}
+
+// The built-in ZeRO-3 scenario: 24 groups, each gathered twice (forward and backward), with
+// an activation and a gradient; every tensor it allocates it frees, and it runs at its
+// capacity (5 % over its peak) without a failed step, verified.
+TEST(arena_ops, the_zero3_scenario_frees_all_it_allocates_over_24_groups) {
+  const std::optional<arena_scenario> sc = find_arena_scenario("zero3");
+  ASSERT_TRUE(sc.has_value());
+  std::istringstream in(sc->script);
+  const std::vector<arena_op> ops = parse_arena_ops(in, "zero3");
+  std::map<std::string, int> allocations;
+  std::map<std::string, int> live;
+  for (const arena_op& op : ops) {
+    if (op.allocate) {
+      ++allocations[op.name];
+      EXPECT_EQ(live[op.name]++, 0) << op.name;
+    } else {
+      EXPECT_EQ(live[op.name]--, 1) << op.name;
+    }
+  }
+  EXPECT_EQ(allocations.size(), 3U * 24U);
+  for (int l = 0; l < 24; ++l) {
+    const std::string n = std::to_string(l);
+    EXPECT_EQ(allocations["w" + n], 2) << n;
+    EXPECT_EQ(allocations["act" + n], 1) << n;
+    EXPECT_EQ(allocations["grad" + n], 1) << n;
+  }
+  for (const auto& [name, count] : live) EXPECT_EQ(count, 0) << name << " left allocated";
+  memory::host_resource host;
+  arena::contiguous_arena a(host, sc->capacity, {.alignment = sc->alignment});
+  const arena_run_result r = run_arena_ops(a, ops, true, 16);
+  EXPECT_EQ(r.failures, names{});
+  ASSERT_TRUE(r.verified.has_value());
+  EXPECT_TRUE(*r.verified);
+  EXPECT_EQ(a.stats().live_tensors, 0U);
 }
 
 }  // namespace
