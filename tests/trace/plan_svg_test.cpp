@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -15,6 +17,7 @@
 #include "tensormem/trace/arena_svg.hpp"
 #include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
+#include "../../src/trace/svg_support.hpp"
 
 namespace tensormem::trace {
 namespace {
@@ -99,6 +102,7 @@ TEST(plan_svg, an_empty_plan_is_at_its_lower_bound) {
   std::ostringstream empty;
   write_plan_svg(empty, std::vector<core::buffer>{}, std::vector<std::uint64_t>{}, 0, 0);
   EXPECT_NE(empty.str().find("0 buffers: arena 0 B, lower bound 0 B (1.0000 x)"), std::string::npos) << empty.str();
+  EXPECT_EQ(empty.str().find("nan"), std::string::npos) << "a time axis of no length divided by";
   const std::vector<core::buffer> zero_bytes = {{"z", 0, 3, 0, {}}};
   std::ostringstream zero;
   write_plan_svg(zero, zero_bytes, std::vector<std::uint64_t>{0}, 0, 0);
@@ -125,6 +129,101 @@ TEST(plan_svg, many_buffers_are_aggregated) {
   EXPECT_NE(svg.find("drawn as their union"), std::string::npos);
   EXPECT_LT(svg.size(), std::size_t{4} << 20);
   EXPECT_GT(count(svg, "<rect x="), 100U);  // something is drawn
+}
+
+// The union per pixel column against a naive fill of every buffer's pixels. The plot is 940 x 600
+// pixels: 940 time steps and 600 KiB of arena put every buffer's edges on pixel boundaries (a
+// step is a column, 1 KiB a row), so the expected picture is exact. Buffers overlap (the plan
+// is drawn as given), one of zero bytes spans all time mid-height (it sets the time axis and is
+// not drawn), and some reach the plot's right and top edges.
+TEST(plan_svg, the_aggregate_is_the_union_of_the_buffers_pixels) {
+  constexpr std::size_t cols = 940;
+  constexpr std::size_t rows = 600;
+  std::mt19937_64 rng(17);
+  std::vector<core::buffer> buffers = {{"all time, empty", 0, cols, 0, {}}};
+  std::vector<std::uint64_t> offsets = {300 * 1024};
+  while (buffers.size() <= 20'000) {
+    const std::uint64_t lower = rng() % cols;
+    const std::uint64_t upper = std::min<std::uint64_t>(cols, lower + 1 + rng() % 12);
+    const std::uint64_t row0 = rng() % rows;
+    const std::uint64_t height = std::min<std::uint64_t>(rows - row0, 1 + rng() % 6);
+    buffers.push_back({"b" + std::to_string(buffers.size()), lower, upper, height * 1024, {}});
+    offsets.push_back(row0 * 1024);
+  }
+  std::vector<std::vector<bool>> covered(cols, std::vector<bool>(rows, false));  // [column][row from the top]
+  for (std::size_t i = 1; i < buffers.size(); ++i) {
+    const std::uint64_t top_row = rows - (offsets[i] + buffers[i].bytes) / 1024;
+    const std::uint64_t bottom_row = rows - offsets[i] / 1024;
+    for (std::uint64_t c = buffers[i].lower; c < buffers[i].upper; ++c) {
+      for (std::uint64_t r = top_row; r < bottom_row; ++r) covered[c][r] = true;
+    }
+  }
+  std::ostringstream expected;
+  for (std::size_t c = 0; c < cols; ++c) {
+    for (std::size_t r = 0; r < rows;) {
+      if (!covered[c][r]) {
+        ++r;
+        continue;
+      }
+      const std::size_t start = r;
+      while (r < rows && covered[c][r]) ++r;
+      expected << "<rect x=\"" << 90 + c << "\" y=\"" << 56 + start << "\" width=\"1\" height=\"" << r - start
+               << "\"/>\n";
+    }
+  }
+  std::ostringstream out;
+  write_plan_svg(out, buffers, offsets, rows * 1024, 1);
+  const std::string svg = out.str();
+  const std::size_t group = svg.find("<g class=\"aggregate\"");
+  ASSERT_NE(group, std::string::npos);
+  const std::size_t first = svg.find("<rect", group);
+  const std::size_t end = svg.find("</g>", group);
+  ASSERT_LT(first, end);
+  EXPECT_EQ(svg.substr(first, end - first), expected.str());
+}
+
+// Binary units and round tick steps at their edges: the unit changes at 1024, two formats meet
+// at 100, the units end at EiB; a step of exactly a round number, an axis of exactly one unit,
+// and fractions of a unit halved down to the tick spacing exactly.
+TEST(svg_support, units_and_tick_steps_at_their_edges) {
+  using detail::byte_tick_step;
+  using detail::human;
+  using detail::tick_step;
+  EXPECT_EQ(human(0), "0 B");
+  EXPECT_EQ(human(5), "5 B");
+  EXPECT_EQ(human(1023), "1023 B");
+  EXPECT_EQ(human(1024), "1 KiB");
+  EXPECT_EQ(human(1536), "1.5 KiB");
+  EXPECT_EQ(human(99.5 * 1024), "99.5 KiB");
+  EXPECT_EQ(human(1023.0 * 1024), "1023 KiB");
+  EXPECT_EQ(human(std::ldexp(1.0, 60)), "1 EiB");
+  EXPECT_EQ(human(std::ldexp(1.0, 70)), "1024 EiB");
+  EXPECT_EQ(tick_step(0, 8, 10), 1.0);
+  EXPECT_EQ(tick_step(100, 8, 10), 20.0);
+  EXPECT_EQ(tick_step(80, 8, 10), 10.0);
+  EXPECT_EQ(byte_tick_step(1024, 6), 256.0);
+  EXPECT_EQ(byte_tick_step(1536, 6), 256.0);
+  EXPECT_EQ(byte_tick_step(6.0 * 1024 * 1024, 6), 1024.0 * 1024);
+  EXPECT_EQ(byte_tick_step(std::ldexp(1.0, 70), 6), 200 * std::ldexp(1.0, 60));
+}
+
+// Up to 2,000 buffers are outlined, up to 20,000 drawn one by one; one more, and they are not.
+TEST(plan_svg, outlines_and_aggregation_start_one_buffer_past_their_limits) {
+  auto drawn = [](std::size_t n) {
+    std::vector<core::buffer> buffers;
+    std::vector<std::uint64_t> offsets;
+    for (std::size_t i = 0; i < n; ++i) {
+      buffers.push_back({"t" + std::to_string(i), i, i + 1, 256, {}});
+      offsets.push_back(0);
+    }
+    std::ostringstream out;
+    write_plan_svg(out, buffers, offsets, 256, 256);
+    return std::pair{count(out.str(), "class=\"buffer\""), count(out.str(), "stroke-width=\"0.3\"")};
+  };
+  EXPECT_EQ(drawn(2'000), (std::pair<std::size_t, std::size_t>{2'000, 2'000}));
+  EXPECT_EQ(drawn(2'001), (std::pair<std::size_t, std::size_t>{2'001, 0}));
+  EXPECT_EQ(drawn(20'000), (std::pair<std::size_t, std::size_t>{20'000, 0}));
+  EXPECT_EQ(drawn(20'001), (std::pair<std::size_t, std::size_t>{0, 0}));
 }
 
 // The page carries the plan as data; ids that look like markup or code stay text.
