@@ -132,54 +132,71 @@ TEST(plan_svg, many_buffers_are_aggregated) {
 }
 
 // The union per pixel column against a naive fill of every buffer's pixels. The plot is 940 x 600
-// pixels: 940 time steps and 600 KiB of arena put every buffer's edges on pixel boundaries (a
-// step is a column, 1 KiB a row), so the expected picture is exact. Buffers overlap (the plan
-// is drawn as given), one of zero bytes spans all time mid-height (it sets the time axis and is
-// not drawn), and some reach the plot's right and top edges.
+// pixels over 940 * `steps` time steps and 600 KiB of arena, so that a column is `steps` steps
+// and a row 1 KiB, and every expected pixel is exact. With one step a column and whole KiB every
+// edge falls on a pixel boundary; with ten steps a column and offsets and sizes in quarters of a
+// KiB, a buffer's edges are rounded down to whole pixels (rows counted from the top), and one
+// narrower or lower than a pixel is drawn one pixel wide or high. Buffers overlap (the plan is drawn as given), one of zero
+// bytes spans all time mid-height (it sets the time axis and is not drawn), and some reach the
+// plot's right and top edges.
 TEST(plan_svg, the_aggregate_is_the_union_of_the_buffers_pixels) {
-  constexpr std::size_t cols = 940;
-  constexpr std::size_t rows = 600;
-  std::mt19937_64 rng(17);
-  std::vector<core::buffer> buffers = {{"all time, empty", 0, cols, 0, {}}};
-  std::vector<std::uint64_t> offsets = {300 * 1024};
-  while (buffers.size() <= 20'000) {
-    const std::uint64_t lower = rng() % cols;
-    const std::uint64_t upper = std::min<std::uint64_t>(cols, lower + 1 + rng() % 12);
-    const std::uint64_t row0 = rng() % rows;
-    const std::uint64_t height = std::min<std::uint64_t>(rows - row0, 1 + rng() % 6);
-    buffers.push_back({"b" + std::to_string(buffers.size()), lower, upper, height * 1024, {}});
-    offsets.push_back(row0 * 1024);
-  }
-  std::vector<std::vector<bool>> covered(cols, std::vector<bool>(rows, false));  // [column][row from the top]
-  for (std::size_t i = 1; i < buffers.size(); ++i) {
-    const std::uint64_t top_row = rows - (offsets[i] + buffers[i].bytes) / 1024;
-    const std::uint64_t bottom_row = rows - offsets[i] / 1024;
-    for (std::uint64_t c = buffers[i].lower; c < buffers[i].upper; ++c) {
-      for (std::uint64_t r = top_row; r < bottom_row; ++r) covered[c][r] = true;
+  constexpr std::uint64_t cols = 940;
+  constexpr std::uint64_t rows = 600;
+  for (const std::uint64_t steps : {std::uint64_t{1}, std::uint64_t{10}}) {
+    const std::uint64_t quantum = steps == 1 ? 1024 : 256;  // of a buffer's size
+    std::mt19937_64 rng(17 + steps);
+    std::vector<core::buffer> buffers = {{"all time, empty", 0, cols * steps, 0, {}}};
+    std::vector<std::uint64_t> offsets = {300 * 1024};
+    while (buffers.size() <= 20'000) {
+      const std::uint64_t lower = rng() % (cols * steps);
+      const std::uint64_t upper = std::min<std::uint64_t>(cols * steps, lower + 1 + rng() % (12 * steps));
+      const std::uint64_t offset = (rng() % rows) * 1024 + (steps == 1 ? 0 : quantum * (rng() % 4));
+      const std::uint64_t bytes = std::min<std::uint64_t>(rows * 1024 - offset, quantum * (1 + rng() % 24));
+      buffers.push_back({"b" + std::to_string(buffers.size()), lower, upper, bytes, {}});
+      offsets.push_back(offset);
     }
-  }
-  std::ostringstream expected;
-  for (std::size_t c = 0; c < cols; ++c) {
-    for (std::size_t r = 0; r < rows;) {
-      if (!covered[c][r]) {
-        ++r;
-        continue;
+    std::vector<std::vector<bool>> covered(cols, std::vector<bool>(rows, false));  // [column][row from the top]
+    for (std::size_t i = 1; i < buffers.size(); ++i) {
+      const std::uint64_t top_row = (rows * 1024 - offsets[i] - buffers[i].bytes) / 1024;
+      const std::uint64_t bottom_row = std::max(top_row + 1, (rows * 1024 - offsets[i]) / 1024);
+      const std::uint64_t first_col = buffers[i].lower / steps;
+      const std::uint64_t end_col = std::max(first_col + 1, buffers[i].upper / steps);
+      for (std::uint64_t c = first_col; c < end_col; ++c) {
+        for (std::uint64_t r = top_row; r < bottom_row; ++r) covered[c][r] = true;
       }
-      const std::size_t start = r;
-      while (r < rows && covered[c][r]) ++r;
-      expected << "<rect x=\"" << 90 + c << "\" y=\"" << 56 + start << "\" width=\"1\" height=\"" << r - start
-               << "\"/>\n";
     }
+    std::ostringstream expected;
+    for (std::size_t c = 0; c < cols; ++c) {
+      for (std::size_t r = 0; r < rows;) {
+        if (!covered[c][r]) {
+          ++r;
+          continue;
+        }
+        const std::size_t start = r;
+        while (r < rows && covered[c][r]) ++r;
+        expected << "<rect x=\"" << 90 + c << "\" y=\"" << 56 + start << "\" width=\"1\" height=\"" << r - start
+                 << "\"/>\n";
+      }
+    }
+    std::ostringstream out;
+    write_plan_svg(out, buffers, offsets, rows * 1024, 1);
+    const std::string svg = out.str();
+    const std::size_t group = svg.find("<g class=\"aggregate\"");
+    ASSERT_NE(group, std::string::npos);
+    const std::size_t first = svg.find("<rect", group);
+    const std::size_t end = svg.find("</g>", group);
+    ASSERT_LT(first, end);
+    // (Compared by hand: gtest's diff of two strings of some 20,000 lines each would need
+    // gigabytes.) The first rectangle that differs is shown.
+    const std::string got = svg.substr(first, end - first);
+    const std::string want = expected.str();
+    const auto differ = std::mismatch(got.begin(), got.end(), want.begin(), want.end());
+    const auto line = static_cast<std::size_t>(differ.first - got.begin());
+    const std::size_t from = got.rfind('\n', line) == std::string::npos ? 0 : got.rfind('\n', line) + 1;
+    EXPECT_TRUE(got == want) << steps << " steps a column: " << got.size() << " bytes drawn, " << want.size()
+                             << " expected; first difference at '" << got.substr(from, 60) << "', expected '"
+                             << want.substr(from, 60) << "'";
   }
-  std::ostringstream out;
-  write_plan_svg(out, buffers, offsets, rows * 1024, 1);
-  const std::string svg = out.str();
-  const std::size_t group = svg.find("<g class=\"aggregate\"");
-  ASSERT_NE(group, std::string::npos);
-  const std::size_t first = svg.find("<rect", group);
-  const std::size_t end = svg.find("</g>", group);
-  ASSERT_LT(first, end);
-  EXPECT_EQ(svg.substr(first, end - first), expected.str());
 }
 
 // Binary units and round tick steps at their edges: the unit changes at 1024, two formats meet
