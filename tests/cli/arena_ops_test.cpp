@@ -9,9 +9,9 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <stdexcept>
-#include <random>
 #include <string>
 #include <vector>
 

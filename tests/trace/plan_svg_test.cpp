@@ -136,9 +136,10 @@ TEST(plan_svg, many_buffers_are_aggregated) {
 // and a row 1 KiB, and every expected pixel is exact. With one step a column and whole KiB every
 // edge falls on a pixel boundary; with ten steps a column and offsets and sizes in quarters of a
 // KiB, a buffer's edges are rounded down to whole pixels (rows counted from the top), and one
-// narrower or lower than a pixel is drawn one pixel wide or high. Buffers overlap (the plan is drawn as given), one of zero
-// bytes spans all time mid-height (it sets the time axis and is not drawn), and some reach the
-// plot's right and top edges.
+// narrower or lower than a pixel is drawn one pixel wide or high. Buffers overlap (the plan is
+// drawn as given), one of zero bytes spans all time mid-height (it sets the time axis and is not
+// drawn), and some reach the plot's right and top edges. The plot's size and its place (90 pixels
+// from the left, 56 from the top) are write_plan_svg's layout.
 TEST(plan_svg, the_aggregate_is_the_union_of_the_buffers_pixels) {
   constexpr std::uint64_t cols = 940;
   constexpr std::uint64_t rows = 600;
@@ -190,9 +191,10 @@ TEST(plan_svg, the_aggregate_is_the_union_of_the_buffers_pixels) {
     // gigabytes.) The first rectangle that differs is shown.
     const std::string got = svg.substr(first, end - first);
     const std::string want = expected.str();
-    const auto differ = std::mismatch(got.begin(), got.end(), want.begin(), want.end());
-    const auto line = static_cast<std::size_t>(differ.first - got.begin());
-    const std::size_t from = got.rfind('\n', line) == std::string::npos ? 0 : got.rfind('\n', line) + 1;
+    const auto at = static_cast<std::size_t>(std::mismatch(got.begin(), got.end(), want.begin(), want.end()).first -
+                                             got.begin());
+    const std::size_t line_end = at == 0 ? std::string::npos : got.rfind('\n', at - 1);
+    const std::size_t from = line_end == std::string::npos ? 0 : line_end + 1;  // the line that differs
     EXPECT_TRUE(got == want) << steps << " steps a column: " << got.size() << " bytes drawn, " << want.size()
                              << " expected; first difference at '" << got.substr(from, 60) << "', expected '"
                              << want.substr(from, 60) << "'";
