@@ -130,8 +130,8 @@ bool aligned(const void* p, std::size_t n) {
 
 double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// Files the swapper keeps open at once: a quarter of the soft RLIMIT_NOFILE (the rest is the
-// program's), between 4 and 256.
+// Descriptors of files the swapper holds at once: a quarter of the soft RLIMIT_NOFILE (the rest
+// is the program's), between 4 and 256.
 std::size_t open_file_budget() {
   rlimit limit{};
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 256;
@@ -223,7 +223,9 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   stats_.fallback = reason;
   stats_.checksums = options_.checksums;
   stats_.direct = options_.direct;
-  max_open_files_ = open_file_budget();
+  // One of the budget is the committer's: it holds a duplicate of a swap-out's descriptor
+  // while it closes the file and commits it.
+  max_open_files_ = open_file_budget() - 1;
   max_queued_ = std::max<std::size_t>(2U * std::max(engine_->queue_depth(), 1U), 8);
   const std::size_t count = options_.staging_buffers;
   // Headers have pages of their own (one per request the swapper may have queued), so small

@@ -114,8 +114,9 @@ struct swap_stats {
 /// swap-in as each block arrives, in any order, combined in file order at the end. A swap-in
 /// reads the header with the first block, in one vectored request (no blocking read first);
 /// a swap-out of a tensor of one block writes header and block in one request. At most a
-/// quarter of RLIMIT_NOFILE (4 to 256) files are open at once: files are opened when their
-/// tensor's turn comes and closed when it completes.
+/// quarter of RLIMIT_NOFILE (4 to 256) descriptors are the swapper's at once (one of them the
+/// committer's while it commits): files are opened when their tensor's turn comes and closed
+/// when it completes.
 ///
 /// Contract:
 /// - `swap_out(tensors, paths)` / `swap_in(paths, tensors)` queue the transfers and return a
