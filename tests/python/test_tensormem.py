@@ -242,6 +242,8 @@ def test_other_python_threads_run_while_a_pinned_pool_maps_or_unmaps_a_slab_or_a
                 last = now
 
         t = threading.Thread(target=note)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)
         t.start()
         took = []
         try:
@@ -253,21 +255,30 @@ def test_other_python_threads_run_while_a_pinned_pool_maps_or_unmaps_a_slab_or_a
         finally:
             stop.set()
             t.join()
+            sys.setswitchinterval(interval)
         return longest[0], took
 
-    # Three tries, for a busy machine that pauses the thread on its own; holding the GIL, no
-    # try can pass (the pause is then as long as the call).
+    # A call that held the GIL would stop the thread for all of the call but the switch interval
+    # after it (the caller gives the GIL up when the thread has asked for it that long, then waits
+    # that long to take it back): here 0.5 ms, so that such a pause is almost the whole call. A
+    # pause shorter than three quarters of every call shows that the thread ran while each call
+    # lasted. Five tries, for a busy machine (both cores taken by other tests and builds) that
+    # holds the thread off on its own; holding the GIL, no try can pass.
     seen = []
-    for _ in range(3):
+    for _ in range(5):
         buffers = []
         allocated = longest_pause_beside([lambda: buffers.append(pool.allocate(512 << 20))] * 2)
         freed = longest_pause_beside([b.free for b in buffers])
         assert pool.stats()["slabs"] == 0
-        # A swapper's staging buffers (here 2 x 256 MiB, slabs of their own) are taken the same way.
-        made = longest_pause_beside([lambda: tensormem.TensorSwapper(pool, staging_buffers=2,
-                                                                     block_bytes=256 << 20)] * 2)
-        seen.append((allocated, freed, made))
-        if all(pause < min(took) / 2 for pause, took in (allocated, freed, made)):
+        # A swapper's staging buffers (here 2 x 256 MiB, slabs of their own) are taken the same way,
+        # and given back the same way when it is destroyed (each measured apart: a call that held
+        # the GIL while the other let it go would otherwise pass for one that never held it).
+        swappers = []
+        made = longest_pause_beside([lambda: swappers.append(
+            tensormem.TensorSwapper(pool, staging_buffers=2, block_bytes=256 << 20))] * 2)
+        destroyed = longest_pause_beside([swappers.pop] * 2)  # (each destroyed as its call returns)
+        seen.append((allocated, freed, made, destroyed))
+        if all(pause < 0.75 * min(took) for pause, took in (allocated, freed, made, destroyed)):
             break
     else:
         raise AssertionError(f"another thread waited as long as a call (pause, durations): {seen}")
