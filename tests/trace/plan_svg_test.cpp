@@ -295,14 +295,33 @@ TEST(arena_svg, bars_tensors_holes_and_axis) {
   EXPECT_THROW(write_arena_svg(ignored, outside, 8192), std::invalid_argument);
 }
 
+// Blocks are drawn up to the capacity's last byte, and an empty one at the capacity itself; a
+// block one byte past it, or holding more bytes than it reserves, is refused.
+TEST(arena_svg, blocks_reach_the_capacity_and_none_passes_it) {
+  const std::vector<arena_snapshot> inside = {{"full", {{"a", 0, 8192, 8192}}},
+                                              {"end", {{"a", 0, 4096, 4096}, {"z", 8192, 0, 0}}}};
+  std::ostringstream out;
+  EXPECT_NO_THROW(write_arena_svg(out, inside, 8192));
+  EXPECT_NE(out.str().find("full: 1 tensors, used 8 KiB, free 0 B, largest hole 0 B"), std::string::npos);
+  EXPECT_NE(out.str().find("end: 2 tensors, used 4 KiB, free 4 KiB, largest hole 4 KiB"), std::string::npos);
+  for (const arena_block& past : {arena_block{"x", 7936, 256, 512}, arena_block{"x", 8193, 0, 0},
+                                  arena_block{"x", 0, 300, 256}}) {
+    const std::vector<arena_snapshot> rows = {{"bad", {past}}};
+    std::ostringstream ignored;
+    EXPECT_THROW(write_arena_svg(ignored, rows, 8192), std::invalid_argument) << past.offset << " " << past.bytes;
+  }
+}
+
 // A snapshot of a real arena: ids as names (or the caller's names), reserved = aligned size.
 TEST(arena_svg, snapshot_of_an_arena) {
   memory::host_resource host;
   arena::contiguous_arena a(host, 4096, {.alignment = 256});
   const auto x = a.allocate(100);
   const auto y = a.allocate(300);
+  static_cast<void>(a.allocate(512));  // a whole number of alignments reserves only itself
   const arena_snapshot s = snapshot(a, "now");
-  ASSERT_EQ(s.blocks.size(), 2U);
+  ASSERT_EQ(s.blocks.size(), 3U);
+  EXPECT_EQ(s.blocks[2].reserved, 512U);
   EXPECT_EQ(s.blocks[0].name, std::to_string(x.id));
   EXPECT_EQ(s.blocks[0].reserved, 256U);
   EXPECT_EQ(s.blocks[1].offset, y.offset);
