@@ -16,6 +16,10 @@ check() {  # check NAME FILE PATTERN present|absent
 script -qec "$cli plan $trace --time-limit 1.5" "$dir/plan.tty" >/dev/null
 check plan_tty "$dir/plan.tty" 'plan: [0-9]* buffers, .* x lower bound' present
 check plan_report "$dir/plan.tty" 'validated    yes' present
+# The line is blanked out (carriage return, as many spaces as it had, carriage return) before
+# the report is printed.
+tr '\r' '|' <"$dir/plan.tty" >"$dir/plan.flat"
+check plan_cleared "$dir/plan.flat" 'x lower bound| \{40,\}|trace ' present
 script -qec "$cli swap-bench --dir $dir --bytes 268435456 --tensor-bytes 8388608 --engine threads" "$dir/swap.tty" >/dev/null
 check swap_tty "$dir/swap.tty" 'swap-bench: reading [0-9.]* [KMG]iB of 256.00 MiB ([0-9.]* GB/s)' present
 script -qec "$cli demo --layers 2 --batch 2 --sequence 256 --plan-seconds 0.5" "$dir/demo.tty" >/dev/null
