@@ -3,8 +3,8 @@
 
 #include <array>
 #include <atomic>
-#include <cstddef>
 #include <csignal>
+#include <cstddef>
 
 namespace tensormem::cli {
 
