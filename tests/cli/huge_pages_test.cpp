@@ -40,8 +40,8 @@ class cli_huge_pages : public ::testing::Test {
   }
   // Runs the choice as a second run would: with the first run's marker and the tunables it
   // was started with.
-  static void as_second_run(const char* saved, const char* tunables) {
-    setenv(marker, saved, 1);
+  static void as_second_run(const std::string& saved, const char* tunables) {
+    setenv(marker, saved.c_str(), 1);
     if (tunables != nullptr) setenv("GLIBC_TUNABLES", tunables, 1);
     else unsetenv("GLIBC_TUNABLES");
     tensormem::cli::use_huge_pages(sentinel_argv);
@@ -60,7 +60,8 @@ TEST_F(cli_huge_pages, sentinel_not_a_second_run) {
 }
 
 TEST_F(cli_huge_pages, the_second_run_puts_the_callers_tunables_back) {
-  as_second_run("=glibc.malloc.mmap_threshold=4096", "glibc.malloc.mmap_threshold=4096:glibc.malloc.hugetlb=1");
+  as_second_run(tensormem::cli::second_run_marker("glibc.malloc.mmap_threshold=4096"),
+                "glibc.malloc.mmap_threshold=4096:glibc.malloc.hugetlb=1");
   EXPECT_EQ(env("GLIBC_TUNABLES"), "glibc.malloc.mmap_threshold=4096");
   EXPECT_EQ(env(marker), "<unset>");
   if (const std::string s = decided(); !s.empty()) {
@@ -69,8 +70,12 @@ TEST_F(cli_huge_pages, the_second_run_puts_the_callers_tunables_back) {
 }
 
 TEST_F(cli_huge_pages, a_caller_without_tunables_gets_none_back) {
-  as_second_run("-", "glibc.malloc.hugetlb=1");
+  as_second_run(tensormem::cli::second_run_marker(nullptr), "glibc.malloc.hugetlb=1");
   EXPECT_EQ(env("GLIBC_TUNABLES"), "<unset>");
+  EXPECT_EQ(env(marker), "<unset>");
+  // Set but empty is not unset.
+  as_second_run(tensormem::cli::second_run_marker(""), "glibc.malloc.hugetlb=1");
+  EXPECT_EQ(env("GLIBC_TUNABLES"), "");
   EXPECT_EQ(env(marker), "<unset>");
 }
 

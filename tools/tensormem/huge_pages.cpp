@@ -13,8 +13,7 @@ namespace tensormem::cli {
 
 namespace {
 
-// Set in the environment of the second run: "-" when the caller had no GLIBC_TUNABLES, else
-// "=" and the caller's value.
+// Set in the environment of the second run: second_run_marker's value.
 constexpr const char* second_run = "TENSORMEM_HUGE_PAGES_RUN";
 constexpr std::string_view tunable = "glibc.malloc.hugetlb=";
 
@@ -71,14 +70,18 @@ bool sanitized() {
 
 }  // namespace
 
+std::string second_run_marker(const char* tunables) {
+  return tunables != nullptr ? "=" + std::string(tunables) : "-";
+}
+
 void use_huge_pages(char** argv) {
   // The second run puts the caller's GLIBC_TUNABLES back (this run has read it already), so
   // that programs it starts see what the caller set.
   const char* marker = std::getenv(second_run);
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   const std::string in_effect = tunables != nullptr ? tunables : "";
-  // The marker this run would give a second one, or got from a first one.
-  const std::string caller = tunables != nullptr ? "=" + in_effect : "-";
+  // The marker this run would give a second one.
+  const std::string caller = second_run_marker(tunables);
   if (marker != nullptr) restore_tunables(marker);
 #ifndef __GLIBC__
   status() = "off (not glibc's malloc)";

@@ -19,6 +19,10 @@ namespace tensormem::cli {
 /// be run again (it then goes on as it is). Call first thing in main.
 void use_huge_pages(char** argv);
 
+/// What the first run tells the second of the caller's GLIBC_TUNABLES (`tunables`, null when
+/// unset), so that the second run can put it back: "-" for none, else "=" and the value.
+std::string second_run_marker(const char* tunables);
+
 /// Whether the heap of this run asks for huge pages, and why not: "on (...)" or "off (...)".
 /// Printed by `tensormem --version` and in `plan --json` ("heap_huge_pages").
 const std::string& huge_pages_status();
