@@ -1239,3 +1239,33 @@ def test_records_without_a_copy_must_not_outlive_the_callback(tmp_path):
     core.rewrite(lambda i, record: record.__setitem__((slice(1, None),), 2.0), copy=False)
     core.visit(lambda i, record: moments.append(bool((record[1:] == 2).all())), copy=False)
     assert moments[-len(opt._core.groups):] == [True] * len(opt._core.groups)
+
+
+def test_adam_update_by_address_is_torchs_adamw_step_at_every_simd_level():
+    # The kernel the benchmarks call directly: three AdamW steps on arrays given by address, at
+    # each vector width this processor has, equal bit for bit to torch.optim.AdamW's; a step
+    # counted from 0 is refused before anything is written.
+    from tensormem import _tensormem
+
+    n = 1000  # (not a multiple of any vector width: the tail is done too)
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(3)]
+    ref = start.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+    widths = ["scalar", "avx2", "avx512"]  # each processor with one has those before it
+    for simd in widths[:widths.index(_tensormem.simd_level()) + 1]:
+        p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
+        for step, g in enumerate(grads, start=1):
+            _tensormem.adam_update(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, 1e-3, 0.9, 0.999, 1e-8,
+                                   0.01, decoupled=True, step=step, simd=simd)
+        assert torch.equal(p, ref.detach()), simd
+        assert torch.equal(m, opt.state[ref]["exp_avg"]) and torch.equal(v, opt.state[ref]["exp_avg_sq"]), simd
+    p = start.clone()
+    with pytest.raises(ValueError, match="step counts from 1"):
+        _tensormem.adam_update(p.data_ptr(), grads[0].data_ptr(), m.data_ptr(), v.data_ptr(), n, 1e-3, 0.9, 0.999,
+                               1e-8, 0.01, step=0)
+    assert torch.equal(p, start)
