@@ -1245,6 +1245,7 @@ def test_adam_update_by_address_is_torchs_adamw_step_at_every_simd_level():
     # The kernel the benchmarks call directly: three AdamW steps on arrays given by address, at
     # each vector width this processor has, equal bit for bit to torch.optim.AdamW's; a step
     # counted from 0 is refused before anything is written.
+    require_exact_sqrt()
     from tensormem import _tensormem
 
     n = 1000  # (not a multiple of any vector width: the tail is done too)
