@@ -1258,7 +1258,7 @@ def test_adam_update_by_address_is_torchs_adamw_step_at_every_simd_level():
         ref.grad = g.clone()
         opt.step()
     widths = ["scalar", "avx2", "avx512"]  # each processor with one has those before it
-    for simd in widths[:widths.index(_tensormem.simd_level()) + 1]:
+    for simd in widths[:widths.index(off.simd_level()) + 1]:
         p, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
         for step, g in enumerate(grads, start=1):
             _tensormem.adam_update(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, 1e-3, 0.9, 0.999, 1e-8,
