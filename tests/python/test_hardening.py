@@ -243,6 +243,20 @@ def test_free_with_live_views_raises_and_never_aliases():
     other.free()
 
 
+def test_a_dlpack_capsule_dropped_unconsumed_gives_its_export_back():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    buf = pool.allocate(4096)
+    capsule = buf.__dlpack__()  # taken by no consumer
+    assert buf.exports == 1
+    with pytest.raises(BufferError, match="view"):
+        buf.free()
+    del capsule
+    gc.collect()
+    assert buf.exports == 0
+    buf.free()
+    assert buf.freed
+
+
 # ----------------------------------------------------------------------------- foreign handles
 
 def test_tlsf_allocator_refuses_another_allocators_handle():
