@@ -451,8 +451,9 @@ class planner_run {
   double first_plan_seconds() const { return first_plan_seconds_; }
   double best_plan_seconds() const { return best_plan_seconds_; }
 
-  // Read from any thread (set under the offer lock).
-  bool done() const { return at_bound_.load(); }
+  // Whether best_ is proven optimal: at the lower bound, or at the floor the canonical search
+  // has raised (see exclude_below). Read from any thread (set under the offer lock).
+  bool done() const { return optimal_.load(); }
 
  private:
   // A thread failed or the caller asked to stop: nothing more is tried.
@@ -472,7 +473,7 @@ class planner_run {
       best_ = std::move(c);
       best_.strategy = std::move(strategy);
       best_slot_ = slot;
-      if (best_.arena <= p_.lower_bound) at_bound_.store(true);
+      if (best_.arena <= floor_) optimal_.store(true);
       report("search");
     }
   }
@@ -526,8 +527,18 @@ class planner_run {
           report("canonical search");
         }
       }
+      if (settled) exclude_below(target + 1);
       if (!found) low = target + 1;
     }
+  }
+
+  // A canonical search settled `least - 1` without a plan: every plan can be pushed down
+  // until each buffer sits at 0 or on another (a canonical plan) without growing, so no plan
+  // has an arena below `least`.
+  void exclude_below(std::uint64_t least) {
+    const std::lock_guard lock(offer_mutex_);
+    floor_ = std::max(floor_, least);
+    if (best_.arena <= floor_) optimal_.store(true);
   }
 
   // Iterated greedy. Where the split greedy pays (large inputs spread in time), guided
@@ -624,7 +635,10 @@ class planner_run {
   std::optional<bool> split_pays_;      // see split_pays()
   std::mutex offer_mutex_;
   int best_slot_ = -1;  // the skyline slot of best_, -1 for other phases
-  std::atomic<bool> at_bound_{false};  // best_ is at the lower bound
+  // Every arena below this is excluded: the lower bound, or a capacity the canonical search
+  // settled without a plan, plus one (under the offer lock).
+  std::uint64_t floor_ = p_.lower_bound;
+  std::atomic<bool> optimal_{false};  // best_.arena <= floor_
   std::mutex error_mutex_;
   std::exception_ptr error_;         // the first exception of a planner thread (see guarded)
   std::atomic<bool> failed_{false};  // error_ is set
@@ -656,6 +670,7 @@ plan_result plan_problem_from(const plan_problem& p, const plan_options& options
   r.arena_bytes = best.arena;
   r.lower_bound = p.lower_bound;
   r.strategy = best.strategy;
+  r.optimal = run.done();
   r.first_plan_seconds = run.first_plan_seconds();
   r.best_plan_seconds = run.best_plan_seconds();
   r.seconds = seconds_since(start);
@@ -696,6 +711,7 @@ plan_result plan(std::span<const buffer> buffers, const plan_options& options) {
   if (buffers.empty()) {
     plan_result r;
     r.strategy = "empty";
+    r.optimal = true;
     return r;
   }
   const plan_problem p = detail::make_problem(buffers, options.alignment);

@@ -772,6 +772,7 @@ PYBIND11_MODULE(_tensormem, m) {
     d["lower_bound"] = r.lower_bound;
     d["ratio"] = r.ratio();
     d["strategy"] = r.strategy;
+    d["optimal"] = r.optimal;
     d["seconds"] = r.seconds;
     d["first_plan_seconds"] = r.first_plan_seconds;
     d["best_plan_seconds"] = r.best_plan_seconds;
@@ -782,7 +783,9 @@ PYBIND11_MODULE(_tensormem, m) {
   }, py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("time_limit") = 10.0,
      py::arg("alignment") = 1, py::arg("seed") = 1, py::arg("stop") = py::none(),
      py::arg("progress") = py::none(),
-     "Plans buffers with half-open lifetimes [lower, upper) in one arena. stop: None or a "
+     "Plans buffers with half-open lifetimes [lower, upper) in one arena. 'optimal' is True when no "
+     "plan has a smaller arena (at the lower bound, or proven by the search), and the planner then "
+     "returns before its time limit. stop: None or a "
      "threading.Event (anything with is_set()); once set, the planner stops within about 0.1 s and the "
      "best plan so far is returned, with 'stopped' True. progress: None or a callable, called on this "
      "thread, at most about ten times a second, with a dict (seconds, best_arena_bytes, lower_bound, "

@@ -66,6 +66,12 @@ plan_result checked_plan(const std::vector<buffer>& b, plan_options o = {}) {
   return r;
 }
 
+plan_result checked_plan_within(const std::vector<buffer>& b, double seconds) {
+  plan_options o;
+  o.time_limit_seconds = seconds;
+  return checked_plan(b, o);
+}
+
 // Plans `b` on one thread and on two; the plans must be the same, strategy included.
 std::pair<plan_result, plan_result> one_thread_and_two(const std::vector<buffer>& b, plan_options o) {
   o.threads = 1;
@@ -705,6 +711,7 @@ TEST(planner, tiny_instances_reach_the_brute_force_optimum) {
     o.time_limit_seconds = 2;
     const plan_result r = checked_plan(b, o);
     EXPECT_EQ(r.arena_bytes, brute_force_optimum(b)) << "instance " << instance;
+    EXPECT_TRUE(r.optimal) << "instance " << instance;  // the search settles every smaller capacity
   }
 }
 
@@ -785,6 +792,97 @@ TEST(planner, canonical_search_is_exact_at_the_optimum_and_one_byte_below) {
       EXPECT_TRUE(none.empty());
     }
   }
+}
+
+// Eight buffers in five steps with four units alive at every step and no plan in four units
+// (found by exhaustive search over instances of five steps and arenas of four units; the same
+// as tests/data/above_lower_bound_trace.csv at a unit of 1 MiB). In four units: a and d (two
+// each) fill step 0, so a holds one half; c and f share the other half at step 1. Likewise
+// b and g fill step 4, so b holds one half, and c and e share the other at step 3: the same
+// half as f's, opposite a's, since c is in both. At step 2 c, e, f and h are alive: three of
+// them in a half of two units. Five units suffice.
+std::vector<buffer> above_lower_bound(std::uint64_t unit, std::uint64_t start = 0) {
+  const std::array<std::array<std::uint64_t, 3>, 8> rows = {
+      {{0, 2, 2}, {3, 5, 2}, {1, 4, 1}, {0, 1, 2}, {2, 4, 1}, {1, 3, 1}, {4, 5, 2}, {2, 3, 1}}};
+  std::vector<buffer> b;
+  for (const auto& [lower, upper, units] : rows) {
+    b.push_back({std::string(1, static_cast<char>('a' + b.size())), start + lower, start + upper, units * unit, {}});
+  }
+  return b;
+}
+
+TEST(planner, an_optimum_above_the_lower_bound_is_searched_exactly) {
+  const detail::preorder orders[] = {detail::preorder::length_area_total, detail::preorder::total_area_length,
+                                     detail::preorder::total_length_area};
+  for (const std::uint64_t unit : {1U, 3U, 7U, 256U}) {
+    const auto b = above_lower_bound(unit, unit);
+    ASSERT_EQ(lower_bound(b), 4 * unit);
+    ASSERT_EQ(brute_force_optimum(b), 5 * unit);
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    const detail::search_graph g = detail::make_search_graph(p);
+    for (const detail::preorder order : orders) {
+      std::vector<std::uint64_t> offsets;
+      bool stopped = true;
+      ASSERT_TRUE(detail::canonical_search(p, g, 5 * unit, order, {}, UINT64_MAX, offsets, stopped));
+      EXPECT_FALSE(stopped);
+      EXPECT_EQ(validate(b, offsets, 5 * unit), "");
+      for (std::uint64_t capacity = 4 * unit; capacity < 5 * unit; ++capacity) {
+        std::vector<std::uint64_t> none;
+        stopped = true;
+        EXPECT_FALSE(detail::canonical_search(p, g, capacity, order, {}, UINT64_MAX, none, stopped))
+            << "a plan in " << capacity << " bytes, below the optimum " << 5 * unit;
+        EXPECT_FALSE(stopped);
+      }
+    }
+  }
+}
+
+// The search proves such an optimum and the planner returns it at once, long before its
+// limit; without the search, or with no time for it, the same arena is not called optimal.
+TEST(planner, an_optimum_above_the_lower_bound_is_proven_and_returned_before_the_limit) {
+  for (const std::uint64_t unit : {1U, 3U, 1U << 20}) {
+    for (const unsigned threads : {1U, 2U}) {
+      const auto b = above_lower_bound(unit);
+      plan_options o;
+      o.time_limit_seconds = 10;
+      o.threads = threads;
+      const plan_result r = checked_plan(b, o);
+      EXPECT_EQ(r.lower_bound, 4 * unit);
+      EXPECT_EQ(r.arena_bytes, 5 * unit);
+      EXPECT_TRUE(r.optimal);
+      EXPECT_LT(r.seconds, 5.0) << "ran on to its limit";
+      o.search = false;
+      const plan_result greedy = checked_plan(b, o);
+      EXPECT_EQ(greedy.arena_bytes, 5 * unit);
+      EXPECT_FALSE(greedy.optimal);
+      o.search = true;
+      o.time_limit_seconds = 0;
+      EXPECT_FALSE(checked_plan(b, o).optimal);
+    }
+  }
+  // Two of them one after the other, each at a unit of its own: the canonical search settles
+  // capacities above the lower bound before it proves the optimum.
+  auto b = above_lower_bound(4);
+  for (buffer x : above_lower_bound(5, 10)) {
+    x.id += "2";
+    b.push_back(x);
+  }
+  const plan_result r = checked_plan_within(b, 10);
+  EXPECT_EQ(r.lower_bound, 20U);
+  EXPECT_EQ(r.arena_bytes, 25U);
+  EXPECT_TRUE(r.optimal);
+  EXPECT_LT(r.seconds, 5.0);
+}
+
+// minimalloc_D ends above its lower bound within seconds, and the canonical search settles
+// no capacity of it in that time (its trees are too large): the arena must not be called
+// optimal, and the planning runs to its limit.
+TEST(planner, an_arena_the_search_has_not_settled_is_not_called_optimal) {
+  const plan_result r =
+      checked_plan_within(trace::read_trace(std::string(TENSORMEM_TEST_DATA) + "/traces/minimalloc_D.csv"), 1);
+  ASSERT_GT(r.arena_bytes, r.lower_bound);
+  EXPECT_FALSE(r.optimal);
+  EXPECT_GE(r.seconds, 0.5);
 }
 
 // The skylines run on two threads and their plans are offered in a fixed order: the plan

@@ -104,10 +104,20 @@ def test_plan_and_validate_with_numpy():
     assert len(t["id"]) == 203 and t["size"].dtype == np.uint64
     p = tensormem.plan(t["lower"], t["upper"], t["size"], time_limit=5)
     assert p["arena_bytes"] == p["lower_bound"] == tensormem.lower_bound(t["lower"], t["upper"], t["size"])
+    assert p["optimal"] is True
     assert tensormem.validate(t["lower"], t["upper"], t["size"], p["offsets"], p["arena_bytes"]) == ""
     bad = p["offsets"].copy()
     bad[:] = 0
     assert "overlap" in tensormem.validate(t["lower"], t["upper"], t["size"], bad, int(t["size"].max()))
+
+
+def test_an_optimum_above_the_lower_bound_is_proven_and_returned_before_the_limit():
+    t = tensormem.read_trace(str(pathlib.Path(__file__).parent.parent / "data" / "above_lower_bound_trace.csv"))
+    p = tensormem.plan(t["lower"], t["upper"], t["size"], time_limit=10)
+    assert p["lower_bound"] == 4 << 20 and p["arena_bytes"] == 5 << 20
+    assert p["optimal"] is True and p["seconds"] < 5
+    assert tensormem.validate(t["lower"], t["upper"], t["size"], p["offsets"], p["arena_bytes"]) == ""
+    assert tensormem.plan(t["lower"], t["upper"], t["size"], time_limit=0)["optimal"] is False  # no search run
 
 
 def test_a_trace_that_cannot_be_opened_is_an_os_error_with_its_errno(tmp_path):

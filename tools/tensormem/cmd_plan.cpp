@@ -125,6 +125,7 @@ void run_plan(plan_cli_options o) {
     j["best_plan_seconds"] = r.best_plan_seconds;
     j["peak_rss_bytes"] = peak_rss_bytes();
     j["strategy"] = r.strategy;
+    j["optimal"] = r.optimal;
     j["heap_huge_pages"] = huge_pages_status();
     j["stopped"] = stopped_by != 0;
     j["fallback"] = r.fallback;
@@ -138,6 +139,7 @@ void run_plan(plan_cli_options o) {
                            human_bytes(r.lower_bound), o.alignment)
             << fmt::format("arena        {} bytes ({})\n", r.arena_bytes, human_bytes(r.arena_bytes))
             << fmt::format("ratio        {:.4f}\n", r.ratio())
+            << fmt::format("optimal      {}\n", r.optimal ? "yes, proven (no plan has a smaller arena)" : "not proven")
             << fmt::format("strategy     {}\n", r.strategy)
             << fmt::format("seconds      {:.3f} (greedy phase {:.3f}, first plan at {:.3f}, best at {:.3f})\n",
                            r.seconds, r.greedy_seconds, r.first_plan_seconds, r.best_plan_seconds)

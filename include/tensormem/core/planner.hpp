@@ -63,6 +63,10 @@ struct plan_result {
   std::uint64_t arena_bytes = 0;       ///< max over buffers of offset + aligned size
   std::uint64_t lower_bound = 0;       ///< most aligned bytes alive at once
   std::string strategy;                ///< which strategy produced the kept plan
+  /// The arena is proven the least any plan can have: it equals the lower bound, or the
+  /// canonical search (step 2) searched every smaller capacity's tree without finding a
+  /// plan. The planning stops as soon as this holds, before its time limit.
+  bool optimal = false;
   double seconds = 0;                  ///< total planning time
   /// From the start to the end of the greedy phase (the classic orders). Where the guided
   /// rounds run beside those orders (two threads, large inputs spread in time), when the
@@ -108,14 +112,18 @@ inline constexpr std::uint64_t plan_bytes_per_buffer = 160;
 ///     placed with best fit and with first fit among the gaps left by already placed
 ///     buffers that overlap in time (the space above the highest counts as a gap). The
 ///     smallest arena is kept.
-///  2. Search phase, until the arena equals the lower bound or the time limit. First
+///  2. Search phase, until the arena is proven optimal (`plan_result::optimal`) or the time
+///     limit. First
 ///     "skyline" orders: buffers placed in increasing offset order, each time the buffer
 ///     whose lowest feasible offset is lowest (ties by size, length or area; their cost grows
 ///     with the overlap, which is why they come after every classic order). Then, for instances
 ///     of up to a few thousand time sections, a depth-first search over canonical solutions
 ///     (every buffer sits at offset 0 or on top of another; after MiniMalloc, Moffitt,
 ///     ASPLOS 2023) at a target capacity, with capacity pruning per time section and
-///     randomized restarts; then iterated greedy: skylines in perturbed orders beside
+///     randomized restarts: first the lower bound, then halfway between the least capacity
+///     not yet given up and the best arena; a capacity whose whole tree holds no plan
+///     excludes every arena up to it, so the search can prove an arena above the lower bound
+///     optimal; then iterated greedy: skylines in perturbed orders beside
 ///     contention-guided first fit, whose rounds go on from the contention order's plan,
 ///     each doubling the weight of the buffers that ended above the lower bound. Where the
 ///     split greedy pays (under 1 % of the buffers across the median start, 20,000 or more),
