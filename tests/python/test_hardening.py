@@ -243,6 +243,21 @@ def test_free_with_live_views_raises_and_never_aliases():
     other.free()
 
 
+def test_a_freed_buffer_dying_later_leaves_its_memory_alone_when_handed_out_again():
+    pool = tensormem.PinnedPool(slab_bytes=1 << 20)
+    first = pool.allocate(4096)
+    address = first.address
+    first.free()
+    second = pool.allocate(4096)
+    assert second.address == address  # the same bytes, handed out again
+    del first
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 4096
+    third = pool.allocate(4096)
+    assert third.address != second.address
+    assert pool.stats()["in_use_bytes"] == 8192
+
+
 def test_a_dlpack_capsule_dropped_unconsumed_gives_its_export_back():
     pool = tensormem.PinnedPool(slab_bytes=1 << 20)
     buf = pool.allocate(4096)

@@ -635,3 +635,31 @@ def test_plan_refuses_more_buffers_than_the_memory_holds_before_making_them():
                                           rf"{tensormem.physical_memory_bytes()} bytes this process can have"):
         tensormem.plan(lower, upper, np.broadcast_to(one, (n,)))
     assert time.perf_counter() - start < 5
+
+
+def test_arena_policies_minimal_moves_the_least_and_full_compacts_everything():
+    placed = {}
+    for policy in ["minimal", "full"]:
+        a = tensormem.ContiguousArena(1280, 256, policy)
+        ids = [a.allocate(256)[0] for _ in range(5)]
+        a.release(ids[0])
+        a.release(ids[2])  # 512 bytes free, in two holes of 256
+        new, offset = a.allocate(512)
+        moves = sorted((ids.index(i), o) for i, o in a.take_moves())
+        assert a.offset(new) == offset
+        placed[policy] = (moves, offset, [a.offset(ids[k]) for k in (1, 3, 4)])
+    assert placed["minimal"] == ([(1, 0)], 256, [0, 768, 1024])  # one tensor moved opens a hole of 512
+    assert placed["full"] == ([(1, 0), (3, 256), (4, 512)], 768, [0, 256, 512])  # every tensor moved down
+
+
+def test_arena_devices_are_the_cpu_or_cuda_device_0_and_others_are_refused_by_name():
+    for bad in ["tpu", "cuda:1", "CPU", ""]:
+        with pytest.raises(ValueError, match=f"device must be 'cpu', 'cuda' or 'cuda:0', not '{bad}'$"):
+            tensormem.ContiguousArena(1280, 256, "minimal", bad)
+    assert tensormem.ContiguousArena(1280, 256, "minimal", "cpu").buffer().__dlpack_device__() == (1, 0)
+    for cuda in ["cuda", "cuda:0"]:
+        if tensormem.cuda_unavailable_reason():
+            with pytest.raises(RuntimeError, match="CUDA"):
+                tensormem.ContiguousArena(1280, 256, "minimal", cuda)
+        else:
+            assert tensormem.ContiguousArena(1280, 256, "minimal", cuda).buffer().__dlpack_device__() == (2, 0)
