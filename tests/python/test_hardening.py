@@ -74,6 +74,15 @@ def test_what_is_neither_a_buffer_nor_a_cpu_tensor_is_refused(tmp_path):
         s.swap_out([torch.zeros(8, 8).t()], [path])
     with pytest.raises(ValueError, match="tensor on meta"):
         s.swap_out([torch.zeros(8, device="meta")], [path])
+    # An object that answers only some of a tensor's questions is no tensor: refused by type,
+    # before any of its answers is used.
+    answers = {"data_ptr": lambda: 0, "element_size": lambda: 4, "numel": lambda: 1, "device": "cpu",
+               "is_contiguous": lambda: True}
+    for missing in answers:
+        partial = type("Partial", (), {k: staticmethod(v) if callable(v) else v
+                                       for k, v in answers.items() if k != missing})()
+        with pytest.raises(TypeError, match="a tensor must be a buffer .* or a CPU torch tensor, not Partial"):
+            s.swap_out([partial], [path])
     assert list(tmp_path.iterdir()) == []  # nothing queued
 
 
