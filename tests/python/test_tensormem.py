@@ -81,6 +81,12 @@ def test_a_reserve_past_the_process_memory_is_refused_and_a_fixed_arena_caps_it(
                                                                tensormem.physical_memory_bytes())):
             a.reserve(blocks)
         assert time.monotonic() - t0 < 1.0
+    most = 2**32 - 19  # the largest count taken: checked against the memory too
+    if most * cls.reserve_bytes_per_block > tensormem.physical_memory_bytes():
+        with pytest.raises(MemoryError, match=r"\.reserve: %d blocks need about" % most):
+            a.reserve(most)
+    with pytest.raises(ValueError):
+        a.reserve(most + 1)
     a.reserve(1000)
     assert a.check_invariants() == "" and a.stats()["live_allocations"] == 1
     a.deallocate(x)
