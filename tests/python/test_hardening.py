@@ -353,6 +353,11 @@ def test_lists_of_integers_that_no_numpy_integer_type_holds_are_read_one_by_one(
     assert "'1' at offset 18446744073709551610 with 20 bytes ends past 2^64 - 1" in tensormem.validate(
         [0, 1], [2, 3], [10, 20], [0, top], 2**64 - 1)
     assert tensormem.lower_bound([0, 1], [1, 2], [2**64 - 1, 2**63]) == 2**64 - 1
+    # 2**64 - 1 read one by one (numpy makes [0, 2**64 - 1] floats) is a value, not the error
+    # mark of the conversion; the element refused after it is named.
+    assert tensormem.lower_bound([0, 1], [1, 2], [0, 2**64 - 1]) == 2**64 - 1
+    with pytest.raises(ValueError, match=r"size\[1\] is 18446744073709551616, which does not fit in 64 bits"):
+        tensormem.lower_bound([0, 1], [1, 2], [2**64 - 1, 2**64])
     with pytest.raises(ValueError, match=r"size\[0\] is 18446744073709551616, which does not fit in 64 bits"):
         tensormem.lower_bound([0, 1], [1, 2], [2**64, 2])
     with pytest.raises(ValueError, match=r"size\[0\] is -1; values must be >= 0"):
