@@ -189,6 +189,24 @@ struct pinned_buffer {
   ~pinned_buffer() { release(); }  // with the GIL: a last reference may go during the interpreter's teardown
 };
 
+// Buffer protocol of MemoryView: unsigned bytes, writable. Never lets a C++ exception out:
+// device memory (a CUDA arena's) sets BufferError and returns -1.
+int memory_view_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  try {
+    const auto& v = py::handle(self).cast<const memory_view&>();
+    if (v.device != kDLCPU) {
+      PyErr_SetString(PyExc_BufferError, "device memory has no buffer protocol; use DLPack");
+      view->obj = nullptr;
+      return -1;
+    }
+    return PyBuffer_FillInfo(view, self, v.data, static_cast<Py_ssize_t>(v.bytes), 0, flags);
+  } catch (...) {
+    PyErr_SetString(PyExc_BufferError, "MemoryView: cannot export a buffer");
+    view->obj = nullptr;
+    return -1;
+  }
+}
+
 // Buffer protocol of PinnedBuffer, counting exports. Never lets a C++ exception out: a
 // freed buffer sets BufferError and returns -1.
 int pinned_getbuffer(PyObject* self, Py_buffer* view, int flags) {
@@ -685,13 +703,16 @@ PYBIND11_MODULE(_tensormem, m) {
     }
   });
 
-  py::class_<memory_view>(m, "MemoryView", py::buffer_protocol(),
-                          "Bytes viewed without a copy (buffer protocol and DLPack).")
-      .def_buffer([](memory_view& v) {
-        if (v.device != kDLCPU) throw py::buffer_error("device memory has no buffer protocol; use DLPack");
-        return py::buffer_info(v.data, 1, py::format_descriptor<std::uint8_t>::format(), 1,
-                               {static_cast<py::ssize_t>(v.bytes)}, {1});
-      })
+  auto memory_view_class = py::class_<memory_view>(m, "MemoryView", py::buffer_protocol(),
+                                                   "Bytes viewed without a copy (buffer protocol and DLPack).");
+  {
+    // Not def_buffer: pybind11 lets an exception of its function out through the interpreter,
+    // which ends the process; device memory must be a BufferError instead.
+    auto* type = reinterpret_cast<PyTypeObject*>(memory_view_class.ptr());
+    type->tp_as_buffer->bf_getbuffer = memory_view_getbuffer;
+    type->tp_as_buffer->bf_releasebuffer = nullptr;
+  }
+  memory_view_class
       .def("__dlpack__", [](py::object self, py::object /*stream*/) {
              return to_dlpack(self.cast<memory_view&>(), self);
            }, py::arg("stream") = py::none())

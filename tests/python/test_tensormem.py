@@ -595,7 +595,7 @@ def test_every_signature_names_python_types_only():
     assert tensormem.PinnedPool.allocate.__doc__.splitlines()[0].endswith("-> tensormem._tensormem.PinnedBuffer")
 
 
-def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path):
+def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path, monkeypatch):
     lower, upper, size = [0, 1], [2, 3], [256, 512]
     p = tensormem.plan(lower, upper, size, time_limit=0)
     args = (lower, upper, size, p["offsets"], p["arena_bytes"], p["lower_bound"])
@@ -612,6 +612,9 @@ def test_write_plan_picture_draws_svg_or_html_and_refuses_bad_input(tmp_path):
                                         768) == problem
     tensormem.write_plan_picture(str(tmp_path / "p.html"), *args, title="t")
     assert "<script" in (tmp_path / "p.html").read_text()
+    monkeypatch.chdir(tmp_path)
+    tensormem.write_plan_picture(".html", *args)  # the suffix alone is a page too
+    assert "<script" in (tmp_path / ".html").read_text()
     with pytest.raises(ValueError, match="ids: one per buffer"):
         tensormem.write_plan_picture(str(tmp_path / "x.svg"), *args, ids=["only one"])
     with pytest.raises(ValueError, match="offsets: one per buffer"):
@@ -662,10 +665,20 @@ def test_arena_devices_are_the_cpu_or_cuda_device_0_and_others_are_refused_by_na
     for bad in ["tpu", "cuda:1", "CPU", ""]:
         with pytest.raises(ValueError, match=f"device must be 'cpu', 'cuda' or 'cuda:0', not '{bad}'$"):
             tensormem.ContiguousArena(1280, 256, "minimal", bad)
-    assert tensormem.ContiguousArena(1280, 256, "minimal", "cpu").buffer().__dlpack_device__() == (1, 0)
+    host = tensormem.ContiguousArena(1280, 256, "minimal", "cpu").buffer()
+    assert host.__dlpack_device__() == (1, 0)
+    view = np.frombuffer(host, dtype=np.uint8)  # host memory: the buffer protocol too
+    view[:] = 7
+    assert view.size == 1280 and bytes(memoryview(host)) == b"\x07" * 1280
+    assert memoryview(host).format == "B" and not memoryview(host).readonly
     for cuda in ["cuda", "cuda:0"]:
         if tensormem.cuda_unavailable_reason():
             with pytest.raises(RuntimeError, match="CUDA"):
                 tensormem.ContiguousArena(1280, 256, "minimal", cuda)
         else:
-            assert tensormem.ContiguousArena(1280, 256, "minimal", cuda).buffer().__dlpack_device__() == (2, 0)
+            device = tensormem.ContiguousArena(1280, 256, "minimal", cuda).buffer()
+            assert device.__dlpack_device__() == (2, 0)
+            # device memory: a BufferError (it once ended the interpreter), DLPack instead
+            with pytest.raises(BufferError, match="device memory has no buffer protocol; use DLPack"):
+                memoryview(device)
+            assert torch.utils.dlpack.from_dlpack(device).device.type == "cuda"
