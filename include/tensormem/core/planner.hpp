@@ -113,10 +113,9 @@ inline constexpr std::uint64_t plan_bytes_per_buffer = 160;
 ///     buffers that overlap in time (the space above the highest counts as a gap). The
 ///     smallest arena is kept.
 ///  2. Search phase, until the arena is proven optimal (`plan_result::optimal`) or the time
-///     limit. First
-///     "skyline" orders: buffers placed in increasing offset order, each time the buffer
-///     whose lowest feasible offset is lowest (ties by size, length or area; their cost grows
-///     with the overlap, which is why they come after every classic order). Then, for instances
+///     limit. First "skyline" orders: buffers placed in increasing offset order, each time
+///     the buffer whose lowest feasible offset is lowest (ties by size, length or area; their
+///     cost grows with the overlap, which is why they come after every classic order). Then, for instances
 ///     of up to a few thousand time sections, a depth-first search over canonical solutions
 ///     (every buffer sits at offset 0 or on top of another; after MiniMalloc, Moffitt,
 ///     ASPLOS 2023) at a target capacity, with capacity pruning per time section and
