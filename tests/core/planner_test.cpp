@@ -566,6 +566,7 @@ TEST(planner_greedy, the_first_guided_round_follows_the_contention_order_at_scal
 // fit by start is the optimal interval colouring).
 TEST(planner_greedy, never_worse_than_the_classic_orders) {
   std::mt19937_64 rng(11);
+  std::map<std::string, int> wins;  // the strategy named by each plan
   for (int instance = 0; instance < 60; ++instance) {
     const std::uint64_t horizon = 20 + rng() % 200;
     const std::size_t n = 30 + rng() % 200;
@@ -585,14 +586,22 @@ TEST(planner_greedy, never_worse_than_the_classic_orders) {
     const plan_result got = plan(b, o);
     ASSERT_EQ(validate(b, got.offsets, got.arena_bytes, 1), "");
     std::uint64_t best = UINT64_MAX;
+    std::map<std::string, std::uint64_t> named;  // each variant's arena under the name the planner gives it
     for (const detail::fit policy : {detail::fit::first, detail::fit::best}) {
-      for (const auto& order : {naive_order(p, size, by_size_length), naive_order(p, length, by_size_length),
-                                naive_order(p, area, by_size_length)}) {
-        best = std::min(best, detail::arena_of(p, naive_greedy(p, order, policy)));
+      const std::pair<const char*, std::vector<std::uint32_t>> orders[] = {
+          {"size", naive_order(p, size, by_size_length)},
+          {"length", naive_order(p, length, by_size_length)},
+          {"area", naive_order(p, area, by_size_length)}};
+      for (const auto& [name, order] : orders) {
+        const std::uint64_t arena = detail::arena_of(p, naive_greedy(p, order, policy));
+        named[std::string("greedy ") + name + (policy == detail::fit::best ? " best-fit" : " first-fit")] = arena;
+        best = std::min(best, arena);
       }
     }
     const std::uint64_t classic = best;
-    best = std::min(best, detail::arena_of(p, naive_greedy(p, naive_order(p, size, by_start), detail::fit::first)));
+    named["greedy size (equal sizes by start) first-fit"] =
+        detail::arena_of(p, naive_greedy(p, naive_order(p, size, by_start), detail::fit::first));
+    best = std::min(best, named["greedy size (equal sizes by start) first-fit"]);
     // Decreasing size x (busiest section met / lower bound)^16, ties by size then start.
     const auto peak = naive_peaks(p);
     const auto weight = [&](std::uint32_t i) {
@@ -605,7 +614,13 @@ TEST(planner_greedy, never_worse_than_the_classic_orders) {
     best = std::min(best, detail::arena_of(p, naive_greedy(p, naive_order(p, weight, by_size_start), detail::fit::first)));
     EXPECT_LE(got.arena_bytes, classic) << "classic, instance " << instance;
     EXPECT_LE(got.arena_bytes, best) << "instance " << instance << " (" << got.strategy << ")";
+    // The kept plan is named after the variant that made it: that variant's arena.
+    if (const auto it = named.find(got.strategy); it != named.end()) {
+      EXPECT_EQ(it->second, got.arena_bytes) << "instance " << instance << " (" << got.strategy << ")";
+    }
+    ++wins[got.strategy];
   }
+  for (const auto& [name, count] : wins) std::printf("%3d plans by %s\n", count, name.c_str());
 }
 
 // The occupancy index's block pool: blocks of one size never overlap and keep what is written
