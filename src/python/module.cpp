@@ -189,21 +189,22 @@ struct pinned_buffer {
   ~pinned_buffer() { release(); }  // with the GIL: a last reference may go during the interpreter's teardown
 };
 
+// A buffer getter's refusal: BufferError with `message`, no view.
+int refuse_buffer(Py_buffer* view, const char* message) {
+  PyErr_SetString(PyExc_BufferError, message);
+  view->obj = nullptr;
+  return -1;
+}
+
 // Buffer protocol of MemoryView: unsigned bytes, writable. Never lets a C++ exception out:
 // device memory (a CUDA arena's) sets BufferError and returns -1.
 int memory_view_getbuffer(PyObject* self, Py_buffer* view, int flags) {
   try {
     const auto& v = py::handle(self).cast<const memory_view&>();
-    if (v.device != kDLCPU) {
-      PyErr_SetString(PyExc_BufferError, "device memory has no buffer protocol; use DLPack");
-      view->obj = nullptr;
-      return -1;
-    }
+    if (v.device != kDLCPU) return refuse_buffer(view, "device memory has no buffer protocol; use DLPack");
     return PyBuffer_FillInfo(view, self, v.data, static_cast<Py_ssize_t>(v.bytes), 0, flags);
   } catch (...) {
-    PyErr_SetString(PyExc_BufferError, "MemoryView: cannot export a buffer");
-    view->obj = nullptr;
-    return -1;
+    return refuse_buffer(view, "MemoryView: cannot export a buffer");
   }
 }
 
@@ -212,18 +213,12 @@ int memory_view_getbuffer(PyObject* self, Py_buffer* view, int flags) {
 int pinned_getbuffer(PyObject* self, Py_buffer* view, int flags) {
   try {
     auto& b = py::handle(self).cast<pinned_buffer&>();
-    if (!b.live) {
-      PyErr_SetString(PyExc_BufferError, "PinnedBuffer was freed");
-      view->obj = nullptr;
-      return -1;
-    }
+    if (!b.live) return refuse_buffer(view, "PinnedBuffer was freed");
     if (PyBuffer_FillInfo(view, self, b.data, static_cast<Py_ssize_t>(b.bytes), 0, flags) != 0) return -1;
     ++b.exports;
     return 0;
   } catch (...) {
-    PyErr_SetString(PyExc_BufferError, "PinnedBuffer: cannot export a buffer");
-    view->obj = nullptr;
-    return -1;
+    return refuse_buffer(view, "PinnedBuffer: cannot export a buffer");
   }
 }
 
