@@ -1,7 +1,7 @@
 """Planned arenas of torchvision models next to eager PyTorch (tensormem.torch.plan_module).
 
 For each model and case: eager peak (PyTorch's allocator hook where tensormem has it,
-else torch.profiler's memory records), online best fit
+else torch.profiler's memory events), online best fit
 (tensormem's best_fit_allocator replaying the buffers), the planned arena, the lower bound,
 and the planner's seconds. Prints a markdown table.
 

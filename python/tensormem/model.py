@@ -18,8 +18,8 @@ gradient) and turns it into buffers with lifetimes:
   activations: their bytes are reported apart (``param_bytes``) and never planned.
 
 ``plan_module`` plans the buffers in one arena (``tensormem.plan``), measures the eager peak
-of the same call (torch.profiler's memory events: bytes allocated minus bytes freed, at
-their highest), replays the online best fit, and ``ModulePlan.run`` executes the traced graph
+of the same call (through PyTorch's allocator hook, or from torch.profiler's memory events
+where tensormem has no hook: bytes allocated minus bytes freed, at their highest), replays the online best fit, and ``ModulePlan.run`` executes the traced graph
 with every activation inside ONE preallocated arena tensor at its planned offset.
 """
 
@@ -583,10 +583,10 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
 def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
     """Highest live bytes of CPU tensor memory during one eager call, and how it was measured:
     exactly, through PyTorch's allocator hook (``capture``) where tensormem was built with it;
-    otherwise from torch.profiler's memory records (each op's own net allocation from its
-    start, a net release at its end, and the ``[memory]`` release events, summed in time
-    order), where temporaries an op allocates and frees itself cancel out, so the figure can
-    only be low."""
+    otherwise from torch.profiler's own memory events, one per CPU allocation and free, summed
+    in the order they happened. (Not from its per-op figures: the profiler nests ops by their
+    microsecond time ranges, and where a child op's range ends after its parent's, both are
+    given the child's allocation, so sums over them ran high at random.)"""
     from torch.profiler import ProfilerActivity, profile
 
     def call():
@@ -612,19 +612,21 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
         return Capture(events).peak, "allocator hook"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    records = []
-    for e in prof.events():
-        if e.name == "[memory]":  # a release outside any op
-            records.append((e.time_range.start, e.cpu_memory_usage))
-        elif e.self_cpu_memory_usage > 0:  # an op's own net allocation, from its start
-            records.append((e.time_range.start, e.self_cpu_memory_usage))
-        elif e.self_cpu_memory_usage < 0:  # an op's own net release, at its end
-            records.append((e.time_range.end, e.self_cpu_memory_usage))
+    return _profiler_peak(prof.profiler.kineto_results.events()), "torch.profiler memory events"
+
+
+def _profiler_peak(events) -> int:
+    """Highest sum of the CPU ``[memory]`` events' bytes (positive: an allocation, negative: a
+    free), taken in time order; events of the same microsecond keep the profiler's order,
+    which is the order they were recorded in."""
+    deltas = sorted(((e.start_us(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                    key=lambda d: d[0])
     live = peak = 0
-    for _start, delta in sorted(records):
+    for _time, delta in deltas:
         live += delta
         peak = max(peak, live)
-    return peak, "torch.profiler records, a lower estimate"
+    return peak
 
 
 def _available_memory_bytes() -> int:

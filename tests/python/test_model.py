@@ -688,6 +688,7 @@ def test_command_line_names_a_model_it_cannot_trace_in_one_line(capsys):
     out, err = capsys.readouterr()
     assert err.startswith(f"python3 -m tensormem.torch: {model}: cannot trace FasterRCNN:")
     assert "data-dependent control flow" in err and "Traceback" not in err and err.count("\n") == 1
+    assert "try --batch" not in err  # the hint belongs to batch norm's training failure alone
     assert out == ""
 
 
@@ -1248,6 +1249,8 @@ def test_the_largest_difference_tolerates_rounding_only():
     assert _largest_difference(torch.tensor([float("nan")]), torch.tensor([1.0])) is None
     assert _largest_difference(torch.zeros(2), torch.zeros(2)) == 0.0
     assert _largest_difference((torch.tensor(1.0),), (1.0,)) is None  # a tensor against a number
+    assert _largest_difference(torch.zeros(2), torch.zeros(1)) is None  # other shapes (broadcastable)
+    assert _largest_difference(torch.zeros(2), torch.zeros(2, dtype=torch.float64)) is None  # other dtypes
 
 
 def test_a_training_step_is_planned_whatever_the_callers_grad_mode():
@@ -1305,3 +1308,175 @@ def test_command_line_says_what_batch_a_training_step_with_batch_norm_needs(caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Expected more than 1 value per channel when training" in err, err
     assert err.rstrip().endswith("(batch norm in training mode needs 2 or more values per channel: try --batch 2)")
+
+
+def test_value_dependent_ops_besides_indexing_are_refused_by_name():
+    """Only ``aten.index.Tensor`` with integer indices is looked into; any other op whose output
+    shape depends on the values is refused with its name, whatever its arguments are."""
+
+    class Selected(torch.nn.Module):
+        def forward(self, x):
+            return torch.masked_select(x, x > 0)  # two tensor arguments, neither a list
+
+    class Nonzero(torch.nn.Module):
+        def forward(self, x):
+            return torch.nonzero(x)
+
+    for module, name in ((Selected(), "aten.masked_select"), (Nonzero(), "aten.nonzero")):
+        with pytest.raises(UnsupportedGraph, match=f"{name}.*depends on the input values"):
+            trace(module, torch.randn(6))
+
+
+def test_an_unpacked_output_of_a_multi_output_op_is_as_decided_as_the_op():
+    """Values unpacked from a multi-output op on constants are decided by the trace (planned
+    when they set a shape); from an op on the inputs they are not (refused)."""
+
+    class SortedConstant(torch.nn.Module):
+        def forward(self, x):
+            counts, _ = torch.sort(torch.tensor([2, 1, 3]))
+            return torch.repeat_interleave(x, counts, dim=0)
+
+    class SortedInput(torch.nn.Module):
+        def forward(self, x):
+            counts, _ = torch.sort(x[:, 0].abs().long() + 1)
+            return torch.repeat_interleave(x, counts, dim=0)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    plan = planned_equals_eager(SortedConstant(), x, training=False)
+    assert plan.run(x).shape == (6, 4)
+    with pytest.raises(UnsupportedGraph, match="aten.repeat_interleave.*depends on the input values"):
+        trace(SortedInput(), x)
+
+
+def test_a_write_into_one_decided_value_leaves_the_others_decided():
+    """An op on the inputs that writes into a decided value (a constant made in forward, or
+    batch norm's running statistics, which are module state) undecides that value alone."""
+
+    class OneOverwritten(torch.nn.Module):
+        def forward(self, x):
+            kept = torch.full((3,), 2, dtype=torch.long)
+            counts = torch.ones(3, dtype=torch.long)
+            counts.add_(x[:3, 0].abs().long())
+            return torch.repeat_interleave(x, kept, dim=0) * counts.sum()
+
+    class StatisticsWritten(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            kept = torch.full((3,), 2, dtype=torch.long)
+            return torch.repeat_interleave(self.norm(x), kept, dim=0)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    planned_equals_eager(OneOverwritten(), x, training=False)
+    graph = trace(StatisticsWritten().train(), x)  # running_mean_ and the counter written in place
+    assert any(op.startswith("aten.native_batch_norm") for op in graph.ops), graph.ops
+
+
+def test_a_call_of_a_python_function_in_the_graph_is_refused_as_not_aten():
+    from tensormem.model import _analyse
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return torch.relu(x) + 1
+
+    gm = torch.fx.symbolic_trace(Plain())  # torch.relu as a Python callable, not an aten overload
+    with pytest.raises(UnsupportedGraph, match="unsupported op .*relu.*not an aten operator"):
+        _analyse(gm, 0, 0, False)
+
+
+def test_the_activation_bound_refuses_an_alignment_before_any_trace():
+    from tensormem.torch import activation_lower_bound
+    calls = []
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x):
+            calls.append(1)  # real or fake
+            return super().forward(x)
+
+    for alignment in (0, -64, 3, 48):
+        with pytest.raises(ValueError, match=f"alignment must be a power of two, not {alignment}"):
+            activation_lower_bound(Counted(4, 4), torch.randn(2, 4), alignment=alignment)
+    assert calls == []
+    assert activation_lower_bound(Counted(4, 4), torch.randn(2, 4), alignment=1) > 0
+
+
+def test_run_refuses_an_input_placed_across_an_element():
+    """The check covers the inputs' slots (placeholders), not only the ops' outputs."""
+    torch.manual_seed(0)
+    x = torch.randn(5)
+    plan = plan_module(torch.nn.ReLU(), x, alignment=1, time_limit=0.2)
+    (inp,) = [b for b in plan.graph.buffers if b.kind == "input"]
+    plan.offsets[inp.id] += 2  # as a plan of other buffers could place it: valid bytes, split elements
+    plan.arena_bytes += 2
+    with pytest.raises(ValueError, match=rf"buffer {inp.name} holds 4-byte elements but starts at byte "):
+        plan.run(x)
+
+
+def test_the_eager_peak_without_the_hook_is_the_hooks_figure_from_the_profiler(monkeypatch):
+    """Where tensormem has no allocator hook, torch.profiler's memory events give the eager
+    peak: the hook's exact figure, every time (the profiler's per-op sums ran high at random
+    where it nested a child op outside its parent)."""
+    hook_or_skip()
+    import tensormem.model as model
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    cases = [(mlp, torch.randn(32, 64), False), (mlp, torch.randn(32, 64), True),
+             (torchvision.models.resnet18(weights=None).eval(), torch.randn(1, 3, 32, 32), False)]
+    exact = [plan_module(m, x, training=t, time_limit=0) for m, x, t in cases]
+    assert {p.eager_method for p in exact} == {"allocator hook"}
+
+    def no_hook():
+        raise RuntimeError("PyTorch's allocator hook cannot be used: (test)")
+
+    monkeypatch.setattr(model, "_hook", no_hook)
+    for _ in range(5):
+        for (m, x, t), e in zip(cases, exact):
+            p = plan_module(m, x, training=t, time_limit=0)
+            assert p.eager_method == "torch.profiler memory events"
+            assert p.eager_peak == e.eager_peak, (type(m).__name__, t, p.eager_peak, e.eager_peak)
+    assert "(torch.profiler memory events)" in p.report()
+
+
+def test_sizes_print_in_mebibytes_below_a_gibibyte_and_in_gibibytes_from_it():
+    from tensormem.model import _gib
+    assert _gib(2**30 - 2**20) == "1023.0 MiB"
+    assert _gib(2**30) == "1.0 GiB"
+    assert _gib(3 * 2**29) == "1.5 GiB"
+
+
+def test_an_explicit_storage_offset_given_by_keyword_moves_into_the_slot():
+    """make_fx passes as_strided's storage offset by position; a graph that names it (as other
+    PyTorch releases may) has it moved into the buffer's slot the same way."""
+
+    class Strided(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2
+            return torch.as_strided(y, (2, 2), (1, 2), 3) * 1
+
+    torch.manual_seed(0)
+    x = torch.randn(8)
+    for by_keyword in (False, True):
+        plan = plan_module(Strided(), torch.randn(8), time_limit=0.2)
+        node = next(n for n in plan.graph.module.graph.nodes if n.target is torch.ops.aten.as_strided.default)
+        assert node.args[3] == 3 and not node.kwargs
+        if by_keyword:
+            node.args, node.kwargs = node.args[:3], {"storage_offset": 3}
+        (y,) = [b for b in plan.graph.buffers if b.node == "mul"]
+        assert int(plan.offsets[y.id]) > 0  # the input takes the arena's first bytes: the offset must move
+        assert torch.equal(plan.run(x), Strided()(x))
+
+
+def test_a_planned_run_counts_only_the_ops_whose_results_it_had_to_move():
+    """An op with an ``out=`` overload writes straight into its slot; one without (layer norm's
+    three outputs) computes elsewhere and is moved in, and only those are counted."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    for module, moved in ((torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64)), 0),
+                          (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)), 1)):
+        plan = planned_equals_eager(module.eval(), x, training=False)
+        assert plan.moved_ops == moved, (plan.graph.ops, plan.moved_ops)
