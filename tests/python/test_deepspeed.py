@@ -45,9 +45,12 @@ def test_getters_and_defaults():
                       intra_op_parallelism=2)
     assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(), h.get_overlap_events(),
             h.get_intra_op_parallelism()) == (65536, 8, True, True, 2)
-    for bad in ({"block_size": 0}, {"queue_depth": -1}, {"intra_op_parallelism": 0}):
-        with pytest.raises(ValueError):
+    for bad in ({"block_size": 0}, {"queue_depth": -1}, {"queue_depth": 0}, {"intra_op_parallelism": 0}):
+        (name, value), = bad.items()
+        with pytest.raises(ValueError, match=f"aio_handle: {name} must be positive, not {value}$"):
             ds.aio_handle(**bad)
+    with pytest.raises(TypeError):
+        ds.aio_handle(block_size=1.5)  # as DeepSpeed's own handle refuses it
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -284,6 +287,43 @@ def test_validate_passes_on_matching_bytes(tmp_path):
     assert h.pwrite(t, path, True, False) == 1
 
 
+def test_pread_and_pwrite_take_async_and_the_offset_by_position_or_by_name(tmp_path):
+    """DeepSpeed's signature: (buffer, filename, validate, async, file_offset), where ``async``
+    (a Python keyword) comes by position, as ``**{"async": ...}`` or as ``async_op``."""
+    h = ds.aio_handle(block_size=8192, queue_depth=4)
+    path = str(tmp_path / "f")
+    first, second = random_tensor(1024, torch.float32, 1), random_tensor(1024, torch.float32, 2)
+    assert h.pwrite(first, path, False, False) == 1
+    assert h.pwrite(second, path, False, False, 8192) == 1  # both by position
+    assert pathlib_bytes(path) == raw_bytes(first) + bytes(4096) + raw_bytes(second)
+    for call in (lambda b: h.pread(b, path, False, False, 8192),
+                 lambda b: h.pread(b, path, False, async_op=False, file_offset=8192),
+                 lambda b: h.pread(b, path, False, file_offset=8192, **{"async": False}),
+                 lambda b: h.pread(b, path, False, False, file_offset=8192)):
+        back = torch.zeros(1024)
+        assert call(back) == 1
+        assert torch.equal(back, second)
+    back = torch.zeros(1024)
+    assert h.pread(back, path, False, async_op=False) == 1 and torch.equal(back, first)  # offset 0
+    for call, message in ((lambda: h.pread(back, path, False, False, 0, 1), "takes at most 5 positional arguments"),
+                          (lambda: h.pwrite(first, path, False, False, async_op=True),
+                           "got multiple values for argument 'async'"),
+                          (lambda: h.pread(back, path, False, False, 0, file_offset=0),
+                           "got multiple values for argument 'file_offset'"),
+                          (lambda: h.pread(back, path, False, offset=0), "unexpected keyword argument 'offset'"),
+                          (lambda: h.pwrite(first, path, False), "missing required argument: 'async'")):
+        with pytest.raises(TypeError, match=message):
+            call()
+    assert pathlib_bytes(path) == raw_bytes(first) + bytes(4096) + raw_bytes(second)  # nothing written
+
+
+def test_aio_error_names_how_many_more_operations_failed():
+    one = ds.AIOError([("/a", errno.EIO, "cannot write /a")], 3)
+    assert (one.errno, one.filename, one.strerror, one.completed) == (errno.EIO, "/a", "cannot write /a", 3)
+    three = ds.AIOError([("/a", errno.EIO, "cannot write /a"), ("/b", errno.ENOSPC, "x"), ("/c", errno.EIO, "y")], 3)
+    assert three.strerror == "cannot write /a (and 2 more failed operations)" and len(three.errors) == 3
+
+
 def test_errors_name_the_path_and_errno(tmp_path):
     h = ds.aio_handle()
     t = torch.ones(1024)
@@ -476,7 +516,8 @@ def test_io_through_pinned_tensors_is_direct(tmp_path):
 
 def test_builder_and_module_functions(tmp_path):
     builder = ds.AsyncIOBuilder()
-    assert builder.is_compatible() and builder.NAME == "async_io"
+    assert builder.is_compatible() and builder.NAME == builder.name == "async_io"
+    assert ds.AsyncIOBuilder("my_aio").name == "my_aio"  # DeepSpeed's builders take a name
     ops = builder.load(verbose=False)
     for name in ("aio_handle", "aio_read", "aio_write", "deepspeed_memcpy"):
         assert callable(getattr(ops, name))
