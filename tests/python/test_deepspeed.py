@@ -586,6 +586,7 @@ def check_bookkeeping(mem):
     """DeepSpeed's attributes agree with each other and with the tensors, after every step."""
     sizes, holes = dict(mem.tensor_sizes), dict(mem.contiguous_sizes)
     assert sum(sizes.values()) + sum(holes.values()) == mem.total_size
+    assert all(size > 0 for size in holes.values()), holes  # a hole has room, or is not listed
     spans = sorted([(a, s, "t") for a, s in sizes.items()] + [(a, s, "h") for a, s in holes.items()])
     cursor = 0
     for address, size, _kind in spans:  # tensors and holes tile the buffer exactly
@@ -670,6 +671,7 @@ def test_allocator_refuses_what_deepspeed_asserts_on():
     assert mem.total_free == 156
     p = torch.nn.Parameter(torch.empty(0))
     mem.assign_to_param(u, p, 100, (10, 10))
+    assert [q is p for q in mem.id_to_params[id(u)]] == [True]
     with pytest.raises(AssertionError, match="already been assigned"):
         mem.assign_to_param(u, torch.nn.Parameter(torch.empty(0)), 100, (100,))
     with pytest.raises(AssertionError, match="exceeds"):
@@ -690,6 +692,11 @@ def test_allocator_refuses_what_deepspeed_asserts_on():
     mem.release_tensor(u)
     with pytest.raises(AssertionError):
         mem.release_tensor(u)  # twice
+    with pytest.raises(ValueError, match="size must be >= 0 elements, not -1"):
+        ds.ContiguousMemoryAllocator(-1, torch.float32)
+    empty = ds.ContiguousMemoryAllocator(0, torch.float32)  # as torch.zeros(0) in DeepSpeed's
+    assert empty.allocate_tensor(0).numel() == 0 and dict(empty.contiguous_sizes) == {}
+    check_bookkeeping(empty)
 
 
 def test_allocator_like_deepspeeds_own_scenario():

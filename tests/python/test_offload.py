@@ -339,6 +339,53 @@ def test_state_dict_round_trip_into_a_new_optimizer(tmp_path):
         o2.load_state_dict({"state": {}, "param_groups": []})
 
 
+def test_a_state_loaded_after_the_parameters_changed_steps_from_the_new_parameters(tmp_path):
+    """The usual resume: the model's weights loaded, then the optimizer's state. The offloaded
+    master copy is taken from the parameters as they are at the load; parameters that never
+    had a gradient have no state, as in torch.optim."""
+    require_exact_sqrt()
+    torch.manual_seed(0)
+    m = mlp()
+    m[0].weight.requires_grad_(False)
+    o = OffloadedAdamW(m.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                       pinned_budget=BUDGET)
+    ref_m = copy.deepcopy(m)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
+    step_side_by_side(((m, o), (ref_m, ref)), 2)
+    assert sorted(o.state_dict()["state"]) == sorted(ref.state_dict()["state"]) == [1, 2, 3]
+    with torch.no_grad():
+        for p, q in zip(m.parameters(), ref_m.parameters()):
+            p.mul_(0.5)
+            q.copy_(p)
+    o.load_state_dict(ref.state_dict())
+    step_side_by_side(((m, o), (ref_m, ref)), 1)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref_m.parameters()))
+
+
+def test_non_contiguous_gradients_and_betas_of_zero_step_as_torch_does(tmp_path):
+    """A gradient assigned as a transposed view (same shape, other strides) is read by its
+    elements, not its memory; betas of 0 are valid, as torch.optim takes them."""
+    require_exact_sqrt()
+    torch.manual_seed(0)
+    m = mlp()
+    o = OffloadedAdamW(m.parameters(), lr=1e-3, betas=(0.0, 0.0), swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                       pinned_budget=BUDGET)
+    ref_m = copy.deepcopy(m)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, betas=(0.0, 0.0))
+    for _ in range(2):
+        x = torch.randn(8, 37)
+        for model, opt in ((m, o), (ref_m, ref)):
+            opt.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.grad = p.grad.t().contiguous().t()  # the same values, column-major
+                assert not p.grad.is_contiguous()
+        o.step()
+        ref.step()
+        assert all(torch.equal(p, q) for p, q in zip(m.parameters(), ref_m.parameters()))
+
+
 def test_a_bad_state_dict_is_refused_and_changes_nothing(tmp_path):
     torch.manual_seed(0)
     m = mlp()
@@ -360,6 +407,8 @@ def test_a_bad_state_dict_is_refused_and_changes_nothing(tmp_path):
         (lambda s: s[0].pop("exp_avg_sq"), "state of parameter 0 has no 'exp_avg_sq'"),
         (lambda s: s[1].pop("step"), "state of parameter 1 has no 'step'"),
         (lambda s: s.__setitem__(7, s[0]), r"state for parameter 7, but this optimizer has 4 parameters \(0 to 3\)"),
+        (lambda s: s.__setitem__(4, s[0]), r"state for parameter 4, but this optimizer has 4 parameters"),
+        (lambda s: s.__setitem__(-1, s[0]), r"state for parameter -1, but"),
         (lambda s: s.__setitem__("0", s.pop(0)), "state for parameter '0'"),
         (lambda s: s[3].__setitem__("exp_avg", torch.zeros(5)), "state exp_avg of parameter 3 has 5 elements"),
     ] + [(lambda s, v=v: s[2].__setitem__("step", torch.tensor(v)),
@@ -847,6 +896,8 @@ def test_param_groups_changed_after_construction_are_refused(tmp_path):
     (OffloadedSGD, dict(lr=-1.0), "lr must be >= 0"),
     (OffloadedSGD, dict(momentum=-0.5), "momentum must be >= 0"),
     (OffloadedSGD, dict(weight_decay=-1.0), "weight_decay must be >= 0"),
+    (OffloadedSGD, dict(nesterov=True), "nesterov needs a positive momentum and zero dampening"),
+    (OffloadedSGD, dict(nesterov=True, momentum=0.9, dampening=0.1), "nesterov needs a positive momentum"),
 ])
 def test_hyperparameters_torch_refuses_are_refused(tmp_path, cls, kwargs, message):
     # torch.optim refuses the same values: a drop-in must not turn them into a diverging step.
@@ -903,6 +954,8 @@ ZERO_SCRIPT = textwrap.dedent("""
             m(xs[member]).pow(2).mean().backward()
             opt.step()
         dist.broadcast = broadcast
+        # Each member owns parameters here: its last step's figures are its own optimizer's.
+        assert opt.local is not None and opt.last_stats == opt.local.last_stats and opt.last_stats["groups"] > 0
         # restore_parameters: this rank's own parameters back from its master copy, no other.
         kept = [p.detach().clone() for p in m.parameters()]
         with torch.no_grad():
