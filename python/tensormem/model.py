@@ -19,8 +19,9 @@ gradient) and turns it into buffers with lifetimes:
 
 ``plan_module`` plans the buffers in one arena (``tensormem.plan``), measures the eager peak
 of the same call (through PyTorch's allocator hook, or from torch.profiler's memory events
-where tensormem has no hook: bytes allocated minus bytes freed, at their highest), replays the online best fit, and ``ModulePlan.run`` executes the traced graph
-with every activation inside ONE preallocated arena tensor at its planned offset.
+where tensormem has no hook: bytes allocated minus bytes freed, at their highest), replays
+the online best fit, and ``ModulePlan.run`` executes the traced graph with every activation
+inside ONE preallocated arena tensor at its planned offset.
 """
 
 from __future__ import annotations
