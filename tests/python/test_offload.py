@@ -1323,3 +1323,27 @@ def test_adam_update_by_address_is_torchs_adamw_step_at_every_simd_level():
         _tensormem.adam_update(p.data_ptr(), grads[0].data_ptr(), m.data_ptr(), v.data_ptr(), n, 1e-3, 0.9, 0.999,
                                1e-8, 0.01, step=0)
     assert torch.equal(p, start)
+
+
+def test_progress_prints_one_line_per_step_with_that_steps_figures(tmp_path, capsys):
+    torch.manual_seed(0)
+    m = mlp()
+    (tmp_path / "q").mkdir()
+    quiet = OffloadedAdamW(mlp().parameters(), swap_dirs=[str(tmp_path / "q")], group_bytes=16 << 10,
+                           pinned_budget=BUDGET)
+    run_steps(mlp(), quiet, 0, 1)
+    assert capsys.readouterr().err == ""  # off by default
+    o = OffloadedAdamW(m.parameters(), swap_dirs=[str(tmp_path)], group_bytes=16 << 10, pinned_budget=BUDGET,
+                       progress=True)
+    lines = []
+    for step in range(3):
+        run_steps(m, o, step, step + 1)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        lines.append(err)
+        s = o.last_stats
+        expected = (f"[rank 0] step {step + 1}: {s['seconds']:.3f} s, read {s['bytes_read'] / 2**20:.1f} MiB, "
+                    f"wrote {s['bytes_written'] / 2**20:.1f} MiB (")
+        assert err.startswith(expected), (err, expected)
+        assert f"pinned {s['pinned_bytes'] / 2**20:.0f} MiB (peak {s['pinned_high_water'] / 2**20:.0f} MiB)" in err
+    assert o.totals["steps"] == 3 and s["bytes_written"] > 0

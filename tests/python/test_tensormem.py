@@ -441,16 +441,24 @@ def test_async_tensor_swapper_deepspeed_api(tmp_path):
     paths = [tmp_path / f"p{i}.swp" for i in range(5)]
     swapper.swap_out_tensors(tensors, paths)
     swapper.synchronize()
+    assert swapper.timer("swap_out") > 0 and swapper.timer("swap_in") == 0
+    waited = swapper.timer("wait")
+    assert waited > 0
     for t in tensors:
         t.zero_()
     swapper.swap_in_tensors(paths, tensors)
     swapper.synchronize()
     assert all(torch.equal(t, c) for t, c in zip(tensors, copies))
     assert set(swapper.get_timer_names()) == {"swap_out", "swap_in", "wait"}
+    assert swapper.timer("swap_in") > 0 and swapper.timer("wait") > waited  # seconds summed over calls
+    waited = swapper.timer("wait")
     swapper.swap_in_tensors([tmp_path / "absent"], [tensors[0]])
     with pytest.raises(OSError) as info:
         swapper.synchronize()
     assert info.value.errno == errno.ENOENT
+    assert swapper.timer("wait") > waited  # a failed wait is timed too
+    with pytest.raises(KeyError):
+        swapper.timer("swap")
     swapper.release_buffers()
 
 
