@@ -515,6 +515,18 @@ def test_planned_execution_equals_eager(training):
         assert plan.moved_ops >= 0
 
 
+def test_activation_bytes_is_the_sum_of_the_buffers_sizes():
+    # Linear(16, 32) then ReLU on 8 rows of float32, inference: the input (8 x 16), the
+    # linear's output and the ReLU's (8 x 32 each); parameters are not buffers.
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU())
+    graph = trace(m, torch.randn(8, 16))
+    assert [b.nbytes for b in graph.buffers] == [8 * 16 * 4, 8 * 32 * 4, 8 * 32 * 4]
+    assert graph.activation_bytes == 8 * 16 * 4 + 2 * 8 * 32 * 4
+    trained = trace(m, torch.randn(8, 16), training=True)
+    assert trained.activation_bytes == sum(b.nbytes for b in trained.buffers)
+    assert trained.activation_bytes > graph.activation_bytes  # the backward's buffers
+
+
 def test_to_trace_reads_back(tmp_path):
     import tensormem
     graph = trace(torchvision.models.mobilenet_v3_small(weights=None).eval(), torch.randn(1, 3, 32, 32))
