@@ -119,6 +119,16 @@ class AliasNet(torch.nn.Module):
         return out, vals, idx, out[:, :5]            # an output that views another
 
 
+def _counted_linear(calls: list):
+    """A Linear whose every forward (real or on fake tensors) appends to ``calls``: a
+    refusal made before any trace leaves ``calls`` empty."""
+    class Counted(torch.nn.Linear):
+        def forward(self, x):
+            calls.append(1)
+            return super().forward(x)
+    return Counted
+
+
 def test_aliases_and_lifetimes_match_the_runtime_storages():
     torch.manual_seed(0)
     graph = check_against_runtime(AliasNet(), torch.randn(8, 16))
@@ -598,11 +608,7 @@ def test_misuse_gives_clear_errors():
     with pytest.raises(TypeError, match="expected a torch.nn.Module, not function"):
         trace(lambda x: x * 2, torch.randn(4))
     calls = []
-
-    class Counted(torch.nn.Linear):
-        def forward(self, x):
-            calls.append(1)
-            return super().forward(x)
+    Counted = _counted_linear(calls)
 
     for kwargs, error, message in [({"alignment": 3}, ValueError, "alignment must be a power of two, not 3"),
                                    ({"alignment": 0}, ValueError, "not 0"),
@@ -1403,11 +1409,7 @@ def test_a_call_of_a_python_function_in_the_graph_is_refused_as_not_aten():
 def test_the_activation_bound_refuses_an_alignment_before_any_trace():
     from tensormem.torch import activation_lower_bound
     calls = []
-
-    class Counted(torch.nn.Linear):
-        def forward(self, x):
-            calls.append(1)  # real or fake
-            return super().forward(x)
+    Counted = _counted_linear(calls)
 
     for alignment in (0, -64, 3, 48):
         with pytest.raises(ValueError, match=f"alignment must be a power of two, not {alignment}"):
