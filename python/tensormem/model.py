@@ -27,6 +27,7 @@ inside ONE preallocated arena tensor at its planned offset.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import operator
 import os
@@ -623,11 +624,13 @@ def _profiler_peak(events) -> int:
     deltas = sorted(((e.start_us(), e.nbytes()) for e in events
                      if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
                     key=lambda d: d[0])
-    live = peak = 0
-    for _time, delta in deltas:
-        live += delta
-        peak = max(peak, live)
-    return peak
+    return _highest_running_sum(delta for _time, delta in deltas)
+
+
+def _highest_running_sum(deltas) -> int:
+    """The highest of 0 and the running sums of ``deltas`` (bytes allocated, or freed when
+    negative), in their order: the peak of live bytes."""
+    return max(itertools.accumulate(deltas, initial=0))
 
 
 def _available_memory_bytes() -> int:
@@ -1265,14 +1268,9 @@ class Capture:
                 self.size.append(int(nbytes))
             elif ident in starts:
                 self.upper[starts[ident][0]] = t
-        live = peak = 0
-        for ident, nbytes, is_alloc in events:
-            if is_alloc:
-                live += nbytes
-            else:
-                live -= self.size[starts[ident][0]]
-            peak = max(peak, live)
-        self.peak = peak  # the eager call's highest live bytes, exactly
+        # the eager call's highest live bytes, exactly
+        self.peak = _highest_running_sum(nbytes if is_alloc else -self.size[starts[ident][0]]
+                                         for ident, nbytes, is_alloc in events)
 
     def arrays(self):
         to = lambda v: np.array(v, dtype=np.uint64)  # noqa: E731
