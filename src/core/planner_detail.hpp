@@ -173,17 +173,20 @@ enum class fit { best, first };
 using clock = std::chrono::steady_clock;
 
 /// When a placement or a search must end: at `at` (clock::time_point::max(): never) or as
-/// soon as `*stop` is true (null: never), whichever comes first. A time point converts to one
-/// without a stop flag.
+/// soon as `*stop` or `*enough` is true (null: never), whichever comes first. `stop` is the
+/// caller's; `enough` says that no search is needed any more (another thread has proven a
+/// plan optimal). A time point converts to one without flags.
 struct deadline_or_stop {
   clock::time_point at = clock::time_point::max();
   const std::atomic<bool>* stop = nullptr;
+  const std::atomic<bool>* enough = nullptr;
   deadline_or_stop(clock::time_point when = clock::time_point::max(),  // NOLINT: implicit on purpose
-                   const std::atomic<bool>* flag = nullptr) noexcept
-      : at(when), stop(flag) {}
+                   const std::atomic<bool>* flag = nullptr, const std::atomic<bool>* enough_flag = nullptr) noexcept
+      : at(when), stop(flag), enough(enough_flag) {}
   bool stop_requested() const noexcept { return stop != nullptr && stop->load(std::memory_order_relaxed); }
   bool passed() const noexcept {
-    return stop_requested() || (at != clock::time_point::max() && clock::now() >= at);
+    return stop_requested() || (enough != nullptr && enough->load(std::memory_order_relaxed)) ||
+           (at != clock::time_point::max() && clock::now() >= at);
   }
 };
 

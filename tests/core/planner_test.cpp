@@ -212,6 +212,19 @@ TEST(planner_deadline, placements_and_the_search_stop_when_asked) {
   EXPECT_FALSE(detail::canonical_search(q, g, q.lower_bound, detail::preorder::length_area_total, asked,
                                         std::numeric_limits<std::uint64_t>::max(), offsets, stopped));
   EXPECT_TRUE(stopped);
+  // The same with the flag that says another thread has proven a plan optimal, the
+  // caller's stop flag unset.
+  stop = false;
+  std::atomic<bool> enough{true};
+  const detail::deadline_or_stop proven(detail::clock::now() + std::chrono::hours(1), &stop, &enough);
+  EXPECT_TRUE(proven.passed());
+  EXPECT_FALSE(proven.stop_requested());
+  stopped = false;
+  EXPECT_FALSE(detail::canonical_search(q, g, q.lower_bound, detail::preorder::length_area_total, proven,
+                                        std::numeric_limits<std::uint64_t>::max(), offsets, stopped));
+  EXPECT_TRUE(stopped);
+  enough = false;
+  EXPECT_FALSE(proven.passed());
 }
 
 // The rule that keeps the planner's time limit: a placement starts only with twice the first
@@ -898,6 +911,38 @@ TEST(planner, an_arena_the_search_has_not_settled_is_not_called_optimal) {
   ASSERT_GT(r.arena_bytes, r.lower_bound);
   EXPECT_FALSE(r.optimal);
   EXPECT_GE(r.seconds, 0.5);
+}
+
+// On two threads the canonical search bisects the capacities above the lower bound while the
+// bound itself is searched, for as long as the limit allows, on the other thread. On
+// minimalloc_D no plan reaches the bound (nor is the bound settled): with a limit of an hour,
+// one thread would search the bound for half of it before trying a larger capacity. A stop
+// flag ends each run: the first at the canonical search's first report (its best is then the
+// skylines'), the second once a plan beats that, or after 60 s.
+TEST(planner, two_threads_search_above_the_bound_while_the_bound_is_searched) {
+  const auto b = trace::read_trace(std::string(TENSORMEM_TEST_DATA) + "/traces/minimalloc_D.csv");
+  std::atomic<bool> stop{false};
+  plan_options o;
+  o.time_limit_seconds = 3600;
+  o.stop = &stop;
+  o.threads = 1;
+  o.progress = [&](const plan_progress& p) {
+    if (std::string(p.phase) == "canonical search" || p.seconds > 60) stop = true;
+  };
+  const plan_result before = checked_plan(b, o);
+  ASSERT_GT(before.arena_bytes, before.lower_bound);
+  EXPECT_NE(before.strategy, "canonical search");
+  stop = false;
+  o.threads = 2;
+  o.progress = [&](const plan_progress& p) {
+    if (p.best_arena_bytes < before.arena_bytes || p.seconds > 60) stop = true;
+  };
+  const plan_result r = checked_plan(b, o);
+  EXPECT_LT(r.arena_bytes, before.arena_bytes);
+  EXPECT_GT(r.arena_bytes, r.lower_bound);
+  EXPECT_EQ(r.strategy, "canonical search");
+  EXPECT_FALSE(r.optimal);
+  EXPECT_LT(r.seconds, 50.0) << "no better plan until the safety stop";
 }
 
 // The skylines run on two threads and their plans are offered in a fixed order: the plan

@@ -39,9 +39,11 @@ struct plan_options {
   std::uint64_t seed = 1;
   /// false: the first plan and the greedy phase only.
   bool search = true;
-  /// Threads for the greedy phase, the skylines and the perturbation rounds; 0 = one per
-  /// hardware thread. The result does not depend on it, unless the time limit stops a
-  /// placement.
+  /// Threads for the greedy phase, the skylines, the canonical search and the perturbation
+  /// rounds; 0 = one per hardware thread. The result does not depend on it, unless the time
+  /// limit stops a placement or the canonical search runs: there, on two threads, the bound
+  /// and the capacities above it are searched at once, and the plan kept is the one that
+  /// reached the bound first (or the best found by the limit).
   unsigned threads = 0;
   /// Optional progress callback, called at most about ten times a second, from one of the
   /// planner's threads, never from two at once. An exception it throws ends the planning
@@ -120,7 +122,10 @@ inline constexpr std::uint64_t plan_bytes_per_buffer = 160;
 ///     (every buffer sits at offset 0 or on top of another; after MiniMalloc, Moffitt,
 ///     ASPLOS 2023) at a target capacity, with capacity pruning per time section and
 ///     randomized restarts: first the lower bound, then halfway between the least capacity
-///     not yet given up and the best arena; a capacity whose whole tree holds no plan
+///     not yet given up and the best arena (on one thread the bound gets half the time left;
+///     on two, one thread searches the bound until the limit while the other bisects the
+///     capacities above it, and whichever proves a plan optimal stops the other); a capacity
+///     whose whole tree holds no plan
 ///     excludes every arena up to it, so the search can prove an arena above the lower bound
 ///     optimal; then iterated greedy: skylines in perturbed orders beside
 ///     contention-guided first fit, whose rounds go on from the contention order's plan,
