@@ -5,6 +5,7 @@
 #include <string>
 
 #include "tensormem/trace/plan_svg.hpp"
+#include "svg_support.hpp"
 #include "write_file.hpp"
 
 namespace tensormem::trace {
@@ -241,9 +242,10 @@ if (location.hash === "#selftest" && N > 0) {
 
 std::string write_plan_html(std::ostream& out, std::span<const core::buffer> buffers,
                             std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                            std::uint64_t lower_bound, const std::string& title) {
+                            std::uint64_t lower_bound, const std::string& title,
+                            const known_problem& validated) {
   const std::size_t n = buffers.size();
-  const std::string problem = plan_problem(buffers, offsets, arena_bytes);
+  const std::string problem = detail::picture_problem(buffers, offsets, arena_bytes, validated);
   out << page_head << "title:";
   js_string(out, title);
   out << ",\ninvalid:";
@@ -264,10 +266,11 @@ std::string write_plan_html(std::ostream& out, std::span<const core::buffer> buf
 
 std::string write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
                             std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                            std::uint64_t lower_bound, const std::string& title) {
+                            std::uint64_t lower_bound, const std::string& title,
+                            const known_problem& validated) {
   std::string problem;
   detail::write_file(path, [&](std::ostream& out) {
-    problem = write_plan_html(out, buffers, offsets, arena_bytes, lower_bound, title);
+    problem = write_plan_html(out, buffers, offsets, arena_bytes, lower_bound, title, validated);
   });
   return problem;
 }

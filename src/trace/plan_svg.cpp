@@ -38,10 +38,19 @@ std::string plan_problem(std::span<const core::buffer> buffers, std::span<const 
   return core::validate(buffers, offsets, arena_bytes);
 }
 
+namespace detail {
+std::string picture_problem(std::span<const core::buffer> buffers, std::span<const std::uint64_t> offsets,
+                            std::uint64_t arena_bytes, const known_problem& validated) {
+  if (!validated) return plan_problem(buffers, offsets, arena_bytes);
+  if (offsets.size() != buffers.size()) return plan_problem(buffers, offsets, arena_bytes);  // (throws)
+  return *validated;
+}
+}  // namespace detail
+
 std::string write_plan_svg(std::ostream& out, std::span<const core::buffer> buffers,
                            std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                           std::uint64_t lower_bound) {
-  const std::string problem = plan_problem(buffers, offsets, arena_bytes);
+                           std::uint64_t lower_bound, const known_problem& validated) {
+  const std::string problem = detail::picture_problem(buffers, offsets, arena_bytes, validated);
   constexpr double width = 1280;
   constexpr double height = 720;
   constexpr double left = 90;    // y tick labels
@@ -216,10 +225,10 @@ std::string write_plan_svg(std::ostream& out, std::span<const core::buffer> buff
 
 std::string write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
                            std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
-                           std::uint64_t lower_bound) {
+                           std::uint64_t lower_bound, const known_problem& validated) {
   std::string problem;
   detail::write_file(path, [&](std::ostream& out) {
-    problem = write_plan_svg(out, buffers, offsets, arena_bytes, lower_bound);
+    problem = write_plan_svg(out, buffers, offsets, arena_bytes, lower_bound, validated);
   });
   return problem;
 }

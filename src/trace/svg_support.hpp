@@ -1,7 +1,11 @@
 #pragma once
 // Helpers shared by the SVG pictures: escaping, binary units, round tick steps.
 
+#include <cstdint>
+#include <span>
 #include <string>
+
+#include "tensormem/trace/plan_svg.hpp"
 
 namespace tensormem::trace::detail {
 
@@ -15,5 +19,9 @@ double tick_step(double range, double ticks, double base);
 /// Tick step for a byte axis over [0, top]: round numbers of the largest binary unit that
 /// fits, binary fractions of it (256 KiB, not 0.2 MiB) below one unit.
 double byte_tick_step(double top, double ticks);
+/// The problem a plan picture shows: the caller's validation where given (after the check of
+/// one offset per buffer), else plan_problem's.
+std::string picture_problem(std::span<const core::buffer> buffers, std::span<const std::uint64_t> offsets,
+                            std::uint64_t arena_bytes, const known_problem& validated);
 
 }  // namespace tensormem::trace::detail

@@ -81,6 +81,35 @@ TEST(plan_svg, a_plan_that_does_not_validate_says_what_is_wrong) {
                std::invalid_argument);
 }
 
+
+// A validation the caller has made already is what the pictures show and return, and the plan
+// is not validated again: a made-up message on a valid plan is drawn, and an invalid plan said
+// to be valid draws no red line. The check of one offset per buffer still runs.
+TEST(plan_svg, a_validation_made_by_the_caller_is_shown_and_not_made_again) {
+  const std::vector<core::buffer> buffers = {{"a", 0, 10, 1 << 20, {}}, {"b", 5, 20, 2 << 20, {}}};
+  const std::vector<std::uint64_t> valid = {0, 1 << 20};
+  const std::vector<std::uint64_t> overlapping = {0, 1 << 19};
+  ASSERT_EQ(core::validate(buffers, valid, 3 << 20), "");
+  ASSERT_NE(core::validate(buffers, overlapping, 3 << 20), "");
+  std::ostringstream svg;
+  std::ostringstream html;
+  EXPECT_EQ(write_plan_svg(svg, buffers, valid, 3 << 20, 3 << 20, std::string("told")), "told");
+  EXPECT_NE(svg.str().find("fill=\"#c00\">not a valid plan: told<"), std::string::npos);
+  EXPECT_EQ(write_plan_html(html, buffers, valid, 3 << 20, 3 << 20, "t", std::string("told")), "told");
+  EXPECT_NE(html.str().find("invalid:\"told\","), std::string::npos);
+  std::ostringstream trusted_svg;
+  std::ostringstream trusted_html;
+  EXPECT_EQ(write_plan_svg(trusted_svg, buffers, overlapping, 3 << 20, 3 << 20, std::string()), "");
+  EXPECT_EQ(trusted_svg.str().find("not a valid plan"), std::string::npos);
+  EXPECT_EQ(write_plan_html(trusted_html, buffers, overlapping, 3 << 20, 3 << 20, "t", std::string()), "");
+  EXPECT_NE(trusted_html.str().find("invalid:\"\","), std::string::npos);
+  std::ostringstream unused;
+  EXPECT_THROW(write_plan_svg(unused, buffers, std::vector<std::uint64_t>{0}, 3 << 20, 3 << 20, std::string()),
+               std::invalid_argument);
+  EXPECT_THROW(
+      write_plan_html(unused, buffers, std::vector<std::uint64_t>{0, 1, 2}, 3 << 20, 3 << 20, "t", std::string()),
+      std::invalid_argument);
+}
 // Ids given through the API (not read from a trace) may hold any bytes: the picture stays
 // well-formed XML, each byte that is not text drawn as U+FFFD.
 TEST(plan_svg, ids_that_are_not_text_are_drawn_as_replacement_characters) {

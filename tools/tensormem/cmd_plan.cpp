@@ -104,10 +104,11 @@ void run_plan(plan_cli_options o) {
   if (!problem.empty()) throw std::logic_error("the planner produced an invalid plan: " + problem);
   for (std::size_t i = 0; i < buffers.size(); ++i) buffers[i].offset = r.offsets[i];
   if (!o.out.empty()) trace::write_trace(o.out, buffers);
-  if (!o.svg.empty()) trace::write_plan_svg(o.svg, buffers, r.offsets, r.arena_bytes, r.lower_bound);
+  // The pictures take the validation above (a valid plan) instead of making their own.
+  if (!o.svg.empty()) trace::write_plan_svg(o.svg, buffers, r.offsets, r.arena_bytes, r.lower_bound, problem);
   if (!o.html.empty()) {
     trace::write_plan_html(o.html, buffers, r.offsets, r.arena_bytes, r.lower_bound,
-                           std::filesystem::path(o.trace).filename().string());
+                           std::filesystem::path(o.trace).filename().string(), problem);
   }
   if (o.json) {
     nlohmann::json j;
