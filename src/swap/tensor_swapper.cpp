@@ -1232,6 +1232,16 @@ void tensor_swapper::check_memory(std::span<const tensor_ref> tensors, std::span
   }
 }
 
+namespace {
+// The refusal of a path that is in a transfer not yet waited for: it names that transfer's
+// ticket, which a caller who dropped it can still wait for (or synchronize()).
+std::invalid_argument path_in_flight(const std::string& path, std::uint64_t ticket) {
+  return std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for (ticket " +
+                               std::to_string(ticket) + ": wait(" + std::to_string(ticket) +
+                               ") or synchronize() collects it)");
+}
+}  // namespace
+
 std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
                                     std::span<const std::string> paths,
                                     std::span<const std::string> keys, bool out) {
@@ -1251,9 +1261,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     if (!batch.insert(p).second) {
       throw std::invalid_argument("tensor_swapper: " + p + " appears twice in one batch");
     }
-    if (busy_paths_->contains(p)) {
-      throw std::invalid_argument("tensor_swapper: " + p + " is in a transfer not yet waited for");
-    }
+    if (const auto busy = busy_paths_->find(p); busy != busy_paths_->end()) throw path_in_flight(p, busy->second);
   }
   check_memory(tensors, paths, out);
   // Everything that allocates is made aside first (the jobs, the busy paths' entries, the
@@ -1261,7 +1269,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
   // The pieces then join the swapper's maps without allocating.
   const std::uint64_t ticket = next_ticket_;
   std::map<std::uint64_t, job> made;
-  std::set<std::string, std::less<>> made_paths;
+  std::map<std::string, std::uint64_t, std::less<>> made_paths;
   ticket_state state;
   state.jobs.reserve(tensors.size());
   state.unfinished = tensors.size();
@@ -1276,7 +1284,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     j.out = out;
     j.packed = out ? options_.pack_below > 0 && j.tensor.bytes <= options_.pack_below : packed_->contains(j.path);
     j.started = now;
-    made_paths.insert(j.path);
+    made_paths.emplace(j.path, ticket);
     state.jobs.push_back(id);
   }
   // Packed swap-ins are queued in the order of their slots in the pack (the disk reads
@@ -1514,8 +1522,8 @@ void tensor_swapper::discard(const std::string& path) {
   check_removable(path, spare_path(path));  // before the packed slot is let go
   {
     const std::lock_guard lock(mutex_);
-    if (busy_paths_->contains(path)) {
-      throw std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for");
+    if (const auto busy = busy_paths_->find(path); busy != busy_paths_->end()) {
+      throw path_in_flight(path, busy->second);
     }
     if (const auto it = packed_->find(path); it != packed_->end()) {
       it->second.pack->space.free(it->second.offset, it->second.slot_bytes);

@@ -696,6 +696,25 @@ def test_unknown_tickets_are_value_errors(tmp_path):
         s.wait(t)
 
 
+def test_a_path_held_by_a_dropped_ticket_names_it_and_the_ticket_is_still_waited_for(tmp_path):
+    # A ticket (an int) the caller dropped keeps its paths in flight: the refusal says which
+    # ticket, and waiting for that number collects it and frees the path.
+    s = tensormem.TensorSwapper(tensormem.PinnedPool(slab_bytes=4 << 20), staging_buffers=2)
+    x = np.arange(1000, dtype=np.float32)
+    path = str(tmp_path / "x")
+    s.swap_out([x], [path])  # ticket dropped
+    with pytest.raises(ValueError) as refused:
+        s.swap_in([path], [np.zeros_like(x)])
+    m = re.search(r"is in a transfer not yet waited for \(ticket (\d+): wait\(\1\) or synchronize\(\) collects it\)",
+                  str(refused.value))
+    assert m, str(refused.value)
+    with pytest.raises(ValueError, match=r"\(ticket " + m.group(1) + ":"):
+        s.discard(path)
+    assert s.wait(int(m.group(1)))[0]["error"] == 0
+    y = np.zeros_like(x)
+    assert s.wait(s.swap_in([path], [y]))[0]["error"] == 0 and (y == x).all()
+
+
 def test_synchronize_keeps_holding_a_ticket_another_thread_started_meanwhile(tmp_path):
     """synchronize() lets go of the buffers of the tickets it collected, the ones another
     thread started while it ran included, and of no other: a ticket still outstanding may be
