@@ -734,10 +734,20 @@ PYBIND11_MODULE(_tensormem, m) {
   m.def("read_trace", [](const std::string& path) {
     python::require_numpy_abi("read_trace");
     std::vector<core::buffer> b;
-    {
-      // Other threads run meanwhile: a pipe's writer may be one of them.
-      py::gil_scoped_release release;
-      b = trace::read_trace(path);
+    for (;;) {
+      try {
+        // Other threads run meanwhile: a pipe's writer may be one of them.
+        py::gil_scoped_release release;
+        b = trace::read_trace(path);
+        break;
+      } catch (const std::system_error& e) {
+        // A signal came while a pipe waited for its writer (open() fails with EINTR; reads
+        // are resumed by the stream itself). As Python's own calls do (PEP 475), the
+        // handlers run and the open is tried again, unless a handler raised: Ctrl-C is a
+        // KeyboardInterrupt, not an InterruptedError.
+        if (e.code() != std::errc::interrupted) throw;
+      }
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
     py::array_t<std::uint64_t> lower(static_cast<py::ssize_t>(b.size()));
     py::array_t<std::uint64_t> upper(static_cast<py::ssize_t>(b.size()));

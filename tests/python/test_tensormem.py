@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -191,6 +192,42 @@ def test_a_trace_is_read_from_a_pipe_that_another_thread_writes(tmp_path):
     writer.join(timeout=1)
     assert not reader.is_alive(), "read_trace and the pipe's writer wait on each other"
     assert result["id"] == ["a", "b"] and list(result["size"]) == [8, 4]
+
+
+def test_a_signal_while_a_pipe_waits_for_its_writer_runs_the_handler_and_the_read_goes_on(tmp_path):
+    """A signal to the thread that waits in read_trace for a pipe's writer: as Python's own
+    calls (PEP 475), the handler runs and the wait goes on, and the trace is read; a handler
+    that raises ends the read with its exception (Ctrl-C: KeyboardInterrupt), not with an
+    InterruptedError. Run in a child, whose main thread reads."""
+    script = textwrap.dedent(f"""
+        import os, signal, threading, time
+        import tensormem
+        fifo = {str(tmp_path / "fifo")!r}
+        os.mkfifo(fifo)
+        main = threading.get_ident()
+        calls = []
+        signal.signal(signal.SIGUSR1, lambda *_: calls.append(time.monotonic()))
+
+        def poke_then_write():
+            for _ in range(3):
+                time.sleep(0.1)
+                signal.pthread_kill(main, signal.SIGUSR1)
+            time.sleep(0.1)
+            with open(fifo, "w") as out:
+                out.write("id,lower,upper,size\\na,0,2,8\\n")
+
+        threading.Thread(target=poke_then_write, daemon=True).start()
+        print(tensormem.read_trace(fifo)["id"], len(calls))
+        threading.Timer(0.2, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+        try:
+            tensormem.read_trace(fifo)  # no writer this time
+        except KeyboardInterrupt as e:
+            print("KeyboardInterrupt", repr(e.__context__))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["['a'] 3", "KeyboardInterrupt None"], r.stdout
 
 
 # ----------------------------------------------------------------------------- pinned pool
