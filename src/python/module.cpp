@@ -733,22 +733,8 @@ PYBIND11_MODULE(_tensormem, m) {
 
   m.def("read_trace", [](const std::string& path) {
     python::require_numpy_abi("read_trace");
-    std::vector<core::buffer> b;
-    for (;;) {
-      try {
-        // Other threads run meanwhile: a pipe's writer may be one of them.
-        py::gil_scoped_release release;
-        b = trace::read_trace(path);
-        break;
-      } catch (const std::system_error& e) {
-        // A signal came while a pipe waited for its writer (open() fails with EINTR; reads
-        // are resumed by the stream itself). As Python's own calls do (PEP 475), the
-        // handlers run and the open is tried again, unless a handler raised: Ctrl-C is a
-        // KeyboardInterrupt, not an InterruptedError.
-        if (e.code() != std::errc::interrupted) throw;
-      }
-      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-    }
+    // Other threads run meanwhile: a pipe's writer may be one of them.
+    const std::vector<core::buffer> b = python::call_resuming_after_signals([&] { return trace::read_trace(path); });
     py::array_t<std::uint64_t> lower(static_cast<py::ssize_t>(b.size()));
     py::array_t<std::uint64_t> upper(static_cast<py::ssize_t>(b.size()));
     py::array_t<std::uint64_t> size(static_cast<py::ssize_t>(b.size()));
@@ -888,11 +874,13 @@ PYBIND11_MODULE(_tensormem, m) {
     }
     const std::vector<std::uint64_t> off = unsigned_array(offsets, "offsets");
     if (off.size() != buffers.size()) throw std::invalid_argument("offsets: one per buffer");
-    py::gil_scoped_release release;
-    if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".html") == 0) {
-      return trace::write_plan_html(path, buffers, off, arena_bytes, lower_bound, title);
-    }
-    return trace::write_plan_svg(path, buffers, off, arena_bytes, lower_bound);
+    // (A pipe's reader may be another thread.)
+    return python::call_resuming_after_signals([&] {
+      if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".html") == 0) {
+        return trace::write_plan_html(path, buffers, off, arena_bytes, lower_bound, title);
+      }
+      return trace::write_plan_svg(path, buffers, off, arena_bytes, lower_bound);
+    });
   }, py::arg("path"), py::arg("lower"), py::arg("upper"), py::arg("size"), py::arg("offsets"), py::arg("arena_bytes"),
      py::arg("lower_bound"), py::arg("title") = "plan", py::arg("ids") = py::none(),
      "Draws a plan: an interactive page when the path ends in .html, else an SVG picture. Returns what is "

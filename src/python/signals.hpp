@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <chrono>
+#include <system_error>
 
 namespace tensormem::python {
 
@@ -33,6 +34,24 @@ void wait_answering_signals(Attempt attempt, Between between) {
 template <class Attempt>
 void wait_answering_signals(Attempt attempt) {
   wait_answering_signals(attempt, [] {});
+}
+
+/// Returns `call()`, made with the GIL released, where a signal may interrupt the open() of a
+/// pipe that waits for its other end (std::system_error EINTR; a stream resumes its own
+/// interrupted reads and writes). As Python's own calls do (PEP 475), the signal handlers then
+/// run and the call is made again, unless a handler raised: Ctrl-C is a KeyboardInterrupt,
+/// not an InterruptedError. `call` must change nothing when it fails so.
+template <class Call>
+auto call_resuming_after_signals(Call call) {
+  for (;;) {
+    try {
+      pybind11::gil_scoped_release release;
+      return call();
+    } catch (const std::system_error& e) {
+      if (e.code() != std::errc::interrupted) throw;
+    }
+    if (PyErr_CheckSignals() != 0) throw pybind11::error_already_set();
+  }
 }
 
 }  // namespace tensormem::python

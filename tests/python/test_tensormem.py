@@ -194,11 +194,12 @@ def test_a_trace_is_read_from_a_pipe_that_another_thread_writes(tmp_path):
     assert result["id"] == ["a", "b"] and list(result["size"]) == [8, 4]
 
 
-def test_a_signal_while_a_pipe_waits_for_its_writer_runs_the_handler_and_the_read_goes_on(tmp_path):
-    """A signal to the thread that waits in read_trace for a pipe's writer: as Python's own
-    calls (PEP 475), the handler runs and the wait goes on, and the trace is read; a handler
-    that raises ends the read with its exception (Ctrl-C: KeyboardInterrupt), not with an
-    InterruptedError. Run in a child, whose main thread reads."""
+def test_a_signal_while_a_pipe_waits_for_its_other_end_runs_the_handler_and_the_call_goes_on(tmp_path):
+    """A signal to the thread that waits in read_trace for a pipe's writer, or in
+    write_plan_picture for its reader: as Python's own calls (PEP 475), the handler runs and
+    the wait goes on, and the trace is read (the picture written); a handler that raises ends
+    the call with its exception (Ctrl-C: KeyboardInterrupt), not with an InterruptedError. Run
+    in a child, whose main thread reads and writes."""
     script = textwrap.dedent(f"""
         import os, signal, threading, time
         import tensormem
@@ -223,11 +224,27 @@ def test_a_signal_while_a_pipe_waits_for_its_writer_runs_the_handler_and_the_rea
             tensormem.read_trace(fifo)  # no writer this time
         except KeyboardInterrupt as e:
             print("KeyboardInterrupt", repr(e.__context__))
+
+        drawn = []
+
+        def poke_then_read():
+            for _ in range(2):
+                time.sleep(0.1)
+                signal.pthread_kill(main, signal.SIGUSR1)
+            time.sleep(0.1)
+            with open(fifo) as f:
+                drawn.append(f.read())
+
+        reader = threading.Thread(target=poke_then_read, daemon=True)
+        reader.start()
+        print(repr(tensormem.write_plan_picture(fifo, [0], [2], [8], [0], 8, 8)), len(calls))
+        reader.join(timeout=10)
+        print(drawn[0].startswith("<svg") and drawn[0].rstrip().endswith("</svg>"))
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["['a'] 3", "KeyboardInterrupt None"], r.stdout
+    assert r.stdout.splitlines() == ["['a'] 3", "KeyboardInterrupt None", "'' 5", "True"], r.stdout
 
 
 # ----------------------------------------------------------------------------- pinned pool
