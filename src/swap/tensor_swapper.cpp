@@ -1198,6 +1198,25 @@ namespace {
 // The address range of a tensor's memory; empty for no memory (checked per tensor later).
 std::uintptr_t begin_of(const tensor_ref& t) { return reinterpret_cast<std::uintptr_t>(t.data); }
 std::uintptr_t end_of(const tensor_ref& t) { return t.data == nullptr ? begin_of(t) : begin_of(t) + t.bytes; }
+
+// How a transfer not yet waited for is collected, for the refusals that name it.
+std::string collected_by(std::uint64_t ticket) {
+  const std::string t = std::to_string(ticket);
+  return "ticket " + t + ": wait(" + t + ") or synchronize() collects it";
+}
+
+// The transfer not yet waited for (a swap-out when `out`, else a swap-in) whose memory shares a
+// byte with [begin, end), for a refusal's message: its path and ticket. Only refusals pay for
+// the walk over the transfers.
+template <class Jobs>
+std::string holder_of(const Jobs& jobs, std::uintptr_t begin, std::uintptr_t end, bool out) {
+  for (const auto& [id, j] : jobs) {
+    if (j.out == out && begin_of(j.tensor) < end && begin < end_of(j.tensor)) {
+      return " (the tensor for " + j.path + ", " + collected_by(j.ticket) + ")";
+    }
+  }
+  return {};
+}
 }  // namespace
 
 // Refuses a batch whose memory would be written by two transfers at once, or read by one
@@ -1213,11 +1232,13 @@ void tensor_swapper::check_memory(std::span<const tensor_ref> tensors, std::span
     }
     if (writing_->overlaps(begin, end_of(tensors[i]))) {
       throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
-                                  " overlaps a swap-in not yet waited for");
+                                  " overlaps a swap-in not yet waited for" +
+                                  holder_of(*jobs_, begin, end_of(tensors[i]), false));
     }
     if (!out && reading_->overlaps(begin, end_of(tensors[i]))) {
       throw std::invalid_argument("tensor_swapper: the memory of the tensor for " + paths[i] +
-                                  " overlaps a swap-out not yet waited for");
+                                  " overlaps a swap-out not yet waited for" +
+                                  holder_of(*jobs_, begin, end_of(tensors[i]), true));
     }
     if (!out && end_of(tensors[i]) > begin) written.emplace_back(begin, i);
   }
@@ -1236,9 +1257,8 @@ namespace {
 // The refusal of a path that is in a transfer not yet waited for: it names that transfer's
 // ticket, which a caller who dropped it can still wait for (or synchronize()).
 std::invalid_argument path_in_flight(const std::string& path, std::uint64_t ticket) {
-  return std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for (ticket " +
-                               std::to_string(ticket) + ": wait(" + std::to_string(ticket) +
-                               ") or synchronize() collects it)");
+  return std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for (" +
+                               collected_by(ticket) + ")");
 }
 }  // namespace
 

@@ -196,10 +196,13 @@ def test_memory_a_swap_in_writes_is_in_no_other_unwaited_transfer(tmp_path):
     y = np.zeros(1 << 16)
     t = torch.zeros(1 << 16, dtype=torch.float64)
     ticket = s.swap_in([p1], [y])
-    with pytest.raises(ValueError, match="overlaps a swap-in not yet waited for"):
+    # The refusal names the transfer that holds the memory: its path and ticket.
+    with pytest.raises(ValueError, match=r"overlaps a swap-in not yet waited for \(the tensor for .*1, ticket %d: "
+                                         r"wait\(%d\) or synchronize\(\) collects it\)$" % (ticket, ticket)):
         s.swap_out([y[100:200]], [p3])
     out = s.swap_out([t], [p3])
-    with pytest.raises(ValueError, match="overlaps a swap-out not yet waited for"):
+    with pytest.raises(ValueError, match=r"overlaps a swap-out not yet waited for \(the tensor for .*3, ticket %d: "
+                                         % out):
         s.swap_in([p2], [t[5:]])
     assert s.wait(ticket)[0]["error"] == 0 and s.wait(out)[0]["error"] == 0
     assert np.all(y == 1.0)

@@ -785,14 +785,24 @@ TEST_P(integrity, memory_written_by_a_swap_in_is_in_no_other_unwaited_transfer) 
   const auto want_b = b;
 
   std::vector<std::byte> dest(8192 * 2, std::byte{0});
-  auto refused = [&](auto call, const std::string& named) {
+  // `held_by`: the unwaited transfer the refusal names (its path and ticket), where one holds
+  // the memory.
+  auto refused = [&](auto call, const std::string& named, const std::string& held_by = "") {
     try {
       call();
       ADD_FAILURE() << "not refused";
     } catch (const std::invalid_argument& e) {
       EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("overlap"), std::string::npos) << e.what();
+      if (!held_by.empty()) {
+        EXPECT_TRUE(std::string(e.what()).ends_with(held_by)) << e.what();
+      }
     }
+  };
+  auto holder = [](const std::string& kind, const std::string& path, std::uint64_t ticket) {
+    const std::string t = std::to_string(ticket);
+    return " overlaps a " + kind + " not yet waited for (the tensor for " + path + ", ticket " + t + ": wait(" + t +
+           ") or synchronize() collects it)";
   };
   // One swap-in batch whose destinations share a byte.
   const tensor_ref one_byte_shared[] = {{dest.data(), 8192}, {dest.data() + 8191, 8192}};
@@ -813,11 +823,13 @@ TEST_P(integrity, memory_written_by_a_swap_in_is_in_no_other_unwaited_transfer) 
   const std::string pd[] = {dir_.file("d")};
   const std::uint64_t out = s.swap_out(ra, pc);
   const tensor_ref last_byte_of_a[] = {{a.data() + a.size() - 1, 1}};
-  refused([&] { (void)s.swap_in(pb, last_byte_of_a); }, dir_.file("b"));
+  refused([&] { (void)s.swap_in(pb, last_byte_of_a); }, dir_.file("b"), holder("swap-out", dir_.file("c"), out));
   const tensor_ref a_again[] = {{a.data(), a.size()}};
   const std::uint64_t out_again = s.swap_out(a_again, pd);
+  refused([&] { (void)s.swap_in(pb, ra); }, dir_.file("b"), holder("swap-out", dir_.file("c"), out));
   EXPECT_EQ(s.wait(out_again)[0].error, 0);
-  refused([&] { (void)s.swap_in(pb, ra); }, dir_.file("b"));  // the first swap-out still holds a
+  // the first swap-out still holds a
+  refused([&] { (void)s.swap_in(pb, ra); }, dir_.file("b"), holder("swap-out", dir_.file("c"), out));
   EXPECT_EQ(s.wait(out)[0].error, 0);
 
   // A swap-in not yet waited for: its memory is in no other transfer, either way.
@@ -825,8 +837,8 @@ TEST_P(integrity, memory_written_by_a_swap_in_is_in_no_other_unwaited_transfer) 
   const tensor_ref rt[] = {{target.data(), target.size()}};
   const std::uint64_t in = s.swap_in(pa, rt);
   const tensor_ref first_byte[] = {{target.data(), 1}};
-  refused([&] { (void)s.swap_out(first_byte, pc); }, dir_.file("c"));
-  refused([&] { (void)s.swap_in(pb, first_byte); }, dir_.file("b"));
+  refused([&] { (void)s.swap_out(first_byte, pc); }, dir_.file("c"), holder("swap-in", dir_.file("a"), in));
+  refused([&] { (void)s.swap_in(pb, first_byte); }, dir_.file("b"), holder("swap-in", dir_.file("a"), in));
   const tensor_ref just_past[] = {{target.data() + target.size(), 0}};  // no bytes: no memory
   EXPECT_EQ(s.wait(s.swap_out(just_past, pd))[0].error, 0);
   EXPECT_EQ(s.wait(in)[0].error, 0);
