@@ -51,6 +51,23 @@ inline CLI::Validator non_negative_seconds(double most = std::numeric_limits<dou
       "SECONDS>=0");
 }
 
+/// What is wrong with `text` as a whole number of at least `least` in decimal digits that
+/// fits in 64 bits (empty when nothing is, `value` then set); the message names the value
+/// briefly.
+inline std::string whole_number_problem(const std::string& text, std::uint64_t least, std::uint64_t& value) {
+  value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  const bool digits = !text.empty() && text.front() >= '0' && text.front() <= '9';
+  if (digits && ptr == end && ec == std::errc::result_out_of_range) {
+    return "'" + text.substr(0, 40) + "' does not fit in 64 bits";
+  }
+  if (!digits || ec != std::errc() || ptr != end || value < least) {
+    return "must be a whole number >= " + std::to_string(least) + ", not '" + text.substr(0, 40) + "'";
+  }
+  return {};
+}
+
 /// Validator of a count or a size: a whole number >= 1 in decimal digits, at most `most`
 /// (the largest value of the option's type) and a multiple of `multiple`; the error names
 /// the value briefly (CLI11's PositiveNumber answers "not in range 0.000000 to" the 309
@@ -61,20 +78,23 @@ inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<st
   return CLI::Validator(
       [most, multiple](std::string& text) -> std::string {
         std::uint64_t value = 0;
-        const char* end = text.data() + text.size();
-        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-        const bool digits = !text.empty() && text.front() >= '0' && text.front() <= '9';
-        if (digits && ptr == end && ec == std::errc::result_out_of_range) {
-          return "'" + text.substr(0, 40) + "' does not fit in 64 bits";
-        }
-        if (!digits || ec != std::errc() || ptr != end || value == 0) {
-          return "must be a whole number >= 1, not '" + text.substr(0, 40) + "'";
-        }
+        if (std::string problem = whole_number_problem(text, 1, value); !problem.empty()) return problem;
         if (value > most) return "must be at most " + std::to_string(most) + ", not '" + text + "'";
         if (value % multiple != 0) return "must be a multiple of " + std::to_string(multiple) + ", not '" + text + "'";
         return {};
       },
       "N>=1");
+}
+
+/// Validator of a 64-bit seed: a whole number from 0 to 2^64 - 1 in decimal digits. CLI11
+/// alone took "-1" as 2^64 - 1 and a number past 2^64 - 1 without a word.
+inline CLI::Validator seed_number() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::uint64_t value = 0;
+        return whole_number_problem(text, 0, value);
+      },
+      "SEED>=0");
 }
 
 /// Validator of a file or folder name: an empty one is refused ("an empty path"), not taken
