@@ -26,7 +26,7 @@ void add_pinned_bench_command(CLI::App& app) {
       ->check(positive_count());
   cmd->add_option("--mlock-pairs", o->bench.mlock_pairs, "pairs of one locked mapping each")
       ->check(positive_count());
-  cmd->add_option("--seed", o->bench.seed, "seed of the size sequence")->check(seed_number());
+  cmd->add_option("--seed", o->bench.seed, "seed of the size sequence")->check(whole_number("SEED>=0"));
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->callback([o] {
     memory::pinned_benchmark_result r;

@@ -167,12 +167,12 @@ void add_plan_command(CLI::App& app) {
                   "lifetimes 2^U(0,12), sizes 2^U(10,24))")
       ->check(positive_count());
   cmd->add_option("--synthetic-seed", opts->synthetic_seed, "seed of the synthetic family (default 1)")
-      ->check(seed_number());
+      ->check(whole_number("SEED>=0"));
   cmd->add_option("--time-limit", opts->time_limit, "seconds for reading, planning and validating (default 10; the first plan always completes)")
       ->check(non_negative_seconds());
   cmd->add_option("--alignment", opts->alignment, "size and offset alignment (default 1)")
       ->check(positive_count());
-  cmd->add_option("--seed", opts->seed, "seed of the randomized search")->check(seed_number());
+  cmd->add_option("--seed", opts->seed, "seed of the randomized search")->check(whole_number("SEED>=0"));
   cmd->add_option("--out", opts->out, "write the trace with an offset column")->check(path_given());
   cmd->add_option("--svg", opts->svg, "draw the plan as SVG")->check(path_given());
   cmd->add_option("--html", opts->html, "write the plan as one interactive HTML page (zoom, hover)")

@@ -346,7 +346,8 @@ void add_swap_bench_command(CLI::App& app) {
   cmd->add_flag("--no-checksum", o->no_checksum, "skip CRC-32C");
   cmd->add_flag("--no-reuse", o->no_reuse, "write every version to a new file (no spare files)");
   cmd->add_option("--pack-below", o->pack_below,
-                  "pack tensors of at most this many bytes into one file per directory (default 0: a file per tensor)");
+                  "pack tensors of at most this many bytes into one file per directory (default 0: a file per tensor)")
+      ->check(whole_number("BYTES>=0"));
   cmd->add_option("--overlap", o->overlap_seconds,
                   "also time a swap-out beside a compute loop of this many seconds; print the overlap ratio")
       ->check(non_negative_seconds(most_overlap_seconds));

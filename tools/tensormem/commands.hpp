@@ -86,15 +86,16 @@ inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<st
       "N>=1");
 }
 
-/// Validator of a 64-bit seed: a whole number from 0 to 2^64 - 1 in decimal digits. CLI11
-/// alone took "-1" as 2^64 - 1 and a number past 2^64 - 1 without a word.
-inline CLI::Validator seed_number() {
+/// Validator of a 64-bit option that may be 0 (a seed, a size where 0 means "off"): a whole
+/// number from 0 to 2^64 - 1 in decimal digits. CLI11 alone took "-1" as 2^64 - 1 and a number
+/// past 2^64 - 1 without a word. `label` names the value in the help ("SEED>=0").
+inline CLI::Validator whole_number(const std::string& label) {
   return CLI::Validator(
       [](std::string& text) -> std::string {
         std::uint64_t value = 0;
         return whole_number_problem(text, 0, value);
       },
-      "SEED>=0");
+      label);
 }
 
 /// Validator of a file or folder name: an empty one is refused ("an empty path"), not taken
