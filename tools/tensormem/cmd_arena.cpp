@@ -111,7 +111,7 @@ void add_arena_command(CLI::App& app) {
   cmd->add_option("--policy", o->policy, "defragmentation: minimal (default) or full")
       ->check(CLI::IsMember({"minimal", "full"}));
   auto* alignment = cmd->add_option("--alignment", o->alignment, "bytes (default 256; scenarios set their own)")
-      ->check(positive_count());
+      ->check(power_of_two_count());
   cmd->add_option("--resolution", o->resolution, "cells in the map (1 to 1000000)")
       ->check(CLI::Range(std::size_t{1}, arena::contiguous_arena::max_resolution));
   cmd->add_option("--svg", o->svg, "draw the map after each defragmentation and at the end as SVG")

@@ -381,7 +381,7 @@ void add_demo_command(CLI::App& app) {
   cmd->add_option("--dtype-bytes", m.dtype_bytes, "bytes per element")
       ->check(positive_count());
   cmd->add_option("--alignment", opts->alignment, "allocation alignment in bytes")
-      ->check(positive_count());
+      ->check(power_of_two_count());
   cmd->add_option("--plan-seconds", opts->plan_seconds, "search budget of the offline plan")
       ->check(non_negative_seconds());
   cmd->add_flag("--json", opts->json, "print one JSON object");

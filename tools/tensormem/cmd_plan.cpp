@@ -171,7 +171,7 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--time-limit", opts->time_limit, "seconds for reading, planning and validating (default 10; the first plan always completes)")
       ->check(non_negative_seconds());
   cmd->add_option("--alignment", opts->alignment, "size and offset alignment (default 1)")
-      ->check(positive_count());
+      ->check(power_of_two_count());
   cmd->add_option("--seed", opts->seed, "seed of the randomized search")->check(whole_number("SEED>=0"));
   cmd->add_option("--out", opts->out, "write the trace with an offset column")->check(path_given());
   cmd->add_option("--svg", opts->svg, "draw the plan as SVG")->check(path_given());

@@ -72,7 +72,7 @@ void add_replay_command(CLI::App& app) {
   cmd->add_option("--allocator", opts->allocator, "best-fit or o1")
       ->check(CLI::IsMember({"best-fit", "o1"}));
   cmd->add_option("--alignment", opts->alignment, "size alignment in bytes (power of two)")
-      ->check(positive_count());
+      ->check(power_of_two_count());
   cmd->add_flag("--json", opts->json, "print one JSON object");
   cmd->callback([opts] { run_replay(*opts); });
 }

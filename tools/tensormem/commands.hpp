@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <bit>
 #include <cerrno>
 #include <charconv>
 #include <cstdint>
@@ -84,6 +85,20 @@ inline CLI::Validator positive_count(std::uint64_t most = std::numeric_limits<st
         return {};
       },
       "N>=1");
+}
+
+/// Validator of an alignment: a whole number >= 1 in decimal digits that is a power of two,
+/// refused by the option's name ("--alignment: must be a power of two, not '6'") rather than
+/// later by the part of the library that takes it.
+inline CLI::Validator power_of_two_count() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        std::uint64_t value = 0;
+        if (std::string problem = whole_number_problem(text, 1, value); !problem.empty()) return problem;
+        if (!std::has_single_bit(value)) return "must be a power of two, not '" + text + "'";
+        return {};
+      },
+      "2^K");
 }
 
 /// Validator of a 64-bit option that may be 0 (a seed, a size where 0 means "off"): a whole
