@@ -1205,17 +1205,33 @@ std::string collected_by(std::uint64_t ticket) {
   return "ticket " + t + ": wait(" + t + ") or synchronize() collects it";
 }
 
+// The first transfer not yet waited for (a job of `jobs`) that `holds` picks, or null: for a
+// refusal's message, so only refusals pay for the walk over the transfers.
+template <class Jobs, class Holds>
+const typename Jobs::mapped_type* first_holding(const Jobs& jobs, Holds holds) {
+  for (const auto& [id, j] : jobs) {
+    if (holds(j)) return &j;
+  }
+  return nullptr;
+}
+
 // The transfer not yet waited for (a swap-out when `out`, else a swap-in) whose memory shares a
-// byte with [begin, end), for a refusal's message: its path and ticket. Only refusals pay for
-// the walk over the transfers.
+// byte with [begin, end), for a refusal's message: its path and ticket.
 template <class Jobs>
 std::string holder_of(const Jobs& jobs, std::uintptr_t begin, std::uintptr_t end, bool out) {
-  for (const auto& [id, j] : jobs) {
-    if (j.out == out && begin_of(j.tensor) < end && begin < end_of(j.tensor)) {
-      return " (the tensor for " + j.path + ", " + collected_by(j.ticket) + ")";
-    }
-  }
-  return {};
+  const auto* j = first_holding(jobs, [&](const auto& x) {
+    return x.out == out && begin_of(x.tensor) < end && begin < end_of(x.tensor);
+  });
+  return j == nullptr ? std::string() : " (the tensor for " + j->path + ", " + collected_by(j->ticket) + ")";
+}
+
+// The refusal of a path that is in a transfer not yet waited for: it names that transfer's
+// ticket, which a caller who dropped it can still wait for (or synchronize()).
+template <class Jobs>
+std::invalid_argument path_in_flight(const Jobs& jobs, const std::string& path) {
+  const auto* j = first_holding(jobs, [&](const auto& x) { return x.path == path; });
+  return std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for" +
+                               (j == nullptr ? std::string() : " (" + collected_by(j->ticket) + ")"));
 }
 }  // namespace
 
@@ -1253,15 +1269,6 @@ void tensor_swapper::check_memory(std::span<const tensor_ref> tensors, std::span
   }
 }
 
-namespace {
-// The refusal of a path that is in a transfer not yet waited for: it names that transfer's
-// ticket, which a caller who dropped it can still wait for (or synchronize()).
-std::invalid_argument path_in_flight(const std::string& path, std::uint64_t ticket) {
-  return std::invalid_argument("tensor_swapper: " + path + " is in a transfer not yet waited for (" +
-                               collected_by(ticket) + ")");
-}
-}  // namespace
-
 std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
                                     std::span<const std::string> paths,
                                     std::span<const std::string> keys, bool out) {
@@ -1281,7 +1288,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     if (!batch.insert(p).second) {
       throw std::invalid_argument("tensor_swapper: " + p + " appears twice in one batch");
     }
-    if (const auto busy = busy_paths_->find(p); busy != busy_paths_->end()) throw path_in_flight(p, busy->second);
+    if (busy_paths_->contains(p)) throw path_in_flight(*jobs_, p);
   }
   check_memory(tensors, paths, out);
   // Everything that allocates is made aside first (the jobs, the busy paths' entries, the
@@ -1289,7 +1296,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
   // The pieces then join the swapper's maps without allocating.
   const std::uint64_t ticket = next_ticket_;
   std::map<std::uint64_t, job> made;
-  std::map<std::string, std::uint64_t, std::less<>> made_paths;
+  std::set<std::string, std::less<>> made_paths;
   ticket_state state;
   state.jobs.reserve(tensors.size());
   state.unfinished = tensors.size();
@@ -1304,7 +1311,7 @@ std::uint64_t tensor_swapper::start(std::span<const tensor_ref> tensors,
     j.out = out;
     j.packed = out ? options_.pack_below > 0 && j.tensor.bytes <= options_.pack_below : packed_->contains(j.path);
     j.started = now;
-    made_paths.emplace(j.path, ticket);
+    made_paths.insert(j.path);
     state.jobs.push_back(id);
   }
   // Packed swap-ins are queued in the order of their slots in the pack (the disk reads
@@ -1542,9 +1549,7 @@ void tensor_swapper::discard(const std::string& path) {
   check_removable(path, spare_path(path));  // before the packed slot is let go
   {
     const std::lock_guard lock(mutex_);
-    if (const auto busy = busy_paths_->find(path); busy != busy_paths_->end()) {
-      throw path_in_flight(path, busy->second);
-    }
+    if (busy_paths_->contains(path)) throw path_in_flight(*jobs_, path);
     if (const auto it = packed_->find(path); it != packed_->end()) {
       it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
       packed_->erase(it);

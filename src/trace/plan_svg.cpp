@@ -41,8 +41,8 @@ std::string plan_problem(std::span<const core::buffer> buffers, std::span<const 
 namespace detail {
 std::string picture_problem(std::span<const core::buffer> buffers, std::span<const std::uint64_t> offsets,
                             std::uint64_t arena_bytes, const known_problem& validated) {
-  if (!validated) return plan_problem(buffers, offsets, arena_bytes);
-  if (offsets.size() != buffers.size()) return plan_problem(buffers, offsets, arena_bytes);  // (throws)
+  // (With one offset per buffer missing, plan_problem throws.)
+  if (!validated || offsets.size() != buffers.size()) return plan_problem(buffers, offsets, arena_bytes);
   return *validated;
 }
 }  // namespace detail

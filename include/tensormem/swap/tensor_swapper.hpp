@@ -329,8 +329,7 @@ class tensor_swapper {
   std::size_t max_queued_ = 0;
   swap_stats stats_;
   unless_forked<std::map<std::string, double>> timers_;
-  // Paths of transfers not yet waited for, and their tickets.
-  unless_forked<std::map<std::string, std::uint64_t, std::less<>>> busy_paths_;
+  unless_forked<std::set<std::string, std::less<>>> busy_paths_;  // paths of unwaited transfers
   unless_forked<detail::range_cover> reading_;  // the memory of unwaited swap-outs (they may share it)
   unless_forked<detail::range_cover> writing_;  // the memory of unwaited swap-ins (disjoint)
   using packs_by_dir = std::map<std::string, std::unique_ptr<pack_file>>;
