@@ -52,10 +52,18 @@ class canonical_dfs {
   }
 
   // Every section of [lo, hi) keeps room for its unplaced buffers above max(floor, offset):
-  // nothing will be placed below `offset` in this part any more.
-  bool check(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset) const {
+  // nothing will be placed below `offset` in this part any more. Most checks fail, and most
+  // often at the section where the previous one failed: that section is tried first.
+  bool check(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset) {
+    auto short_of_room = [&](std::uint32_t s) {
+      return total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_;
+    };
+    if (witness_ >= lo && witness_ < hi && short_of_room(witness_)) return false;
     for (std::uint32_t s = lo; s < hi; ++s) {
-      if (total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_) return false;
+      if (short_of_room(s)) {
+        witness_ = s;
+        return false;
+      }
     }
     return true;
   }
@@ -244,6 +252,7 @@ class canonical_dfs {
   deadline_or_stop deadline_;
   std::uint64_t node_limit_;
   std::uint64_t nodes_ = 0;
+  std::uint32_t witness_ = 0;  // the section where the last failed check failed
   bool stopped_ = false;
   std::vector<std::uint64_t> offsets_;   // current assignment
   std::vector<std::uint64_t> solution_;  // offsets of solved parts
