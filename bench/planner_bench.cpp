@@ -6,6 +6,7 @@
 //   build/bin/planner_bench --benchmark_filter=placement # one greedy pass, one thread, 10^5 buffers
 //   build/bin/planner_bench --benchmark_filter=read      # a 10^6-line trace read from memory
 //   build/bin/planner_bench --benchmark_filter='validate|T=0/'  # validation; set-up and first plan
+//   build/bin/planner_bench --benchmark_filter=one_thread  # MiniMalloc's instances on one thread
 //
 // Counters: seconds (wall time of one plan), first_plan / best_plan (when the first complete
 // plan and the returned one were found), ratio (arena / lower bound).
@@ -32,10 +33,11 @@ namespace {
 
 
 void bm_buffers(benchmark::State& state, const std::vector<core::buffer>& buffers, double time_limit,
-                bool search) {
+                bool search, unsigned threads = 0) {
   core::plan_options o;
   o.time_limit_seconds = time_limit;
   o.search = search;
+  o.threads = threads;
   for (auto _ : state) {
     const core::plan_result r = core::plan(buffers, o);
     if (!core::validate(buffers, r.offsets, r.arena_bytes).empty()) {
@@ -52,8 +54,9 @@ void bm_buffers(benchmark::State& state, const std::vector<core::buffer>& buffer
   }
 }
 
-void bm_plan(benchmark::State& state, const std::string& name, double time_limit, bool search) {
-  bm_buffers(state, trace::read_trace(tensormem::bench::trace_file(name)), time_limit, search);
+void bm_plan(benchmark::State& state, const std::string& name, double time_limit, bool search,
+             unsigned threads) {
+  bm_buffers(state, trace::read_trace(tensormem::bench::trace_file(name)), time_limit, search, threads);
 }
 
 // The synthetic family of core::synthetic_lifetimes (seed 1).
@@ -138,13 +141,22 @@ void register_all() {
   for (const entry& t : traces) {
     const std::string name = t.file;
     const std::string stem = name.substr(0, name.find('.'));
-    benchmark::RegisterBenchmark(("greedy/" + stem).c_str(), bm_plan, name, 0.0, false)
+    benchmark::RegisterBenchmark(("greedy/" + stem).c_str(), bm_plan, name, 0.0, false, 0U)
         ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
   }
   for (const entry& t : traces) {
     const std::string name = t.file;
     const std::string stem = name.substr(0, name.find('.'));
-    benchmark::RegisterBenchmark(("plan/" + stem).c_str(), bm_plan, name, t.time_limit, true)
+    benchmark::RegisterBenchmark(("plan/" + stem).c_str(), bm_plan, name, t.time_limit, true, 0U)
+        ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+  }
+  // MiniMalloc's instances whose lower bound the planner reaches, on one thread and with the
+  // CLI's default limit of 10 s: the canonical search's steps are then the same from run to
+  // run, and best_plan is the time they take to reach the bound (the phases before it take
+  // a share of the limit, so a longer limit moves it).
+  for (const char* stem : {"minimalloc_A", "minimalloc_B", "minimalloc_C", "minimalloc_E", "minimalloc_F"}) {
+    benchmark::RegisterBenchmark((std::string("one_thread/") + stem).c_str(), bm_plan, std::string(stem) + ".csv",
+                                 10.0, true, 1U)
         ->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
   }
   for (const auto& [name, policy] : {std::pair{"first_fit", core::detail::fit::first}, std::pair{"best_fit", core::detail::fit::best}}) {
