@@ -152,8 +152,7 @@ void register_all() {
   }
   // MiniMalloc's instances whose lower bound the planner reaches, on one thread and with the
   // CLI's default limit of 10 s: the canonical search's steps are then the same from run to
-  // run, and best_plan is the time they take to reach the bound (the phases before it take
-  // a share of the limit, so a longer limit moves it).
+  // run, and best_plan is the time they take to reach the bound.
   for (const char* stem : {"minimalloc_A", "minimalloc_B", "minimalloc_C", "minimalloc_E", "minimalloc_F"}) {
     benchmark::RegisterBenchmark((std::string("one_thread/") + stem).c_str(), bm_plan, std::string(stem) + ".csv",
                                  10.0, true, 1U)
