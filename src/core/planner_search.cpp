@@ -25,7 +25,12 @@ class canonical_dfs {
       : p_(p), g_(g), capacity_(capacity), heuristic_(heuristic), deadline_(deadline),
         node_limit_(node_limit), offsets_(p.size(), unplaced), solution_(p.size(), 0),
         min_offset_(p.size(), 0), floor_(p.sections, 0), total_(g.section_total),
-        cuts_(p.sections, 0), mark_(p.sections + 1, 0) {}
+        cuts_(p.sections, 0), mark_(p.sections + 1, 0),
+        floor_witness_(p.sections, 0) {
+    for (std::uint32_t s = 0; s < p.sections; ++s) {  // a member of each section that has one
+      if (g.section_begin[s] < g.section_begin[s + 1]) floor_witness_[s] = g.section_members[g.section_begin[s]];
+    }
+  }
 
   /// true: a plan within capacity is in offsets(). false: none found (see stopped()).
   bool run() {
@@ -214,12 +219,17 @@ class canonical_dfs {
     for (const std::uint32_t s : touched_) {
       if (total_[s] == 0) continue;
       const std::uint64_t useless = floor_[s];
+      // The member that ended the last scan of this section ends this one too, most often.
+      if (const std::uint32_t w = floor_witness_[s]; offsets_[w] == unplaced && min_offset_[w] <= useless) continue;
       std::uint64_t lowest = unplaced;
       for (std::uint32_t k = g_.section_begin[s]; k < g_.section_begin[s + 1]; ++k) {
         const std::uint32_t o = g_.section_members[k];
         if (offsets_[o] != unplaced) continue;
         lowest = std::min(lowest, min_offset_[o]);
-        if (lowest <= useless) break;
+        if (lowest <= useless) {
+          floor_witness_[s] = o;
+          break;
+        }
       }
       if (lowest != unplaced && floor_[s] < lowest) {
         floor_log_.emplace_back(s, floor_[s]);
@@ -264,6 +274,7 @@ class canonical_dfs {
   std::vector<std::uint32_t> touched_;
   std::vector<std::pair<std::uint32_t, std::uint64_t>> offset_log_;
   std::vector<std::pair<std::uint32_t, std::uint64_t>> floor_log_;
+  std::vector<std::uint32_t> floor_witness_;  // per section: a member that ended its last scan
 };
 
 }  // namespace
