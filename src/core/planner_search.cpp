@@ -60,9 +60,14 @@ class canonical_dfs {
   // nothing will be placed below `offset` in this part any more. Most checks fail, and most
   // often at the section where the previous one failed: that section is tried first.
   bool check(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset) {
-    auto short_of_room = [&](std::uint32_t s) {
+    return no_section_short(lo, hi, [&](std::uint32_t s) {
       return total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_;
-    };
+    });
+  }
+
+  // No section of [lo, hi) is short of room, trying first where the last one was.
+  template <class ShortOfRoom>
+  bool no_section_short(std::uint32_t lo, std::uint32_t hi, ShortOfRoom&& short_of_room) {
     if (witness_ >= lo && witness_ < hi && short_of_room(witness_)) return false;
     for (std::uint32_t s = lo; s < hi; ++s) {
       if (short_of_room(s)) {
@@ -154,6 +159,10 @@ class canonical_dfs {
       if (c.offset >= min_height) break;  // the rest would leave a gap someone fits in
       if (c.offset < last_offset || (c.offset == last_offset && c.rank < last_rank)) continue;
       if (c.offset + p_.bytes[c.buffer] > capacity_) continue;
+      if (!may_keep_room(lo, hi, c.buffer, c.offset)) {  // the check after placing it would fail
+        if (!overlaps_unplaced(c.buffer)) break;  // (as `hatless` below)
+        continue;
+      }
       const std::size_t offset_mark = offset_log_.size();
       const std::size_t floor_mark = floor_log_.size();
       bool hatless = true;
@@ -169,6 +178,28 @@ class canonical_dfs {
       // Nothing unplaced overlaps c: where c sits cannot matter to the others, so if this
       // subtree failed, so do its siblings.
       if (hatless) break;
+    }
+    return false;
+  }
+
+  // false when check(lo, hi, offset) is sure to fail once b is placed at offset, judged
+  // before placing it: most candidates fail that check, and placing and unplacing them
+  // costs far more than the check. In b's own sections the check will see a floor of at
+  // least offset + bytes and bytes fewer unplaced, so they are judged as they will be;
+  // elsewhere placing b only raises floors, so a section short of room now stays short.
+  bool may_keep_room(std::uint32_t lo, std::uint32_t hi, std::uint32_t b, std::uint64_t offset) {
+    const std::uint64_t bytes = p_.bytes[b];
+    const std::uint32_t own_lo = p_.lo[b];
+    const std::uint32_t own_hi = p_.hi[b];
+    return no_section_short(lo, hi, [&](std::uint32_t s) {
+      if (s >= own_lo && s < own_hi) return total_[s] != bytes && offset + total_[s] > capacity_;
+      return total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_;
+    });
+  }
+
+  bool overlaps_unplaced(std::uint32_t b) const {
+    for (std::uint32_t k = g_.overlap_begin[b]; k < g_.overlap_begin[b + 1]; ++k) {
+      if (offsets_[g_.overlaps[k]] == unplaced) return true;
     }
     return false;
   }
