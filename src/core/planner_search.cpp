@@ -159,10 +159,8 @@ class canonical_dfs {
       if (c.offset >= min_height) break;  // the rest would leave a gap someone fits in
       if (c.offset < last_offset || (c.offset == last_offset && c.rank < last_rank)) continue;
       if (c.offset + p_.bytes[c.buffer] > capacity_) continue;
-      if (!may_keep_room(lo, hi, c.buffer, c.offset)) {  // the check after placing it would fail
-        if (!overlaps_unplaced(c.buffer)) break;  // (as `hatless` below)
-        continue;
-      }
+      // The check after placing c would fail, and so would every candidate's after it.
+      if (!may_keep_room(lo, hi, c.buffer, c.offset)) break;
       const std::size_t offset_mark = offset_log_.size();
       const std::size_t floor_mark = floor_log_.size();
       bool hatless = true;
@@ -187,6 +185,11 @@ class canonical_dfs {
   // costs far more than the check. In b's own sections the check will see a floor of at
   // least offset + bytes and bytes fewer unplaced, so they are judged as they will be;
   // elsewhere placing b only raises floors, so a section short of room now stays short.
+  // A section short of room for b is short for every later candidate c of the node too
+  // (offset' >= offset, and a section's floor is at most the offset of each of its
+  // unplaced buffers): outside c's span by the same sum or more; inside it, by offset' plus
+  // the same unplaced bytes, unless c is the section's last unplaced buffer, and then c does
+  // not fit under the capacity at all. So the node's loop stops at the first such candidate.
   bool may_keep_room(std::uint32_t lo, std::uint32_t hi, std::uint32_t b, std::uint64_t offset) {
     const std::uint64_t bytes = p_.bytes[b];
     const std::uint32_t own_lo = p_.lo[b];
@@ -195,13 +198,6 @@ class canonical_dfs {
       if (s >= own_lo && s < own_hi) return total_[s] != bytes && offset + total_[s] > capacity_;
       return total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_;
     });
-  }
-
-  bool overlaps_unplaced(std::uint32_t b) const {
-    for (std::uint32_t k = g_.overlap_begin[b]; k < g_.overlap_begin[b + 1]; ++k) {
-      if (offsets_[g_.overlaps[k]] == unplaced) return true;
-    }
-    return false;
   }
 
   void keep_placed() {

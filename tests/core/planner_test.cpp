@@ -822,6 +822,55 @@ TEST(planner, canonical_search_is_exact_at_the_optimum_and_one_byte_below) {
   }
 }
 
+// Instances with a plan at their lower bound by construction: a rectangle of time x bytes
+// cut at random, along time or along bytes, into rectangles that become the buffers, so
+// that every step is full. The canonical search at that capacity must find a plan for
+// every preorder: its pruning may skip only candidates whose subtrees hold no plan (a
+// candidate skipped before it is placed must still let its siblings be tried).
+TEST(planner, canonical_search_finds_a_plan_of_tiled_instances) {
+  std::mt19937_64 rng(29);
+  const detail::preorder orders[] = {detail::preorder::length_area_total, detail::preorder::total_area_length,
+                                     detail::preorder::total_length_area};
+  for (int instance = 0; instance < 300; ++instance) {
+    struct piece {
+      std::uint64_t lower, upper, bottom, top;
+    };
+    std::vector<piece> open = {{0, 16, 0, 64}};
+    std::vector<buffer> b;
+    const std::size_t wanted = 8 + static_cast<std::size_t>(instance % 17);
+    while (!open.empty()) {
+      const piece r = open.back();
+      open.pop_back();
+      const bool can_cut_time = r.upper - r.lower > 1;
+      const bool can_cut_bytes = r.top - r.bottom > 1;
+      if (b.size() + open.size() + 1 >= wanted || (!can_cut_time && !can_cut_bytes)) {
+        b.push_back({"t" + std::to_string(b.size()), r.lower, r.upper, r.top - r.bottom, {}});
+        continue;
+      }
+      if (can_cut_time && (!can_cut_bytes || rng() % 2 == 0)) {
+        const std::uint64_t at = r.lower + 1 + rng() % (r.upper - r.lower - 1);
+        open.push_back({r.lower, at, r.bottom, r.top});
+        open.push_back({at, r.upper, r.bottom, r.top});
+      } else {
+        const std::uint64_t at = r.bottom + 1 + rng() % (r.top - r.bottom - 1);
+        open.push_back({r.lower, r.upper, r.bottom, at});
+        open.push_back({r.lower, r.upper, at, r.top});
+      }
+    }
+    const detail::plan_problem p = detail::make_problem(b, 1);
+    ASSERT_EQ(p.lower_bound, 64U) << "instance " << instance;
+    const detail::search_graph g = detail::make_search_graph(p);
+    for (const detail::preorder order : orders) {
+      std::vector<std::uint64_t> offsets;
+      bool stopped = true;
+      ASSERT_TRUE(detail::canonical_search(p, g, 64, order, {}, UINT64_MAX, offsets, stopped))
+          << "instance " << instance << " (" << b.size() << " buffers), preorder " << static_cast<int>(order);
+      EXPECT_FALSE(stopped);
+      EXPECT_EQ(validate(b, offsets, 64), "") << "instance " << instance;
+    }
+  }
+}
+
 // Eight buffers in five steps with four units alive at every step and no plan in four units
 // (found by exhaustive search over instances of five steps and arenas of four units; the same
 // as tests/data/above_lower_bound_trace.csv at a unit of 1 MiB). In four units: a and d (two
