@@ -60,9 +60,12 @@ class canonical_dfs {
   // nothing will be placed below `offset` in this part any more. Most checks fail, and most
   // often at the section where the previous one failed: that section is tried first.
   bool check(std::uint32_t lo, std::uint32_t hi, std::uint64_t offset) {
-    return no_section_short(lo, hi, [&](std::uint32_t s) {
-      return total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_;
-    });
+    return no_section_short(lo, hi, [&](std::uint32_t s) { return short_of_room(s, offset); });
+  }
+
+  // Section s, as it is now, has no room for its unplaced buffers above max(floor, offset).
+  bool short_of_room(std::uint32_t s, std::uint64_t offset) const {
+    return total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_;
   }
 
   // No section of [lo, hi) is short of room, trying first where the last one was.
@@ -196,7 +199,7 @@ class canonical_dfs {
     const std::uint32_t own_hi = p_.hi[b];
     return no_section_short(lo, hi, [&](std::uint32_t s) {
       if (s >= own_lo && s < own_hi) return total_[s] != bytes && offset + total_[s] > capacity_;
-      return total_[s] != 0 && std::max(floor_[s], offset) + total_[s] > capacity_;
+      return short_of_room(s, offset);
     });
   }
 

@@ -825,8 +825,8 @@ TEST(planner, canonical_search_is_exact_at_the_optimum_and_one_byte_below) {
 // Instances with a plan at their lower bound by construction: a rectangle of time x bytes
 // cut at random, along time or along bytes, into rectangles that become the buffers, so
 // that every step is full. The canonical search at that capacity must find a plan for
-// every preorder: its pruning may skip only candidates whose subtrees hold no plan (a
-// candidate skipped before it is placed must still let its siblings be tried).
+// every preorder: its pruning may skip only candidates whose subtrees hold no plan (among
+// them every candidate after one judged short of room before it is placed).
 TEST(planner, canonical_search_finds_a_plan_of_tiled_instances) {
   std::mt19937_64 rng(29);
   const detail::preorder orders[] = {detail::preorder::length_area_total, detail::preorder::total_area_length,
