@@ -87,6 +87,9 @@ class Graph:
     # module buffers the forward replaced by new tensors (``self.count = self.count + 1``):
     # the graph computes the new value but does not store it back into the module
     reassigned_buffers: List[str] = field(default_factory=list)
+    # leaves of the flattened inputs that the graph writes in place (directly or through a
+    # view): a planned run copies them back into the caller's tensors, as an eager call leaves them
+    written_inputs: List[int] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -284,17 +287,41 @@ def _module_state_kept(module: torch.nn.Module):
         yield
     finally:
         for owner, name, b, saved in kept:
-            # An inference tensor (made under torch.inference_mode) is written back in that
-            # mode, which alone allows it; one left unchanged is not written at all.
-            with torch.inference_mode() if b.is_inference() else torch.no_grad():
-                if b.shape != saved.shape:  # resized in place: its old memory and size back
-                    b.set_(saved)
-                elif not _equal_values(b, saved):
-                    b.copy_(saved)
+            _put_back(b, saved)
             owner._buffers[name] = b
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@contextlib.contextmanager
+def _inputs_kept(inputs: tuple):
+    """Puts back the values of the input tensors (the leaves of ``inputs``) that running the
+    module to trace or measure it changed in place (``x.add_(1)``, a cache written at one
+    position), so that planning leaves the caller's tensors as they were. Each tensor input
+    is copied once for this, at most the inputs' bytes more for the time of the call."""
+    kept = []
+    seen = set()
+    for t in tree_flatten(list(inputs))[0]:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            kept.append((t, t.detach().clone()))
+    try:
+        yield
+    finally:
+        for t, saved in kept:
+            _put_back(t, saved)
+
+
+def _put_back(t: torch.Tensor, saved: torch.Tensor) -> None:
+    """Gives tensor ``t`` the shape and values of its copy ``saved`` again, in place. An
+    inference tensor (made under torch.inference_mode) is written in that mode, which alone
+    allows it; one left unchanged is not written at all."""
+    with torch.inference_mode() if t.is_inference() else torch.no_grad():
+        if t.shape != saved.shape:  # resized in place: its old memory and size back
+            t.set_(saved)
+        elif not _equal_values(t, saved):
+            t.copy_(saved)
 
 
 def _equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -311,11 +338,11 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
 
     ``training=True`` traces forward, loss (``loss_fn(output)``, by default the sum of every
     output) and backward (gradients of every parameter that requires one), as one graph.
-    The trace runs the module; its buffers (batch norm's running statistics) and the random
-    number generators are put back afterwards. Raises UnsupportedGraph naming the op or the
-    construct that cannot be traced."""
+    The trace runs the module; its buffers (batch norm's running statistics), the input
+    tensors it changes in place and the random number generators are put back afterwards.
+    Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
     _require_module(module)
-    with _module_state_kept(module):
+    with _module_state_kept(module), _inputs_kept(example_inputs):
         return _trace(module, example_inputs, training, loss_fn, "real")
 
 
@@ -479,6 +506,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
     # arguments' values is planned only when those values are decided here.
     decided: set = set()
     overwritten: set = set()
+    written_buffers: set = set()  # buffers an op writes in place (through any view of them)
+    input_placeholders: List[str] = []  # the placeholders of the call's input leaves, in order
     constants_decided = True  # until an op on other values writes into a graph constant
 
     def is_decided(value) -> bool:
@@ -493,6 +522,7 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                 node_buffers[node.name] = [None]  # a parameter or module buffer
             else:
                 node_buffers[node.name] = [new_buffer(node, 0, meta, "input", 0)]
+                input_placeholders.append(node.name)
             placeholders += 1
         elif node.op == "get_attr":
             node_buffers[node.name] = [None]  # a constant the traced code made, held by the graph
@@ -518,6 +548,11 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                 raise UnsupportedGraph(f"unsupported op {op} (node {node.name}): its output depends on the "
                                        "input values, so a plan made for these inputs would not hold for others")
             ops[str(op)] = ops.get(str(op), 0) + 1
+            for a, arg in zip(op._schema.arguments, args):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    for v in _flat_tensors(arg):
+                        if isinstance(v, torch.fx.Node):
+                            written_buffers.update(b for b in node_buffers.get(v.name, []) if b is not None)
             sources = _alias_sources(op)
             for a in args:
                 use(a, step)
@@ -577,7 +612,9 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             b.upper = steps + 1
         else:
             b.upper = max(b.lower + 1, last_use.get(b.id, b.lower) + 1)
-    return Graph(gm, buffers, steps + 1, training, param_bytes, n_state, node_buffers, ops, metas=metas_of)
+    written_inputs = [k for k, name in enumerate(input_placeholders) if node_buffers[name][0] in written_buffers]
+    return Graph(gm, buffers, steps + 1, training, param_bytes, n_state, node_buffers, ops, metas=metas_of,
+                 written_inputs=written_inputs)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -743,8 +780,9 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
     the time limit are checked before the trace (``ValueError``).
 
     The trace and the eager measurement run the model; its buffers (batch norm's running
-    statistics) and the random number generators are put back afterwards, so planning
-    leaves the model and the next training step as they were. With ``check_memory`` (the
+    statistics), the input tensors it changes in place and the random number generators are
+    put back afterwards, so planning leaves the model, the inputs and the next training step
+    as they were. With ``check_memory`` (the
     default), a call whose plan could not fit in the memory available now (the lower bound of
     ``activation_lower_bound``, about a second on fake tensors, above /proc/meminfo's
     MemAvailable) raises MemoryError before the model runs, where running it would be ended
@@ -758,7 +796,7 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
     if not (isinstance(time_limit, (int, float)) and time_limit >= 0):
         raise ValueError(f"time_limit must be a number of seconds >= 0, not {time_limit!r}")
     _require_module(module)
-    with _module_state_kept(module):
+    with _module_state_kept(module), _inputs_kept(inputs):
         return _plan_module(module, inputs, training, time_limit, alignment, loss_fn, check_memory)
 
 
@@ -871,6 +909,7 @@ def _planned_run(plan: ModulePlan, inputs):
             placed += 1
 
     placeholder_index = 0
+    written_back: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (caller's input, its slot)
     # Grad mode as when the graph was traced: some kernels read it, not their arguments (in
     # PyTorch 2.x the oneDNN LSTM layer makes the workspace its backward takes only while
     # gradients are enabled, and returns none otherwise). Nothing is recorded either way: no
@@ -901,6 +940,8 @@ def _planned_run(plan: ModulePlan, inputs):
                     dst.copy_(x.detach())
                     env[node.name] = dst
                     check_placed(node.name)
+                    if k in g.written_inputs:
+                        written_back.append((x, dst))
                 placeholder_index += 1
             elif node.op == "get_attr":
                 constant = _graph_constant(g.module, node.target)
@@ -951,7 +992,11 @@ def _planned_run(plan: ModulePlan, inputs):
             elif node.op == "output":
                 plan.moved_ops = moved
                 plan.placed_buffers = placed
-                return _unflatten(g, _clone_tree(value(node.args[0])))
+                result = _unflatten(g, _clone_tree(value(node.args[0])))
+                for x, dst in written_back:  # what the graph wrote into an input, as in an eager call
+                    with torch.inference_mode() if x.is_inference() else torch.no_grad():
+                        x.copy_(dst)
+                return result
     raise RuntimeError("the traced graph has no output")
 
 

@@ -1178,6 +1178,89 @@ def test_planning_leaves_the_models_buffers_and_random_numbers_as_they_were(trai
         assert torch.allclose(model.state_dict()[k], v, atol=1e-6), k
 
 
+class _AddToInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        x.add_(1.0)  # the input itself
+        return self.linear(x) * y
+
+
+class _CacheWrite(torch.nn.Module):
+    """A key/value cache written at one position (through a view of the input), then read."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 6)
+
+    def forward(self, cache, k, pos: int):
+        cache[pos] = self.proj(k)
+        return cache.sum(0)
+
+
+class _DictInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 3)
+
+    def forward(self, batch):
+        batch["h"][:, 1:].relu_()  # a view of one entry of a dict input, in place
+        return self.linear(batch["h"] @ batch["w"])
+
+
+_WRITTEN_INPUTS = {
+    "add_": (_AddToInput, lambda: (torch.randn(3, 4), torch.randn(3, 4))),
+    "cache": (_CacheWrite, lambda: (torch.zeros(5, 6), torch.randn(6), 2)),
+    "dict": (_DictInputs, lambda: ({"h": torch.randn(4, 5), "w": torch.randn(5, 2)},)),
+}
+
+
+def _tensor_leaves(inputs):
+    return [t for t in torch.utils._pytree.tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("case, training", [("add_", False), ("add_", True), ("cache", False), ("dict", False),
+                                            ("dict", True)])
+def test_inputs_written_in_place_are_kept_by_planning_and_written_by_a_run(case, training):
+    # Eager code that writes into its inputs (a cache, x.add_) leaves them written: a planned
+    # run does the same, and planning (which runs the module twice) leaves them as they were.
+    # (Not the cache in training: its write carries a gradient, and eager code could not run
+    # two steps on one cache tensor either.)
+    make, inputs_of = _WRITTEN_INPUTS[case]
+    torch.manual_seed(11)
+    model = make()
+    inputs = inputs_of()
+    given = [t.clone() for t in _tensor_leaves(inputs)]
+    plan = plan_module(model, *inputs, training=training, time_limit=0.2)
+    trace(model, *inputs, training=training)
+    for t, before in zip(_tensor_leaves(inputs), given):
+        assert torch.equal(t, before)  # planning and tracing left the caller's inputs alone
+    assert plan.graph.written_inputs  # the graph knows which input it writes
+
+    eager_inputs = torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, inputs)
+    expected = model(*eager_inputs)
+    out = plan.run(*inputs)
+    if training:  # (loss, gradients): the loss is the sum of the output
+        expected, out = expected.sum(), out[0]
+    assert torch.allclose(out, expected, atol=1e-5)
+    for t, e in zip(_tensor_leaves(inputs), _tensor_leaves(eager_inputs)):
+        assert torch.allclose(t, e, atol=1e-6)  # written as the eager call wrote its copies
+    changed = [not torch.equal(t, before) for t, before in zip(_tensor_leaves(inputs), given)]
+    assert any(changed)
+
+
+def test_a_run_writes_no_input_the_graph_only_reads():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    plan = plan_module(model, x, time_limit=0.2)
+    assert plan.graph.written_inputs == []
+    version = x._version
+    plan.run(x)
+    assert x._version == version  # not even rewritten with its own values
+
+
 @pytest.mark.parametrize("in_inference_mode", [False, True])
 def test_a_model_made_under_inference_mode_is_planned_and_left_as_it_was(in_inference_mode):
     # Its buffers are inference tensors: PyTorch lets them change only inside inference
