@@ -90,6 +90,9 @@ class Graph:
     # leaves of the flattened inputs that the graph writes in place (directly or through a
     # view): a planned run copies them back into the caller's tensors, as an eager call leaves them
     written_inputs: List[int] = field(default_factory=list)
+    # parameters and module buffers (by position: parameters, then buffers, as traced) that
+    # the graph writes in place, directly or through a view (``.data``, ``detach``)
+    written_state: List[int] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -272,8 +275,9 @@ def _module_state_kept(module: torch.nn.Module):
     """Puts back what running ``module`` to trace or measure it changed: its buffers (batch
     norm's running statistics and counters, in place or reassigned) and the states of the
     random number generators (dropout), so that planning a model leaves it and the next
-    training step as they were. Parameters are not copied: a forward or backward pass of
-    the trace and the measurement leaves them and their gradients alone."""
+    training step as they were. Parameters are not copied here: the backward pass of the
+    trace and the measurement leaves them and their gradients alone, and those the forward
+    writes in place are ``_parameters_kept``'s."""
     kept = []
     seen = set()
     for owner in module.modules():
@@ -340,10 +344,13 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     output) and backward (gradients of every parameter that requires one), as one graph.
     The trace runs the module; its buffers (batch norm's running statistics), the input
     tensors it changes in place and the random number generators are put back afterwards.
-    Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
+    A parameter the forward writes in place (weight clipping, an embedding's ``max_norm``)
+    keeps that write, with a RuntimeWarning naming it (``plan_module`` puts such parameters
+    back). Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
     _require_module(module)
-    with _module_state_kept(module), _inputs_kept(example_inputs):
-        return _trace(module, example_inputs, training, loss_fn, "real")
+    with _module_state_kept(module), _inputs_kept(example_inputs), _parameters_kept(module, None, "the trace", 4) as real:
+        real.append(_trace(module, example_inputs, training, loss_fn, "real"))
+        return real[0]
 
 
 def activation_lower_bound(module: torch.nn.Module, *example_inputs, training: bool = False,
@@ -361,7 +368,10 @@ def activation_lower_bound(module: torch.nn.Module, *example_inputs, training: b
     alignment = operator.index(alignment)
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, not {alignment}")
-    g = _trace(module, example_inputs, training, loss_fn, "fake")
+    return _lower_bound_of(_trace(module, example_inputs, training, loss_fn, "fake"), alignment)
+
+
+def _lower_bound_of(g: Graph, alignment: int) -> int:
     lower, upper, size = g.arrays()
     return int(_tensormem.lower_bound(lower, upper, size, alignment))
 
@@ -507,6 +517,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
     decided: set = set()
     overwritten: set = set()
     written_buffers: set = set()  # buffers an op writes in place (through any view of them)
+    state_of: Dict[str, int] = {}  # parameter or module buffer placeholders and their views -> position
+    written_state: set = set()
     input_placeholders: List[str] = []  # the placeholders of the call's input leaves, in order
     constants_decided = True  # until an op on other values writes into a graph constant
 
@@ -520,6 +532,7 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
         if node.op == "placeholder":
             if placeholders < n_state:
                 node_buffers[node.name] = [None]  # a parameter or module buffer
+                state_of[node.name] = placeholders
             else:
                 node_buffers[node.name] = [new_buffer(node, 0, meta, "input", 0)]
                 input_placeholders.append(node.name)
@@ -534,6 +547,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             source, index = node.args
             bid = node_buffers[source.name][index]
             node_buffers[node.name] = [bid]
+            if source.name in state_of:  # one view of a list of views of a parameter
+                state_of[node.name] = state_of[source.name]
             if bid is not None:
                 last_use[bid] = max(last_use.get(bid, step), step)
             if source.name in decided:
@@ -553,6 +568,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                     for v in _flat_tensors(arg):
                         if isinstance(v, torch.fx.Node):
                             written_buffers.update(b for b in node_buffers.get(v.name, []) if b is not None)
+                            if v.name in state_of:
+                                written_state.add(state_of[v.name])
             sources = _alias_sources(op)
             for a in args:
                 use(a, step)
@@ -570,6 +587,8 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
                     arg = args[source]
                     if not isinstance(arg, torch.fx.Node):
                         raise UnsupportedGraph(f"{op} (node {node.name}) returns a view of a non-tensor argument")
+                    if arg.name in state_of:
+                        state_of[node.name] = state_of[arg.name]
                     bid = node_buffers[arg.name][0]
                     if bid is not None:
                         buffers[bid].aliases += 1
@@ -614,7 +633,7 @@ def _analyse(gm: torch.fx.GraphModule, n_state: int, param_bytes: int, training:
             b.upper = max(b.lower + 1, last_use.get(b.id, b.lower) + 1)
     written_inputs = [k for k, name in enumerate(input_placeholders) if node_buffers[name][0] in written_buffers]
     return Graph(gm, buffers, steps + 1, training, param_bytes, n_state, node_buffers, ops, metas=metas_of,
-                 written_inputs=written_inputs)
+                 written_inputs=written_inputs, written_state=sorted(written_state))
 
 
 # ----------------------------------------------------------------------------- planning
@@ -685,18 +704,47 @@ def _available_memory_bytes() -> int:
     return memory
 
 
-def _check_activations_fit(module, inputs, training: bool, loss_fn, alignment: int) -> Optional[Exception]:
-    """Raises MemoryError where the activations' lower bound exceeds the memory available;
-    returns the fake-tensor trace's error where there is no such trace, else None."""
+def _check_activations_fit(module, inputs, training: bool, loss_fn,
+                           alignment: int) -> Tuple[Optional[Exception], Optional[Graph]]:
+    """Raises MemoryError where the activations' lower bound exceeds the memory available.
+    Returns the fake-tensor trace's error where there is no such trace, else its graph."""
     try:
-        need = activation_lower_bound(module, *inputs, training=training, loss_fn=loss_fn, alignment=alignment)
+        fake = _trace(module, inputs, training, loss_fn, "fake")
+        need = _lower_bound_of(fake, alignment)
     except Exception as e:  # whatever fails on fake tensors only skips the check, never the plan
-        return e
+        return e, None
     available = _available_memory_bytes()
     if need > available:
         raise MemoryError(f"a plan of its activations needs at least {_gib(need)} (their lower bound, traced on fake "
                           f"tensors), more than the {_gib(available)} of memory available")
-    return None
+    return None, fake
+
+
+@contextlib.contextmanager
+def _parameters_kept(module: torch.nn.Module, written: Optional[Graph], runs: str, stacklevel: int):
+    """Puts back the parameters that ``written`` (the graph of a trace on fake tensors, which
+    changed nothing) says the forward writes in place (weight clipping, an embedding's
+    ``max_norm``), after the real runs of the module; without that graph, warns of each
+    parameter the real trace (the graph yielded back to this manager) shows written, as
+    ``runs`` ran it. Module buffers are ``_module_state_kept``'s."""
+    names = [k for k, _ in module.named_parameters()]
+    params = [p for _, p in module.named_parameters()]
+    kept = [(params[i], params[i].detach().clone()) for i in (written.written_state if written else ())
+            if i < len(params)]
+    real: List[Graph] = []
+    try:
+        yield real
+    finally:
+        for p, saved in kept:
+            _put_back(p, saved)
+    if written is None and real:
+        changed = [names[i] for i in real[0].written_state if i < len(names)]
+        if changed:
+            import warnings
+            warnings.warn(f"the forward writes {', '.join(changed)} in place and {runs} ran it: "
+                          f"{'that parameter keeps' if len(changed) == 1 else 'those parameters keep'} the writes "
+                          "(plan_module with check_memory=True traces on fake tensors first, sees such writes and "
+                          "puts the parameters back)", RuntimeWarning, stacklevel=stacklevel)
 
 
 def _gib(n: int) -> str:
@@ -758,7 +806,9 @@ class ModulePlan:
 
     def run(self, *inputs):
         """Runs the traced graph with every activation in one arena tensor at its planned
-        offset; returns the graph's outputs (copies, so the arena can be reused).
+        offset; returns the graph's outputs (copies, so the arena can be reused: outputs that
+        share memory in an eager call, a tensor returned twice or a view of another output,
+        come back as tensors of their own, and an input returned comes back as a copy).
 
         Takes the inputs as ``plan_module`` took them: tensors of the traced shapes and
         dtypes, nested in the same tuples, lists and dicts. An input that is not a tensor is a
@@ -782,7 +832,10 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
     The trace and the eager measurement run the model; its buffers (batch norm's running
     statistics), the input tensors it changes in place and the random number generators are
     put back afterwards, so planning leaves the model, the inputs and the next training step
-    as they were. With ``check_memory`` (the
+    as they were. Parameters the forward writes in place (weight clipping, an embedding's
+    ``max_norm``) are found by the trace on fake tensors of the memory check, copied and put
+    back too; with ``check_memory=False``, or where that trace fails, they keep the writes of
+    planning and a RuntimeWarning names them. With ``check_memory`` (the
     default), a call whose plan could not fit in the memory available now (the lower bound of
     ``activation_lower_bound``, about a second on fake tensors, above /proc/meminfo's
     MemAvailable) raises MemoryError before the model runs, where running it would be ended
@@ -802,12 +855,20 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
 
 def _plan_module(module: torch.nn.Module, inputs: tuple, training: bool, time_limit: float, alignment: int,
                  loss_fn: Optional[Callable], check_memory: bool) -> ModulePlan:
-    unchecked = _check_activations_fit(module, inputs, training, loss_fn, alignment) if check_memory else None
+    unchecked, fake = _check_activations_fit(module, inputs, training, loss_fn, alignment) if check_memory \
+        else (None, None)
+    with _parameters_kept(module, fake, "planning (a trace and an eager measurement)", 5) as real:
+        return _plan_traced(module, inputs, training, time_limit, alignment, loss_fn, unchecked, real)
+
+
+def _plan_traced(module: torch.nn.Module, inputs: tuple, training: bool, time_limit: float, alignment: int,
+                 loss_fn: Optional[Callable], unchecked: Optional[Exception], real: List[Graph]) -> ModulePlan:
     g = _trace(module, inputs, training, loss_fn, "real")
+    real.append(g)
     if unchecked is not None:  # said once the real trace worked (where it fails too, its error says why)
         import warnings
         reason = (str(unchecked).splitlines() or [""])[0][:200]  # (some name a whole tensor)
-        warnings.warn(f"memory check skipped: no trace on fake tensors ({reason})", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"memory check skipped: no trace on fake tensors ({reason})", RuntimeWarning, stacklevel=4)
     lower, upper, size = g.arrays()
     t0 = time.perf_counter()
     r = _tensormem.plan(lower, upper, size, time_limit=time_limit, alignment=alignment)

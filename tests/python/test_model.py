@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -1103,7 +1104,7 @@ def test_any_failure_of_the_fake_trace_skips_the_check_and_never_the_plan(monkey
     def broken(*args, **kwargs):
         raise KeyError("a fake-tensor failure of some other kind")
 
-    monkeypatch.setattr(model, "activation_lower_bound", broken)
+    monkeypatch.setattr(model, "_lower_bound_of", broken)  # after the trace on fake tensors
     module, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     with pytest.warns(RuntimeWarning, match="memory check skipped: no trace on fake tensors .*some other kind"):
         plan = plan_module(module, x, time_limit=0)
@@ -1249,6 +1250,67 @@ def test_inputs_written_in_place_are_kept_by_planning_and_written_by_a_run(case,
         assert torch.allclose(t, e, atol=1e-6)  # written as the eager call wrote its copies
     changed = [not torch.equal(t, before) for t, before in zip(_tensor_leaves(inputs), given)]
     assert any(changed)
+
+
+class _WritesItsParameters(torch.nn.Module):
+    """Writes its parameters in place in the forward: halved under no_grad, raised through
+    ``.data``, and an embedding's rows renormalized (``max_norm``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((6,), 4.0))
+        self.v = torch.nn.Parameter(torch.ones(6))
+        self.embedding = torch.nn.Embedding(5, 6, max_norm=1.0)
+
+    def forward(self, x, index):
+        with torch.no_grad():
+            self.w.mul_(0.5)
+        self.v.data.add_(1.0)
+        return x * self.w * self.v + self.embedding(index).sum(0)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_parameters_the_forward_writes_are_put_back_by_planning(training):
+    torch.manual_seed(3)
+    model = _WritesItsParameters()
+    inputs = (torch.randn(6), torch.tensor([1, 3]))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the trace on fake tensors saw the writes: nothing to warn of
+        plan = plan_module(model, *inputs, training=training, time_limit=0.2)
+    assert sorted(plan.graph.written_state) == [0, 1, 2]  # w, v, the embedding's weight
+    for k, v in model.named_parameters():
+        assert torch.equal(v.detach(), before[k]), k
+    # A planned run is a real call: it writes them once, as an eager call of a copy does.
+    reference = _WritesItsParameters()
+    reference.load_state_dict(model.state_dict())
+    expected = reference(*inputs)
+    out = plan.run(*inputs)
+    if training:
+        expected, out = expected.sum(), out[0]
+    assert torch.allclose(out, expected, atol=1e-5)
+    for (k, v), r in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(v.detach(), r.detach()), k
+        if k != "embedding.weight":  # (rows 1 and 3 renormalized: already at max_norm after the first)
+            assert not torch.equal(v.detach(), before[k]), k
+
+
+def test_parameters_written_where_no_fake_trace_ran_are_named_in_a_warning():
+    model = _WritesItsParameters()
+    inputs = (torch.randn(6), torch.tensor([1, 3]))
+    w = model.w.detach().clone()
+    with pytest.warns(RuntimeWarning, match=r"writes w, v, embedding.weight in place and planning .* ran it: those "
+                                            r"parameters keep the writes") as record:
+        plan_module(model, *inputs, check_memory=False, time_limit=0.2)
+    assert record[0].filename == __file__
+    assert torch.equal(model.w.detach(), w * 0.25)  # the trace's write and the eager measurement's
+    with pytest.warns(RuntimeWarning, match=r"writes w, v, embedding.weight in place and the trace ran it") as record:
+        trace(model, *inputs)
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model that writes no parameter: no warning
+        plan_module(torch.nn.Linear(6, 6), torch.randn(2, 6), check_memory=False, time_limit=0.2)
+        trace(torch.nn.Linear(6, 6), torch.randn(2, 6))
 
 
 def test_a_run_writes_no_input_the_graph_only_reads():
