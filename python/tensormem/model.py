@@ -806,9 +806,10 @@ class ModulePlan:
 
     def run(self, *inputs):
         """Runs the traced graph with every activation in one arena tensor at its planned
-        offset; returns the graph's outputs (copies, so the arena can be reused: outputs that
-        share memory in an eager call, a tensor returned twice or a view of another output,
-        come back as tensors of their own, and an input returned comes back as a copy).
+        offset; returns the graph's outputs, copied out so the arena can be reused: each
+        buffer they lie in is copied once, and outputs that share memory in an eager call (a
+        tensor returned twice, a view of another output) share their copy the same way. An
+        input or a parameter returned comes back as a copy of its own.
 
         Takes the inputs as ``plan_module`` took them: tensors of the traced shapes and
         dtypes, nested in the same tuples, lists and dicts. An input that is not a tensor is a
@@ -969,6 +970,29 @@ def _planned_run(plan: ModulePlan, inputs):
                 raise RuntimeError(f"buffer {g.buffers[bid].name} is not at its planned offset")
             placed += 1
 
+    copies: Dict[int, torch.Tensor] = {}  # buffer -> its bytes copied out of the arena
+
+    def out_copy(arg, v):
+        """The graph's outputs out of the arena: each activation buffer they lie in copied once,
+        every output a view of its buffer's copy as it was of the slot, so outputs that share
+        memory in an eager call (a tensor returned twice, a view of another output) share it
+        here; anything else (an input's slot, a parameter, a constant) as a tensor of its own."""
+        if isinstance(v, (list, tuple)) and isinstance(arg, (list, tuple)):
+            return type(v)(out_copy(a, x) for a, x in zip(arg, v))
+        if not isinstance(v, torch.Tensor):
+            return v
+        bids = g.node_buffers.get(arg.name, []) if isinstance(arg, torch.fx.Node) else []
+        bid = bids[0] if len(bids) == 1 else None
+        if bid is None or g.buffers[bid].kind == "input" or not v.numel() or _storage_address(v) != arena.data_ptr():
+            return v.clone()
+        start, element = int(plan.offsets[bid]), v.element_size()
+        if bid not in copies:
+            copies[bid] = arena.narrow(0, start, g.buffers[bid].nbytes).clone()
+        first = v.storage_offset() * element - start  # bytes from the buffer's start
+        if first < 0 or first % element or copies[bid].numel() % element:
+            return v.clone()
+        return copies[bid].view(v.dtype).as_strided(tuple(v.shape), tuple(v.stride()), first // element)
+
     placeholder_index = 0
     written_back: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (caller's input, its slot)
     # Grad mode as when the graph was traced: some kernels read it, not their arguments (in
@@ -1053,7 +1077,7 @@ def _planned_run(plan: ModulePlan, inputs):
             elif node.op == "output":
                 plan.moved_ops = moved
                 plan.placed_buffers = placed
-                result = _unflatten(g, _clone_tree(value(node.args[0])))
+                result = _unflatten(g, out_copy(node.args[0], value(node.args[0])))
                 for x, dst in written_back:  # what the graph wrote into an input, as in an eager call
                     with torch.inference_mode() if x.is_inference() else torch.no_grad():
                         x.copy_(dst)
@@ -1114,12 +1138,9 @@ def _unflatten(g: Graph, out):
     return tree_unflatten(leaves, g.out_spec) if g.out_spec is not None else out
 
 
-def _clone_tree(v):
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, (list, tuple)):
-        return type(v)(_clone_tree(x) for x in v)
-    return v
+def _storage_address(t: torch.Tensor) -> int:
+    """The address of the start of ``t``'s storage (not of its first element)."""
+    return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).data_ptr()
 
 
 # ----------------------------------------------------------------------------- command line

@@ -1313,6 +1313,31 @@ def test_parameters_written_where_no_fake_trace_ran_are_named_in_a_warning():
         trace(torch.nn.Linear(6, 6), torch.randn(2, 6))
 
 
+class _SharedOutputs(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        z = x + 1
+        return y, y, y[1:], y.t(), {"bits": y.view(torch.int32), "z": z, "z_again": [z.sum(1), z]}
+
+
+def test_outputs_share_memory_in_a_run_exactly_where_they_do_in_an_eager_call():
+    x = torch.randn(4, 4)
+    plan = plan_module(_SharedOutputs(), x, time_limit=0.2)
+    flat = lambda out: torch.utils._pytree.tree_flatten(out)[0]  # noqa: E731
+    expected, got = flat(_SharedOutputs()(x)), flat(plan.run(x))
+    assert len(got) == len(expected) == 8
+    for e, o in zip(expected, got):
+        assert torch.equal(o, e) and o.stride() == e.stride()
+    shares = lambda ts: [[storage_of(a) == storage_of(b) for b in ts] for a in ts]  # noqa: E731
+    assert shares(got) == shares(expected)
+    assert not all(all(row) for row in shares(got))  # (y's and z's memory apart)
+    # and apart from the arena of the next run
+    again = flat(plan.run(x))
+    assert all(storage_of(a) != storage_of(b) for a in again for b in got)
+    got[0].fill_(7.0)  # written through one output, seen through the others of its buffer
+    assert torch.equal(got[2], torch.full((3, 4), 7.0)) and bool((got[4] == torch.full((4, 4), 7.0).view(torch.int32)).all())
+
+
 def test_a_run_writes_no_input_the_graph_only_reads():
     model = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)
