@@ -299,14 +299,18 @@ def _module_state_kept(module: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _inputs_kept(inputs: tuple):
+def _inputs_kept(inputs: tuple, written: Optional[Graph]):
     """Puts back the values of the input tensors (the leaves of ``inputs``) that running the
     module to trace or measure it changed in place (``x.add_(1)``, a cache written at one
-    position), so that planning leaves the caller's tensors as they were. Each tensor input
-    is copied once for this, at most the inputs' bytes more for the time of the call."""
+    position), so that planning leaves the caller's tensors as they were. They are copied
+    once for this, for the time of the call: those that ``written`` (the graph of a trace on
+    fake tensors, which changed nothing) says the forward writes, or every tensor input
+    without that graph."""
     kept = []
     seen = set()
-    for t in tree_flatten(list(inputs))[0]:
+    for k, t in enumerate(tree_flatten(list(inputs))[0]):
+        if written is not None and k not in written.written_inputs:
+            continue
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             kept.append((t, t.detach().clone()))
@@ -348,7 +352,8 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     keeps that write, with a RuntimeWarning naming it (``plan_module`` puts such parameters
     back). Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
     _require_module(module)
-    with _module_state_kept(module), _inputs_kept(example_inputs), _parameters_kept(module, None, "the trace", 4) as real:
+    with _module_state_kept(module), _inputs_kept(example_inputs, None), \
+            _parameters_kept(module, None, "the trace", 4) as real:
         real.append(_trace(module, example_inputs, training, loss_fn, "real"))
         return real[0]
 
@@ -850,7 +855,7 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
     if not (isinstance(time_limit, (int, float)) and time_limit >= 0):
         raise ValueError(f"time_limit must be a number of seconds >= 0, not {time_limit!r}")
     _require_module(module)
-    with _module_state_kept(module), _inputs_kept(inputs):
+    with _module_state_kept(module):
         return _plan_module(module, inputs, training, time_limit, alignment, loss_fn, check_memory)
 
 
@@ -858,7 +863,8 @@ def _plan_module(module: torch.nn.Module, inputs: tuple, training: bool, time_li
                  loss_fn: Optional[Callable], check_memory: bool) -> ModulePlan:
     unchecked, fake = _check_activations_fit(module, inputs, training, loss_fn, alignment) if check_memory \
         else (None, None)
-    with _parameters_kept(module, fake, "planning (a trace and an eager measurement)", 5) as real:
+    with _inputs_kept(inputs, fake), _parameters_kept(module, fake, "planning (a trace and an eager measurement)",
+                                                      5) as real:
         return _plan_traced(module, inputs, training, time_limit, alignment, loss_fn, unchecked, real)
 
 

@@ -1222,9 +1222,10 @@ def _tensor_leaves(inputs):
     return [t for t in torch.utils._pytree.tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)]
 
 
+@pytest.mark.parametrize("check_memory", [True, False])
 @pytest.mark.parametrize("case, training", [("add_", False), ("add_", True), ("cache", False), ("dict", False),
                                             ("dict", True)])
-def test_inputs_written_in_place_are_kept_by_planning_and_written_by_a_run(case, training):
+def test_inputs_written_in_place_are_kept_by_planning_and_written_by_a_run(case, training, check_memory):
     # Eager code that writes into its inputs (a cache, x.add_) leaves them written: a planned
     # run does the same, and planning (which runs the module twice) leaves them as they were.
     # (Not the cache in training: its write carries a gradient, and eager code could not run
@@ -1234,7 +1235,7 @@ def test_inputs_written_in_place_are_kept_by_planning_and_written_by_a_run(case,
     model = make()
     inputs = inputs_of()
     given = [t.clone() for t in _tensor_leaves(inputs)]
-    plan = plan_module(model, *inputs, training=training, time_limit=0.2)
+    plan = plan_module(model, *inputs, training=training, time_limit=0.2, check_memory=check_memory)
     trace(model, *inputs, training=training)
     for t, before in zip(_tensor_leaves(inputs), given):
         assert torch.equal(t, before)  # planning and tracing left the caller's inputs alone
@@ -1336,6 +1337,21 @@ def test_outputs_share_memory_in_a_run_exactly_where_they_do_in_an_eager_call():
     assert all(storage_of(a) != storage_of(b) for a in again for b in got)
     got[0].fill_(7.0)  # written through one output, seen through the others of its buffer
     assert torch.equal(got[2], torch.full((3, 4), 7.0)) and bool((got[4] == torch.full((4, 4), 7.0).view(torch.int32)).all())
+
+
+def test_with_a_trace_on_fake_tensors_planning_copies_only_the_inputs_the_forward_writes():
+    # The copy that puts inputs back costs their bytes: with the fake trace's graph, only
+    # the written ones are copied (and put back); without it, every tensor input.
+    import tensormem.model as model
+    fake = model._trace(_AddToInput(), (torch.zeros(3, 4), torch.zeros(3, 4)), False, None, "fake")
+    assert fake.written_inputs == [0]
+    for graph, y_put_back in ((fake, False), (None, True)):
+        x, y = torch.zeros(3, 4), torch.zeros(3, 4)
+        with model._inputs_kept((x, y), graph):
+            x.add_(1.0)
+            y.add_(1.0)  # not written by this forward: with the graph, not copied, so not put back
+        assert torch.equal(x, torch.zeros(3, 4))
+        assert torch.equal(y, torch.zeros(3, 4)) == y_put_back
 
 
 def test_a_run_writes_no_input_the_graph_only_reads():
