@@ -277,7 +277,7 @@ def _module_state_kept(module: torch.nn.Module):
     random number generators (dropout), so that planning a model leaves it and the next
     training step as they were. Parameters are not copied here: the backward pass of the
     trace and the measurement leaves them and their gradients alone, and those the forward
-    writes in place are ``_parameters_kept``'s."""
+    writes in place are ``_writes_kept``'s."""
     kept = []
     seen = set()
     for owner in module.modules():
@@ -299,26 +299,43 @@ def _module_state_kept(module: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _inputs_kept(inputs: tuple, written: Optional[Graph]):
-    """Puts back the values of the input tensors (the leaves of ``inputs``) that running the
-    module to trace or measure it changed in place (``x.add_(1)``, a cache written at one
-    position), so that planning leaves the caller's tensors as they were. They are copied
-    once for this, for the time of the call: those that ``written`` (the graph of a trace on
-    fake tensors, which changed nothing) says the forward writes, or every tensor input
-    without that graph."""
+def _writes_kept(module: torch.nn.Module, inputs: tuple, written: Optional[Graph], runs: str, stacklevel: int):
+    """Puts back what the real runs of ``module`` (``runs``: a trace, an eager measurement)
+    wrote in place into the input tensors (the leaves of ``inputs``: ``x.add_(1)``, a cache
+    written at one position) and into its parameters (weight clipping, an embedding's
+    ``max_norm``). They are copied once for this, for the time of the call: those that
+    ``written`` (the graph of a trace on fake tensors, which changed nothing) says the
+    forward writes; without that graph, every tensor input and no parameter. Yields a list
+    to which the caller appends the graph of the real trace: a parameter or input it shows
+    written that was not copied keeps the writes, and a RuntimeWarning names it. Module
+    buffers are ``_module_state_kept``'s."""
+    leaves = tree_flatten(list(inputs))[0]
+    names = [k for k, _ in module.named_parameters()]
+    params = [p for _, p in module.named_parameters()]
+    kept_inputs = set(range(len(leaves)) if written is None else written.written_inputs)
+    kept_params = set(written.written_state if written is not None else ()) & set(range(len(params)))
     kept = []
     seen = set()
-    for k, t in enumerate(tree_flatten(list(inputs))[0]):
-        if written is not None and k not in written.written_inputs:
-            continue
+    for t in [leaves[k] for k in sorted(kept_inputs)] + [params[i] for i in sorted(kept_params)]:
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             kept.append((t, t.detach().clone()))
+    real: List[Graph] = []
     try:
-        yield
+        yield real
     finally:
         for t, saved in kept:
             _put_back(t, saved)
+    if real:
+        g = real[0]
+        changed = [names[i] for i in g.written_state if i < len(names) and i not in kept_params] + \
+            [f"input {g.input_names[k]}" for k in g.written_inputs if k not in kept_inputs]
+        if changed:
+            import warnings
+            warnings.warn(f"the forward writes {', '.join(changed)} in place and {runs} ran it: "
+                          f"{'it keeps' if len(changed) == 1 else 'they keep'} the writes (plan_module with "
+                          "check_memory=True traces on fake tensors first, sees such writes and puts them back)",
+                          RuntimeWarning, stacklevel=stacklevel)
 
 
 def _put_back(t: torch.Tensor, saved: torch.Tensor) -> None:
@@ -352,8 +369,7 @@ def trace(module: torch.nn.Module, *example_inputs, training: bool = False,
     keeps that write, with a RuntimeWarning naming it (``plan_module`` puts such parameters
     back). Raises UnsupportedGraph naming the op or the construct that cannot be traced."""
     _require_module(module)
-    with _module_state_kept(module), _inputs_kept(example_inputs, None), \
-            _parameters_kept(module, None, "the trace", 4) as real:
+    with _module_state_kept(module), _writes_kept(module, example_inputs, None, "the trace", 4) as real:
         real.append(_trace(module, example_inputs, training, loss_fn, "real"))
         return real[0]
 
@@ -725,33 +741,6 @@ def _check_activations_fit(module, inputs, training: bool, loss_fn,
     return None, fake
 
 
-@contextlib.contextmanager
-def _parameters_kept(module: torch.nn.Module, written: Optional[Graph], runs: str, stacklevel: int):
-    """Puts back the parameters that ``written`` (the graph of a trace on fake tensors, which
-    changed nothing) says the forward writes in place (weight clipping, an embedding's
-    ``max_norm``), after the real runs of the module; without that graph, warns of each
-    parameter the real trace (the graph yielded back to this manager) shows written, as
-    ``runs`` ran it. Module buffers are ``_module_state_kept``'s."""
-    names = [k for k, _ in module.named_parameters()]
-    params = [p for _, p in module.named_parameters()]
-    kept = [(params[i], params[i].detach().clone()) for i in (written.written_state if written else ())
-            if i < len(params)]
-    real: List[Graph] = []
-    try:
-        yield real
-    finally:
-        for p, saved in kept:
-            _put_back(p, saved)
-    if written is None and real:
-        changed = [names[i] for i in real[0].written_state if i < len(names)]
-        if changed:
-            import warnings
-            warnings.warn(f"the forward writes {', '.join(changed)} in place and {runs} ran it: "
-                          f"{'that parameter keeps' if len(changed) == 1 else 'those parameters keep'} the writes "
-                          "(plan_module with check_memory=True traces on fake tensors first, sees such writes and "
-                          "puts the parameters back)", RuntimeWarning, stacklevel=stacklevel)
-
-
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -863,8 +852,7 @@ def _plan_module(module: torch.nn.Module, inputs: tuple, training: bool, time_li
                  loss_fn: Optional[Callable], check_memory: bool) -> ModulePlan:
     unchecked, fake = _check_activations_fit(module, inputs, training, loss_fn, alignment) if check_memory \
         else (None, None)
-    with _inputs_kept(inputs, fake), _parameters_kept(module, fake, "planning (a trace and an eager measurement)",
-                                                      5) as real:
+    with _writes_kept(module, inputs, fake, "planning (a trace and an eager measurement)", 5) as real:
         return _plan_traced(module, inputs, training, time_limit, alignment, loss_fn, unchecked, real)
 
 

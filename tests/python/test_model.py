@@ -1235,8 +1235,10 @@ def test_inputs_written_in_place_are_kept_by_planning_and_written_by_a_run(case,
     model = make()
     inputs = inputs_of()
     given = [t.clone() for t in _tensor_leaves(inputs)]
-    plan = plan_module(model, *inputs, training=training, time_limit=0.2, check_memory=check_memory)
-    trace(model, *inputs, training=training)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every written input was copied and put back: nothing to warn of
+        plan = plan_module(model, *inputs, training=training, time_limit=0.2, check_memory=check_memory)
+        trace(model, *inputs, training=training)
     for t, before in zip(_tensor_leaves(inputs), given):
         assert torch.equal(t, before)  # planning and tracing left the caller's inputs alone
     assert plan.graph.written_inputs  # the graph knows which input it writes
@@ -1300,8 +1302,8 @@ def test_parameters_written_where_no_fake_trace_ran_are_named_in_a_warning():
     model = _WritesItsParameters()
     inputs = (torch.randn(6), torch.tensor([1, 3]))
     w = model.w.detach().clone()
-    with pytest.warns(RuntimeWarning, match=r"writes w, v, embedding.weight in place and planning .* ran it: those "
-                                            r"parameters keep the writes") as record:
+    with pytest.warns(RuntimeWarning, match=r"writes w, v, embedding.weight in place and planning .* ran it: they "
+                                            r"keep the writes") as record:
         plan_module(model, *inputs, check_memory=False, time_limit=0.2)
     assert record[0].filename == __file__
     assert torch.equal(model.w.detach(), w * 0.25)  # the trace's write and the eager measurement's
@@ -1339,6 +1341,12 @@ def test_outputs_share_memory_in_a_run_exactly_where_they_do_in_an_eager_call():
     assert torch.equal(got[2], torch.full((3, 4), 7.0)) and bool((got[4] == torch.full((4, 4), 7.0).view(torch.int32)).all())
 
 
+class _AddToSecondInput(torch.nn.Module):
+    def forward(self, x, y):
+        y.add_(1.0)
+        return x * y
+
+
 def test_with_a_trace_on_fake_tensors_planning_copies_only_the_inputs_the_forward_writes():
     # The copy that puts inputs back costs their bytes: with the fake trace's graph, only
     # the written ones are copied (and put back); without it, every tensor input.
@@ -1347,11 +1355,16 @@ def test_with_a_trace_on_fake_tensors_planning_copies_only_the_inputs_the_forwar
     assert fake.written_inputs == [0]
     for graph, y_put_back in ((fake, False), (None, True)):
         x, y = torch.zeros(3, 4), torch.zeros(3, 4)
-        with model._inputs_kept((x, y), graph):
+        with model._writes_kept(torch.nn.Module(), (x, y), graph, "this test", 2):
             x.add_(1.0)
             y.add_(1.0)  # not written by this forward: with the graph, not copied, so not put back
         assert torch.equal(x, torch.zeros(3, 4))
         assert torch.equal(y, torch.zeros(3, 4)) == y_put_back
+    # Where the real trace writes more than the fake one showed, what was not copied is named.
+    x, y = torch.zeros(3, 4), torch.zeros(3, 4)
+    with pytest.warns(RuntimeWarning, match=r"writes input 1 in place and this test ran it: it keeps the writes"):
+        with model._writes_kept(torch.nn.Module(), (x, y), fake, "this test", 2) as real:
+            real.append(model._trace(_AddToSecondInput(), (x, y), False, None, "fake"))
 
 
 def test_a_run_writes_no_input_the_graph_only_reads():
