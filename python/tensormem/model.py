@@ -725,15 +725,18 @@ def _available_memory_bytes() -> int:
     return memory
 
 
-def _check_activations_fit(module, inputs, training: bool, loss_fn,
-                           alignment: int) -> Tuple[Optional[Exception], Optional[Graph]]:
-    """Raises MemoryError where the activations' lower bound exceeds the memory available.
-    Returns the fake-tensor trace's error where there is no such trace, else its graph."""
+def _check_activations_fit(module, inputs, training: bool, loss_fn, alignment: int,
+                           compare: bool) -> Tuple[Optional[Exception], Optional[Graph]]:
+    """Raises MemoryError where the activations' lower bound exceeds the memory available
+    (with ``compare``; without it, only traces). Returns the fake-tensor trace's error where
+    there is no such trace, else its graph."""
     try:
         fake = _trace(module, inputs, training, loss_fn, "fake")
         need = _lower_bound_of(fake, alignment)
     except Exception as e:  # whatever fails on fake tensors only skips the check, never the plan
         return e, None
+    if not compare:
+        return None, fake
     available = _available_memory_bytes()
     if need > available:
         raise MemoryError(f"a plan of its activations needs at least {_gib(need)} (their lower bound, traced on fake "
@@ -768,7 +771,7 @@ class ModulePlan:
     offsets: np.ndarray
     arena_bytes: int
     lower_bound: int
-    eager_peak: int
+    eager_peak: Optional[int]  # None where the call's tensors are not all on the CPU (see eager_method)
     eager_method: str
     online_best_fit: int
     plan_seconds: float
@@ -778,12 +781,17 @@ class ModulePlan:
     placed_buffers: int = 0  # buffers of the last run found at their planned offset in the arena
     # (name, tensor) of the module's parameters and buffers, in the order the trace took them
     state: Optional[Callable[[], list]] = field(default=None, repr=False)
+    # devices other than the CPU that the traced call's tensors were on ("cuda:0", "meta"):
+    # the plan holds, but the eager peak was not measured and ``run`` is refused
+    elsewhere: List[str] = field(default_factory=list)
 
     def report(self) -> str:
         """A readable table: eager peak, planned arena, lower bound, online best fit."""
         mib = 1 << 20
 
         def row(name, value, note=""):
+            if value is None:
+                return f"  {name:<28} {'n/a':>10}      {'':>7}       {note}\n"
             ratio = value / self.lower_bound if self.lower_bound else float("nan")
             return f"  {name:<28} {value / mib:10.2f} MiB  {ratio:7.3f} x LB  {note}\n"
 
@@ -794,7 +802,7 @@ class ModulePlan:
         text += row("online best fit", self.online_best_fit, f"(alignment {self.alignment})")
         text += row("planned arena", self.arena_bytes, f"({self.strategy}, {self.plan_seconds:.2f} s)")
         text += row("lower bound", self.lower_bound, "(most bytes alive at one step)")
-        if self.arena_bytes:
+        if self.arena_bytes and self.eager_peak is not None:
             text += f"  eager peak / planned arena: {self.eager_peak / self.arena_bytes:.3f}\n"
         return text
 
@@ -850,18 +858,32 @@ def plan_module(module: torch.nn.Module, *inputs, training: bool = False, time_l
 
 def _plan_module(module: torch.nn.Module, inputs: tuple, training: bool, time_limit: float, alignment: int,
                  loss_fn: Optional[Callable], check_memory: bool) -> ModulePlan:
-    unchecked, fake = _check_activations_fit(module, inputs, training, loss_fn, alignment) if check_memory \
-        else (None, None)
+    elsewhere = _devices_besides_cpu(module, inputs)
+    unchecked, fake = _check_activations_fit(module, inputs, training, loss_fn, alignment, not elsewhere) \
+        if check_memory else (None, None)
     with _writes_kept(module, inputs, fake, "planning (a trace and an eager measurement)", 5) as real:
-        return _plan_traced(module, inputs, training, time_limit, alignment, loss_fn, unchecked, real)
+        return _plan_traced(module, inputs, training, time_limit, alignment, loss_fn, unchecked, real,
+                            elsewhere if check_memory else [])
+
+
+def _devices_besides_cpu(module: torch.nn.Module, inputs: tuple) -> List[str]:
+    """The devices other than the CPU that the parameters, module buffers and tensor inputs
+    are on ("cuda:0", "meta"), sorted."""
+    tensors = [*module.parameters(), *module.buffers(),
+               *(t for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor))]
+    return sorted({str(t.device) for t in tensors if t.device.type != "cpu"})
 
 
 def _plan_traced(module: torch.nn.Module, inputs: tuple, training: bool, time_limit: float, alignment: int,
-                 loss_fn: Optional[Callable], unchecked: Optional[Exception], real: List[Graph]) -> ModulePlan:
+                 loss_fn: Optional[Callable], unchecked: Optional[Exception], real: List[Graph],
+                 unchecked_devices: List[str]) -> ModulePlan:
     g = _trace(module, inputs, training, loss_fn, "real")
     real.append(g)
-    if unchecked is not None:  # said once the real trace worked (where it fails too, its error says why)
-        import warnings
+    import warnings
+    if unchecked_devices:
+        warnings.warn(f"memory check skipped: tensors on {', '.join(unchecked_devices)}, and the check knows this "
+                      "machine's memory only", RuntimeWarning, stacklevel=4)
+    elif unchecked is not None:  # said once the real trace worked (where it fails too, its error says why)
         reason = (str(unchecked).splitlines() or [""])[0][:200]  # (some name a whole tensor)
         warnings.warn(f"memory check skipped: no trace on fake tensors ({reason})", RuntimeWarning, stacklevel=4)
     lower, upper, size = g.arrays()
@@ -871,11 +893,17 @@ def _plan_traced(module: torch.nn.Module, inputs: tuple, training: bool, time_li
     problem = _tensormem.validate(lower, upper, size, r["offsets"], r["arena_bytes"], alignment)
     if problem:
         raise RuntimeError(f"the planner produced an invalid plan: {problem}")
-    eager_peak, eager_method = _eager_peak(module, inputs, training, loss_fn)
+    elsewhere = _devices_besides_cpu(module, inputs)
+    if elsewhere:  # (the hook and the profiler's events see the CPU's memory only)
+        eager_peak, eager_method = None, f"not measured: tensors on {', '.join(elsewhere)}, and it is measured " \
+                                         "in CPU memory only"
+    else:
+        eager_peak, eager_method = _eager_peak(module, inputs, training, loss_fn)
     return ModulePlan(g, np.asarray(r["offsets"]), int(r["arena_bytes"]), int(r["lower_bound"]),
                       eager_peak, eager_method, _online_best_fit(g.buffers, alignment),
                       seconds, alignment, r["strategy"],
-                      state=lambda: [*dict(module.named_parameters()).items(), *dict(module.named_buffers()).items()])
+                      state=lambda: [*dict(module.named_parameters()).items(), *dict(module.named_buffers()).items()],
+                      elsewhere=elsewhere)
 
 
 # ----------------------------------------------------------------------------- planned execution
@@ -896,6 +924,9 @@ def _planned_run(plan: ModulePlan, inputs):
     g = plan.graph
     if plan.state is None:
         raise RuntimeError("ModulePlan.run needs the module's parameters: make the plan with plan_module()")
+    if plan.elsewhere:
+        raise ValueError(f"ModulePlan.run runs the graph in an arena in CPU memory; the plan was made for tensors on "
+                         f"{', '.join(plan.elsewhere)}: plan the model and inputs on the CPU to run it")
     if g.reassigned_buffers:
         name = g.reassigned_buffers[0]
         raise UnsupportedGraph(f"ModulePlan.run: the module's forward replaces its buffer {name} by a new tensor "

@@ -1367,6 +1367,44 @@ def test_with_a_trace_on_fake_tensors_planning_copies_only_the_inputs_the_forwar
             real.append(model._trace(_AddToSecondInput(), (x, y), False, None, "fake"))
 
 
+@pytest.mark.parametrize("where", ["model and inputs", "inputs"])
+def test_a_call_off_the_cpu_is_planned_but_not_measured_or_run_in_cpu_memory(where, monkeypatch):
+    # The meta device stands for any device but the CPU (a GPU): the plan's sizes hold there,
+    # while the memory check, the eager peak and the run know CPU memory only. Before, the
+    # eager peak read 0 bytes ("eager peak / planned arena: 0.000") and the check compared
+    # the device's activations with this machine's memory.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    if where == "model and inputs":
+        model = model.to("meta")
+    x = torch.randn(16, 64, device="meta")
+    import tensormem.model
+    monkeypatch.setattr(tensormem.model, "_available_memory_bytes", lambda: 0)  # no CPU memory left to compare with
+    with pytest.warns(RuntimeWarning, match=r"memory check skipped: tensors on meta, and the check knows this "
+                                            r"machine's memory only") as record:
+        plan = plan_module(model, x, time_limit=0.2)
+    assert record[0].filename == __file__
+    assert plan.elsewhere == ["meta"]
+    assert plan.arena_bytes >= plan.lower_bound >= 16 * 64 * 4  # the sizes are the device's as much as the CPU's
+    assert plan.eager_peak is None and "not measured: tensors on meta" in plan.eager_method
+    report = plan.report()
+    assert re.search(r"eager PyTorch peak +n/a +\(not measured: tensors on meta", report), report
+    assert "eager peak / planned arena" not in report
+    with pytest.raises(ValueError, match=r"arena in CPU memory; the plan was made for tensors on meta"):
+        plan.run(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no check asked for: nothing skipped to warn of
+        assert plan_module(model, x, time_limit=0.2, check_memory=False).eager_peak is None
+    # Where the trace on fake tensors works (it does not on meta tensors; it does on a GPU's),
+    # its bound is still not compared with the CPU's memory: a CPU model said to be elsewhere.
+    cpu_model, cpu_x = torch.nn.Linear(64, 64), torch.randn(16, 64)
+    with pytest.raises(MemoryError):
+        plan_module(cpu_model, cpu_x, time_limit=0.2)
+    monkeypatch.setattr(tensormem.model, "_devices_besides_cpu", lambda module, inputs: ["cuda:0"])
+    with pytest.warns(RuntimeWarning, match=r"memory check skipped: tensors on cuda:0"):
+        plan = plan_module(cpu_model, cpu_x, time_limit=0.2)
+    assert plan.eager_peak is None and plan.elsewhere == ["cuda:0"]
+
+
 def test_a_run_writes_no_input_the_graph_only_reads():
     model = torch.nn.Linear(4, 4)
     x = torch.randn(2, 4)
