@@ -116,6 +116,13 @@ rm -rf "$work"
 [ $rc = 1 ] || { echo "FAIL swap-bench: exit $rc"; fail=1; }
 expect "swap-bench" "$out" "more than half of this machine's 64.00 MiB"
 
+# 4b. The demo's contiguous arena and the patterns its tensors are checked against: 200
+# layers need about 237 MiB, refused before the graph is built.
+out=$(inside "$cli" demo --layers 200 2>&1)
+rc=$?
+[ $rc = 1 ] || { echo "FAIL demo --layers 200: exit $rc (137 is the out-of-memory killer)"; fail=1; }
+expect "demo --layers 200" "$out" "demo: --layers 200: the contiguous arena section needs 236.99 MiB (its 118.49 MiB arena, 5 % over the most bytes its script holds at once, and as much again for the patterns its tensors are checked against), more than this machine's 64.00 MiB; lower --layers"
+
 # 5. The demo in 256 MiB: the swap section budgets a quarter of the cgroup, not of the machine.
 if [ -z "$sanitized" ]; then
   echo $((4 * limit)) > "$group/$file"

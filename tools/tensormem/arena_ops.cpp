@@ -206,7 +206,7 @@ arena_run_result run_arena_ops(arena::contiguous_arena& arena, const std::vector
   return r;
 }
 
-arena_scenario zero3_scenario(std::uint32_t layers, std::uint64_t seed) {
+arena_scenario zero3_scenario(std::uint64_t layers, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::ostringstream s;
   std::map<std::string, std::uint64_t> live;  // to size the arena from the peak live bytes
@@ -226,19 +226,19 @@ arena_scenario zero3_scenario(std::uint32_t layers, std::uint64_t seed) {
   };
   std::vector<std::uint64_t> weight(layers);
   std::vector<std::uint64_t> activation(layers);
-  for (std::uint32_t l = 0; l < layers; ++l) {
+  for (std::uint64_t l = 0; l < layers; ++l) {
     weight[l] = (32 + rng() % 224) * 4096;
-    activation[l] = (16 + rng() % 112) * 4096;
+    activation[l] = zero3_least_activation_bytes + (rng() % 112) * 4096;
   }
   s << "# ZeRO-3-like step over " << layers << " layers: gather a layer's parameters, run it,\n"
     << "# release them; activations stay for backward; gradients are reduced one layer late\n";
-  for (std::uint32_t l = 0; l < layers; ++l) {
+  for (std::uint64_t l = 0; l < layers; ++l) {
     const std::string n = std::to_string(l);
     alloc("w" + n, weight[l]);
     alloc("act" + n, activation[l]);
     release("w" + n);
   }
-  for (std::uint32_t l = layers; l-- > 0;) {
+  for (std::uint64_t l = layers; l-- > 0;) {
     const std::string n = std::to_string(l);
     alloc("w" + n, weight[l]);
     alloc("grad" + n, weight[l]);

@@ -85,6 +85,10 @@ std::vector<std::string> arena_scenario_names();
 /// A ZeRO-3-like training step over `layers` layers: parameter partitions gathered before
 /// each layer's forward and backward and released after, a few kept, gradients allocated
 /// in backward. Sizes vary per layer; the capacity returned leaves little slack.
-arena_scenario zero3_scenario(std::uint32_t layers, std::uint64_t seed);
+arena_scenario zero3_scenario(std::uint64_t layers, std::uint64_t seed);
+/// The fewest bytes one layer's activations take in zero3_scenario (16 pages). Every layer's
+/// activations are live at once at the end of the forward pass, so its arena holds at least
+/// `layers` times this.
+inline constexpr std::uint64_t zero3_least_activation_bytes = 16 * 4096;
 
 }  // namespace tensormem::cli
