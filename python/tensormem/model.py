@@ -310,8 +310,8 @@ def _writes_kept(module: torch.nn.Module, inputs: tuple, written: Optional[Graph
     written that was not copied keeps the writes, and a RuntimeWarning names it. Module
     buffers are ``_module_state_kept``'s."""
     leaves = tree_flatten(list(inputs))[0]
-    names = [k for k, _ in module.named_parameters()]
-    params = [p for _, p in module.named_parameters()]
+    named = list(module.named_parameters())
+    names, params = [k for k, _ in named], [p for _, p in named]
     kept_inputs = set(range(len(leaves)) if written is None else written.written_inputs)
     kept_params = set(written.written_state if written is not None else ()) & set(range(len(params)))
     kept = []
@@ -862,8 +862,8 @@ def _plan_module(module: torch.nn.Module, inputs: tuple, training: bool, time_li
     unchecked, fake = _check_activations_fit(module, inputs, training, loss_fn, alignment, not elsewhere) \
         if check_memory else (None, None)
     with _writes_kept(module, inputs, fake, "planning (a trace and an eager measurement)", 5) as real:
-        return _plan_traced(module, inputs, training, time_limit, alignment, loss_fn, unchecked, real,
-                            elsewhere if check_memory else [])
+        return _plan_traced(module, inputs, training, time_limit, alignment, loss_fn, unchecked, real, elsewhere,
+                            check_memory)
 
 
 def _devices_besides_cpu(module: torch.nn.Module, inputs: tuple) -> List[str]:
@@ -875,13 +875,13 @@ def _devices_besides_cpu(module: torch.nn.Module, inputs: tuple) -> List[str]:
 
 
 def _plan_traced(module: torch.nn.Module, inputs: tuple, training: bool, time_limit: float, alignment: int,
-                 loss_fn: Optional[Callable], unchecked: Optional[Exception], real: List[Graph],
-                 unchecked_devices: List[str]) -> ModulePlan:
+                 loss_fn: Optional[Callable], unchecked: Optional[Exception], real: List[Graph], elsewhere: List[str],
+                 check_memory: bool) -> ModulePlan:
     g = _trace(module, inputs, training, loss_fn, "real")
     real.append(g)
     import warnings
-    if unchecked_devices:
-        warnings.warn(f"memory check skipped: tensors on {', '.join(unchecked_devices)}, and the check knows this "
+    if elsewhere and check_memory:
+        warnings.warn(f"memory check skipped: tensors on {', '.join(elsewhere)}, and the check knows this "
                       "machine's memory only", RuntimeWarning, stacklevel=4)
     elif unchecked is not None:  # said once the real trace worked (where it fails too, its error says why)
         reason = (str(unchecked).splitlines() or [""])[0][:200]  # (some name a whole tensor)
@@ -893,7 +893,6 @@ def _plan_traced(module: torch.nn.Module, inputs: tuple, training: bool, time_li
     problem = _tensormem.validate(lower, upper, size, r["offsets"], r["arena_bytes"], alignment)
     if problem:
         raise RuntimeError(f"the planner produced an invalid plan: {problem}")
-    elsewhere = _devices_besides_cpu(module, inputs)
     if elsewhere:  # (the hook and the profiler's events see the CPU's memory only)
         eager_peak, eager_method = None, f"not measured: tensors on {', '.join(elsewhere)}, and it is measured " \
                                          "in CPU memory only"
@@ -1008,9 +1007,11 @@ def _planned_run(plan: ModulePlan, inputs):
             return v
         bids = g.node_buffers.get(arg.name, []) if isinstance(arg, torch.fx.Node) else []
         bid = bids[0] if len(bids) == 1 else None
-        if bid is None or g.buffers[bid].kind == "input" or not v.numel() or _storage_address(v) != arena.data_ptr():
+        element = v.element_size()
+        if bid is None or g.buffers[bid].kind == "input" or not v.numel() or \
+                v.data_ptr() - v.storage_offset() * element != arena.data_ptr():  # (not a view of the arena)
             return v.clone()
-        start, element = int(plan.offsets[bid]), v.element_size()
+        start = int(plan.offsets[bid])
         if bid not in copies:
             copies[bid] = arena.narrow(0, start, g.buffers[bid].nbytes).clone()
         first = v.storage_offset() * element - start  # bytes from the buffer's start
@@ -1161,11 +1162,6 @@ def _unflatten(g: Graph, out):
     """The graph's flat outputs in the structure the traced call returned."""
     leaves = tree_flatten(list(out) if isinstance(out, (list, tuple)) else [out])[0]
     return tree_unflatten(leaves, g.out_spec) if g.out_spec is not None else out
-
-
-def _storage_address(t: torch.Tensor) -> int:
-    """The address of the start of ``t``'s storage (not of its first element)."""
-    return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).data_ptr()
 
 
 # ----------------------------------------------------------------------------- command line
