@@ -35,19 +35,17 @@ SMALLER = {
 }
 
 
-def python_blocks():
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
+BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
 
 
 def test_the_readme_has_its_python_blocks():
     # A changed fence or a moved README would otherwise leave the test below with nothing to run.
-    assert len(python_blocks()) >= 5
+    assert len(BLOCKS) >= 5
 
 
-@pytest.mark.parametrize("index", range(len(python_blocks())),
-                         ids=[b.splitlines()[0][:40] for b in python_blocks()])
+@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[b.splitlines()[0][:40] for b in BLOCKS])
 def test_a_readme_block_runs(index, tmp_path):
-    block = python_blocks()[index]
+    block = BLOCKS[index]
     for before, after in SMALLER.items():
         block = block.replace(before, after)
     for folder in ("nvme", "nvme0/swap", "nvme1/swap"):
