@@ -59,3 +59,24 @@ def test_a_readme_block_runs(index, tmp_path):
                          timeout=300, env=env)
     assert run.returncode == 0, f"README block {index}:\n{block}\n--- stderr ---\n{run.stderr}"
     assert "Traceback" not in run.stderr, run.stderr
+
+
+def run_cpp_block_writer(readme_text, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(readme_text)
+    writer = pathlib.Path(__file__).resolve().parents[1] / "readme_cpp_blocks.py"
+    return subprocess.run([sys.executable, str(writer), str(readme), str(tmp_path / "out.cpp")],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_cpp_block_writer_refuses_a_readme_it_does_not_know(tmp_path):
+    # The program that runs README's C++ blocks (readme.cpp_blocks) is written by this script;
+    # a README whose blocks it cannot match fails with a reason, never with a shorter program.
+    text = README.read_text()
+    whole = run_cpp_block_writer(text, tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    assert (tmp_path / "out.cpp").read_text().count("void readme_block_") == text.count("```cpp\n")
+    fewer = run_cpp_block_writer(text.replace("```cpp\n", "```\n", 1), tmp_path)
+    assert fewer.returncode != 0 and "fewer than the six it had" in fewer.stderr
+    changed = run_cpp_block_writer(text.replace("best_fit_allocator exact;", "best_fit_allocator exact2;"), tmp_path)
+    assert changed.returncode != 0 and "a block this script knows by a line has changed" in changed.stderr
