@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <random>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -301,6 +303,26 @@ TYPED_TEST(allocator_test, misuse_is_reported_and_changes_nothing) {
   forged.owner = x.owner;
   EXPECT_EQ(a.try_deallocate(forged), free_status::stale_handle);
   EXPECT_THROW(a.deallocate(forged), allocator_misuse);
+  expect_unchanged(a, before);
+  // A live block's handle with another node index written into it: every node of the pool,
+  // the indices just past it, and those at the top of the range, which the node types use
+  // as marks. Each is refused as not naming a live allocation, and the message path reads
+  // no node it does not have. (The pool holds at most a few hundred nodes here.)
+  std::vector<std::uint32_t> nodes(512);
+  std::iota(nodes.begin(), nodes.end(), 0U);
+  for (const std::uint32_t top : {0xfffffff0U, 0xfffffffcU, 0xfffffffdU, 0xfffffffeU, 0xffffffffU}) nodes.push_back(top);
+  for (const std::uint32_t n : nodes) {
+    if (n == x.node) continue;
+    allocation other = x;
+    other.node = n;
+    EXPECT_EQ(a.try_deallocate(other), free_status::stale_handle) << n;
+    try {
+      a.deallocate(other);
+      ADD_FAILURE() << "a handle naming node " << n << " was taken";
+    } catch (const allocator_misuse& e) {
+      EXPECT_NE(std::string(e.what()).find("does not name a live allocation"), std::string::npos) << e.what();
+    }
+  }
   expect_unchanged(a, before);
   // A stale handle whose offset was handed out again is still refused by the O(1) allocator
   // (generation check); best fit sees a live block at that offset with another size.

@@ -140,7 +140,10 @@ void check_waste_bound(const tlsf_allocator& a, std::uint64_t need, std::uint64_
                        std::uint64_t step) {
   const std::uint64_t units = need / a.alignment();
   const std::uint64_t slack = units >= 16 ? (units >> 4) * a.alignment() : 0;
+  std::uint64_t end = 0;  // the blocks visited must tile [0, peak): a walk that skips one checks nothing
   a.for_each_block([&](std::uint64_t offset, std::uint64_t bytes, bool is_free) {
+    ASSERT_EQ(offset, end) << "step " << step << ": the walk skipped a block";
+    end = offset + bytes;
     if (!is_free) return;
     if (offset + bytes == old_peak) {
       ASSERT_LT(bytes, need) << "step " << step << ": a free tail of " << bytes
@@ -152,6 +155,7 @@ void check_waste_bound(const tlsf_allocator& a, std::uint64_t need, std::uint64_
                                      << " bytes was skipped for " << need;
     }
   });
+  ASSERT_EQ(end, a.peak()) << "step " << step << ": the walk ended before the high-water mark";
 }
 
 std::uint64_t scaled_ops(std::uint64_t full) {
