@@ -8,6 +8,7 @@
 #include <bit>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -17,6 +18,9 @@ class offset_map {
  public:
   static constexpr std::uint64_t empty_key = std::numeric_limits<std::uint64_t>::max();
   static constexpr std::uint32_t not_found = std::numeric_limits<std::uint32_t>::max();
+  /// The most keys `reserve` takes (a table of 2^63 slots at most: the doubling stays
+  /// within 64 bits).
+  static constexpr std::size_t most_keys = std::size_t{1} << 62;
 
   offset_map() { rehash(16); }
 
@@ -28,7 +32,10 @@ class offset_map {
   }
 
   /// Makes room for `count` keys, so that inserting up to that many does not allocate.
+  /// Throws std::length_error for a count no table of 2^63 slots holds, std::bad_alloc
+  /// without the memory; changes nothing either way.
   void reserve(std::size_t count) {
+    if (count > most_keys) throw std::length_error("offset_map: too many keys");
     std::size_t capacity = keys_.size();
     while (count * 2 > capacity) capacity *= 2;
     if (capacity != keys_.size()) rehash(capacity);
@@ -66,7 +73,10 @@ class offset_map {
   }
 
   std::size_t size() const noexcept { return size_; }
-  void clear() { rehash(16); }
+  /// The table's length: a power of two, at least twice size() (the load stays at most
+  /// one half, so that a probe run ends soon and an empty slot is always there).
+  std::size_t slots() const noexcept { return keys_.size(); }
+  void clear() { *this = offset_map(); }
 
  private:
   std::size_t slot(std::uint64_t key) const noexcept {
