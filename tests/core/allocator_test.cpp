@@ -154,6 +154,7 @@ TYPED_TEST(allocator_test, fixed_capacity_used_exactly) {
   EXPECT_FALSE(a.allocate(1).has_value());
   EXPECT_EQ(a.stats().free_bytes, 0U);
   EXPECT_EQ(a.stats().free_blocks, 0U);
+  EXPECT_EQ(a.stats().fragmentation(), 0.0);  // nothing free: none, not 0 / 0
   a.deallocate(blocks[3]);
   a.deallocate(blocks[5]);
   const allocator_stats s = a.stats();
