@@ -161,6 +161,9 @@ TYPED_TEST(allocator_test, fixed_capacity_used_exactly) {
   EXPECT_EQ(s.free_bytes, 512U);
   EXPECT_EQ(s.free_blocks, 2U);
   EXPECT_EQ(s.largest_free_bytes, 256U);
+  EXPECT_EQ(s.peak_bytes, 4096U);
+  EXPECT_EQ(s.used_bytes, 3584U);
+  EXPECT_EQ(s.live_allocations, 14U);
   EXPECT_DOUBLE_EQ(s.fragmentation(), 0.5);
   EXPECT_FALSE(a.allocate(512).has_value());  // enough bytes, no single hole
   EXPECT_EQ(a.check_invariants(), "");
