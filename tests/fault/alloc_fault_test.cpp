@@ -143,11 +143,19 @@ int inject_until_success(Op op, Check check) {
   }
 }
 
+// With `by_offset`, frees go through free(offset, bytes), after a first one that builds the
+// offset index: allocations then also keep the index, within the same guarantee.
 template <class A>
-void allocator_strong_guarantee() {
+void allocator_strong_guarantee(bool by_offset = false) {
   std::mt19937_64 rng(3);
   A a(std::uint64_t{1} << 30, 256);
   A reference(std::uint64_t{1} << 30, 256);  // same history, no faults
+  if (by_offset) {
+    for (A* x : {&a, &reference}) {
+      const core::allocation first = *x->allocate(1000);
+      x->free(first.offset, 1000);
+    }
+  }
   std::vector<std::pair<core::allocation, core::allocation>> live;
   int injected = 0;
   for (int step = 0; step < 400; ++step) {
@@ -169,9 +177,15 @@ void allocator_strong_guarantee() {
       const std::size_t i = rng() % live.size();
       // Frees must not allocate at all: any allocation here would throw.
       countdown = 0;
-      a.deallocate(live[i].first);
-      countdown = -1;
-      reference.deallocate(live[i].second);
+      if (by_offset) {
+        a.free(live[i].first.offset, live[i].first.bytes);
+        countdown = -1;
+        reference.free(live[i].second.offset, live[i].second.bytes);
+      } else {
+        a.deallocate(live[i].first);
+        countdown = -1;
+        reference.deallocate(live[i].second);
+      }
       live[i] = live.back();
       live.pop_back();
     }
@@ -182,6 +196,10 @@ void allocator_strong_guarantee() {
 
 TEST(strong_guarantee, best_fit_allocate_and_free) { allocator_strong_guarantee<core::best_fit_allocator>(); }
 TEST(strong_guarantee, tlsf_allocate_and_free) { allocator_strong_guarantee<core::tlsf_allocator>(); }
+TEST(strong_guarantee, best_fit_allocate_and_free_by_offset) {
+  allocator_strong_guarantee<core::best_fit_allocator>(true);
+}
+TEST(strong_guarantee, tlsf_allocate_and_free_by_offset) { allocator_strong_guarantee<core::tlsf_allocator>(true); }
 
 // Both allocators build their offset index on the first free(offset, bytes); with no memory
 // for it, that call (and later ones) still frees by walking the blocks, and a later call
@@ -207,8 +225,9 @@ void free_by_offset_without_memory_for_the_index() {
   countdown = 1'000'000;  // counts down, never reaching 0: the allocations made
   EXPECT_EQ(a.try_free(live[50].offset, live[50].bytes), core::free_status::ok);  // index built now
   EXPECT_LT(countdown, 1'000'000) << "the index was not built";
-  countdown = 0;  // the index has room for what it holds: a later free by offset asks for nothing
+  countdown = 1'000'000;  // a later free by offset asks for no memory at all
   EXPECT_EQ(a.try_free(live[60].offset, live[60].bytes), core::free_status::ok);
+  EXPECT_EQ(countdown, 1'000'000) << "a free by offset after the index was built asked for memory";
   countdown = -1;
   a.deallocate(live[51]);  // handles and offsets mix
   EXPECT_EQ(a.try_free(live[52].offset, live[52].bytes), core::free_status::ok);
