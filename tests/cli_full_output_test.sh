@@ -1,6 +1,7 @@
 #!/bin/sh
 # Every command's output written to a full device (/dev/full) is an error with a non-zero exit
-# status, not a success with the result lost; the same commands into /dev/null succeed.
+# status, not a success with the result lost; the same commands into /dev/null succeed. An
+# output file (--out, --svg, --html) that cannot be written whole keeps the file there.
 # Prints PASS or what went wrong.
 # Usage: cli_full_output_test.sh TENSORMEM TRACE
 set -u
@@ -24,4 +25,22 @@ check "$reason" arena --help
 # The version is flushed as it is printed (std::endl), and the standard I/O library keeps no
 # reason once a flush has failed: the error says only what failed.
 check "" --version
+
+# A plan written over an earlier one past the file-size limit (ulimit -f, in KiB blocks; the
+# signal ignored so that the write fails with EFBIG): the error, and the earlier plan as it was.
+dir=$(mktemp -d) || exit 1
+trap 'rm -rf "$dir"' EXIT
+for option in --out --svg --html; do
+  "$cli" plan "$trace" --time-limit 0 "$option" "$dir/old" >/dev/null 2>&1 || { echo "FAIL $option: first write"; fail=1; }
+  printf 'x' >"$dir/old"  # one byte: any new text is longer than the limit below
+  out=$( (trap '' XFSZ; ulimit -f 1; exec "$cli" plan "$trace" --time-limit 0 "$option" "$dir/old") 2>&1 >/dev/null)
+  rc=$?
+  case "$out" in
+    *"cannot write $dir/old: File too large"*) ;;
+    *) echo "FAIL $option past the size limit: rc=$rc '$out'"; fail=1 ;;
+  esac
+  [ "$rc" = 1 ] || { echo "FAIL $option past the size limit: rc=$rc"; fail=1; }
+  [ "$(cat "$dir/old")" = x ] || { echo "FAIL $option past the size limit: the earlier file changed"; fail=1; }
+  [ "$(ls -A "$dir")" = old ] || { echo "FAIL $option past the size limit: left $(ls -A "$dir")"; fail=1; }
+done
 [ "$fail" = 0 ] && echo PASS

@@ -129,17 +129,11 @@ class Graph:
 
 
 def _write_trace(path: str, rows) -> None:
-    """Writes (id, lower, upper, size) rows as a trace CSV; an OSError names the path (a full
-    disk fails at a write or at the close, where Python's own error names no file)."""
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("id,lower,upper,size\n")
-            for name, lower, upper, size in rows:
-                f.write(f"{name},{lower},{upper},{size}\n")
-    except OSError as e:
-        if e.filename is not None:
-            raise
-        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from e
+    """Writes (id, lower, upper, size) rows as a trace CSV. A file already there is replaced
+    only once the new one is whole (a full disk keeps it); an OSError names the path."""
+    lines = ["id,lower,upper,size\n"]
+    lines.extend(f"{name},{lower},{upper},{size}\n" for name, lower, upper, size in rows)
+    _tensormem._write_file(path, "".join(lines))
 
 
 def _flat_tensors(value) -> List:

@@ -219,8 +219,7 @@ class ContiguousMemoryAllocator:
         also written to `path` when one is given."""
         svg = self._arena.allocation_svg()
         if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(svg)
+            _tensormem._write_file(path, svg)  # a failed write keeps the file there
         return svg
 
     def stats(self) -> dict:

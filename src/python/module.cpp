@@ -45,6 +45,7 @@
 #include "numpy_abi.hpp"
 #include "signals.hpp"
 #include "whole_number.hpp"
+#include "../trace/write_file.hpp"
 #include "tensormem/core/detail/thread_start.hpp"
 
 namespace py = pybind11;
@@ -862,6 +863,16 @@ PYBIND11_MODULE(_tensormem, m) {
   }, py::arg("layers") = 12, py::arg("hidden") = 768, py::arg("heads") = 12, py::arg("sequence") = 1024,
      py::arg("batch") = 8, py::arg("vocabulary") = 50257, py::arg("dtype_bytes") = 2,
      "The demo's model: one training step of a GPT-style transformer, as an OperatorGraph.");
+
+  m.def("_write_file", [](const std::string& path, const std::string& text) {
+    // (A pipe's reader may be another thread.)
+    python::call_resuming_after_signals([&] {
+      trace::detail::write_file(path, [&](std::ostream& out) { out.write(text.data(), static_cast<std::streamsize>(text.size())); });
+      return 0;
+    });
+  }, py::arg("path"), py::arg("text"),
+     "Writes text (UTF-8) to a file as the library writes its traces and pictures: a regular file there is "
+     "replaced only once the new text is whole, so a failed write (a full disk) keeps it; OSError otherwise.");
 
   m.def("write_plan_picture", [](const std::string& path, const py::handle& lower, const py::handle& upper,
                                  const py::handle& size, const py::handle& offsets, u64 arena_bytes,

@@ -550,6 +550,24 @@ def test_to_trace_reads_back(tmp_path):
     assert tensormem.lower_bound(lower, upper, size) == tensormem.lower_bound(back["lower"], back["upper"], back["size"])
 
 
+def test_to_trace_that_cannot_be_written_whole_keeps_the_file_there(tmp_path):
+    # Past the largest file this process may write (a full disk fails it the same way): the
+    # error names the file, the trace written before stays, no other file is left.
+    import errno
+    from file_limits import file_size_limit
+    small = trace(torch.nn.Linear(4, 4).eval(), torch.randn(1, 4))
+    big = trace(torchvision.models.mobilenet_v3_small(weights=None).eval(), torch.randn(1, 3, 32, 32))
+    path = tmp_path / "m.csv"
+    small.to_trace(str(path))
+    before = path.read_bytes()
+    with file_size_limit(len(before) + 1), pytest.raises(OSError) as info:
+        big.to_trace(str(path))
+    assert info.value.errno == errno.EFBIG and f"cannot write {path}" in str(info.value)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["m.csv"]
+    big.to_trace(str(path))
+    assert len(path.read_bytes()) > len(before) + 1
+
+
 def test_training_sums_every_tensor_of_a_dict_output_and_refuses_an_output_without_one():
     # Segmentation models return {"out": ..., "aux": ...}: the default loss is the sum of every
     # tensor in it (it used to see none in a dict, and the trace failed on an int loss).

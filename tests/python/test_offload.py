@@ -21,6 +21,7 @@ import torch
 
 import tensormem.offload as off
 from tensormem.torch import OffloadedAdam, OffloadedAdamW, OffloadedSGD, OffloadError
+from file_limits import file_size_limit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -550,15 +551,8 @@ def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
     # A save that cannot be written whole (past the largest file this process may write; a
     # full disk fails it the same way, as the C++ tests show): the error, no partial file, ck
     # kept.
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (len(good) // 2, hard))
-    try:
-        with pytest.raises(OSError) as info:
-            opt.save_checkpoint(ck)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, old_handler)
+    with file_size_limit(len(good) // 2), pytest.raises(OSError) as info:
+        opt.save_checkpoint(ck)
     assert info.value.errno == errno.EFBIG and "cannot write checkpoint" in str(info.value)
     assert not os.path.lexists(tmp_path / "ck.tmp") and ck.read_bytes() == good
 

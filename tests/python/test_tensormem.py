@@ -445,7 +445,16 @@ def test_allocation_svg(tmp_path):
     assert svg.count('class="tensor"') == 1
     assert ": offset 400, 1200 bytes (1200 reserved)</title>" in svg
     assert "1 tensors, used 1.17 KiB, free 2.83 KiB, largest hole 2.44 KiB" in svg
-    del b
+    # A picture that cannot be written whole (past the largest file this process may write)
+    # leaves the one there.
+    import errno
+    from file_limits import file_size_limit
+    c = cma.allocate_tensor(10)
+    with file_size_limit(len(svg) // 2), pytest.raises(OSError) as info:
+        cma.allocation_svg(str(path))
+    assert info.value.errno == errno.EFBIG and f"cannot write {path}" in str(info.value)
+    assert path.read_text() == svg and os.listdir(tmp_path) == ["map.svg"]
+    del b, c
 
 
 # ----------------------------------------------------------------------------- swapper

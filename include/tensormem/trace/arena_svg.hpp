@@ -37,7 +37,8 @@ arena_snapshot snapshot(const arena::contiguous_arena& arena, std::string label,
 /// Throws std::invalid_argument when a block lies outside the capacity.
 void write_arena_svg(std::ostream& out, std::span<const arena_snapshot> snapshots, std::uint64_t capacity);
 /// As above, to a file; throws std::system_error when it cannot be written, and
-/// std::invalid_argument for an empty path or one holding a NUL byte.
+/// std::invalid_argument for an empty path or one holding a NUL byte. A file there is replaced
+/// only once the new one is whole, as trace::write_trace does.
 void write_arena_svg(const std::string& path, std::span<const arena_snapshot> snapshots,
                      std::uint64_t capacity);
 

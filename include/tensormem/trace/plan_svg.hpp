@@ -32,6 +32,7 @@ std::string write_plan_svg(std::ostream& out, std::span<const core::buffer> buff
                            std::uint64_t lower_bound, const known_problem& validated = std::nullopt);
 /// As above, to a file; throws std::system_error when it cannot be written, and
 /// std::invalid_argument for an empty path or one holding a NUL byte (io::check_path_argument).
+/// A file there is replaced only once the new one is whole, as write_trace does.
 std::string write_plan_svg(const std::string& path, std::span<const core::buffer> buffers,
                            std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                            std::uint64_t lower_bound, const known_problem& validated = std::nullopt);
@@ -52,6 +53,7 @@ std::string write_plan_html(std::ostream& out, std::span<const core::buffer> buf
                             const known_problem& validated = std::nullopt);
 /// As above, to a file; throws std::system_error when it cannot be written, and
 /// std::invalid_argument for an empty path or one holding a NUL byte (io::check_path_argument).
+/// A file there is replaced only once the new one is whole, as write_trace does.
 std::string write_plan_html(const std::string& path, std::span<const core::buffer> buffers,
                             std::span<const std::uint64_t> offsets, std::uint64_t arena_bytes,
                             std::uint64_t lower_bound, const std::string& title,

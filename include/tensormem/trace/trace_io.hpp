@@ -79,7 +79,9 @@ std::vector<core::buffer> read_trace(const std::string& path);
 /// Writes `buffers` with a header; the offset column is written when every buffer has one.
 void write_trace(std::ostream& out, const std::vector<core::buffer>& buffers);
 /// As above, to a file; throws std::system_error when it cannot be written, and
-/// std::invalid_argument for an empty path or one holding a NUL byte.
+/// std::invalid_argument for an empty path or one holding a NUL byte. A regular file there
+/// is replaced only once the new one is whole (written beside it, synced, renamed onto it):
+/// a write that fails keeps it. The picture writers (plan_svg.hpp, arena_svg.hpp) do the same.
 void write_trace(const std::string& path, const std::vector<core::buffer>& buffers);
 
 }  // namespace tensormem::trace

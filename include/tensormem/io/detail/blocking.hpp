@@ -60,4 +60,19 @@ inline transferred pwrite_fully(int fd, const void* data, std::size_t bytes, std
   return done;
 }
 
+/// Writes `bytes` from `data` with write (at the file position: a pipe, a device, a file
+/// opened for it), continuing short and interrupted writes, until all are written, a write
+/// moves nothing or a write fails.
+inline transferred write_fully(int fd, const void* data, std::size_t bytes) noexcept {
+  transferred done;
+  while (done.bytes < bytes) {
+    const ssize_t n = repeat_interrupted(
+        [&] { return ::write(fd, static_cast<const char*>(data) + done.bytes, bytes - done.bytes); });
+    if (n < 0) done.error = errno;
+    if (n <= 0) break;
+    done.bytes += static_cast<std::size_t>(n);
+  }
+  return done;
+}
+
 }  // namespace tensormem::io::detail

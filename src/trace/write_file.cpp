@@ -1,0 +1,153 @@
+#include "write_file.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <filesystem>
+#include <system_error>
+
+#include "tensormem/io/detail/blocking.hpp"
+#include "tensormem/io/path_argument.hpp"
+
+namespace tensormem::trace::detail {
+namespace {
+
+constexpr std::size_t buffer_bytes = 64 * 1024;
+
+// Where a file that replaces `target` is first written: beside it, under a name no file has
+// yet (O_EXCL), or -1 with errno.
+int open_temporary(const std::string& target, std::string& temp) {
+  static std::atomic<unsigned long> made{0};
+  const std::filesystem::path where(target);
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const std::string suffix = ".tensormem-tmp." + std::to_string(::getpid()) + "." + std::to_string(made++);
+    const std::string name = where.filename().string();
+    // A name at the file system's limit leaves no room for the suffix: a short hidden name then.
+    temp = name.size() + suffix.size() <= NAME_MAX
+               ? target + suffix
+               : (where.parent_path() / ("." + suffix.substr(1))).string();
+    const int fd = io::detail::repeat_interrupted([&] {
+      return ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    });
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  return -1;  // errno EEXIST: a hundred names taken
+}
+
+// A regular file at `path`, or at the end of the symbolic link at `path`: its path (the link's
+// target resolved) and status. False where there is none (nothing there, a dangling link,
+// something else, or a path that cannot be looked at: the open reports that).
+bool regular_file_at(const std::string& path, std::string& file, struct stat& st, bool& nothing_there) {
+  nothing_there = false;
+  if (::lstat(path.c_str(), &st) != 0) {
+    nothing_there = errno == ENOENT;
+    return false;
+  }
+  if (S_ISREG(st.st_mode)) {
+    file = path;
+    return true;
+  }
+  if (!S_ISLNK(st.st_mode)) return false;
+  char* real = ::realpath(path.c_str(), nullptr);
+  if (real == nullptr) return false;
+  file = real;
+  std::free(real);
+  return ::stat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+}  // namespace
+
+output_file::fd_buffer::fd_buffer() : data_(new char[buffer_bytes]) {
+  setp(data_.get(), data_.get() + buffer_bytes);
+}
+
+bool output_file::fd_buffer::drain() noexcept {
+  if (error_ != 0) return false;
+  const auto bytes = static_cast<std::size_t>(pptr() - pbase());
+  const io::detail::transferred done = io::detail::write_fully(fd_, pbase(), bytes);
+  if (done.bytes != bytes) {
+    error_ = done.error != 0 ? done.error : EIO;  // a write that moved nothing
+    return false;
+  }
+  setp(data_.get(), data_.get() + buffer_bytes);
+  return true;
+}
+
+output_file::fd_buffer::int_type output_file::fd_buffer::overflow(int_type ch) {
+  if (!drain()) return traits_type::eof();
+  if (!traits_type::eq_int_type(ch, traits_type::eof())) {
+    *pptr() = traits_type::to_char_type(ch);
+    pbump(1);
+  }
+  return traits_type::not_eof(ch);
+}
+
+int output_file::fd_buffer::sync() { return drain() ? 0 : -1; }
+
+output_file::output_file(const std::string& path) : path_(path), stream_(&buffer_) {
+  io::check_path_argument("cannot write", path);
+  std::string file;
+  struct stat old {};
+  bool nothing_there = false;
+  const bool replace = regular_file_at(path, file, old, nothing_there);
+  if (replace || nothing_there) {
+    target_ = replace ? file : path;
+    fd_ = open_temporary(target_, temp_);
+    if (fd_ < 0) {
+      const int error = errno;
+      temp_.clear();
+      // A file the writer may change in a folder it may not add files to: written in place.
+      if (!(replace && (error == EACCES || error == EPERM))) fail(error);
+      target_.clear();
+    } else if (replace) {
+      // The replacement keeps the old file's owner and group where the writer may set them
+      // (a process that may not gives the file its own), then its permission bits.
+      if (old.st_uid != ::geteuid() || old.st_gid != ::getegid()) {
+        const int kept = ::fchown(fd_, old.st_uid, old.st_gid);
+        static_cast<void>(kept);  // refused (EPERM): the new file is the writer's
+      }
+      if (::fchmod(fd_, old.st_mode & 07777) != 0) fail(errno);
+    }
+  }
+  if (fd_ < 0) {
+    // Not repeated after EINTR: the open of a pipe waits for its reader, and a caller that
+    // answers signals (Python's handlers, Ctrl-C) gets the error, runs them and calls again.
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd_ < 0) fail(errno);
+  }
+  buffer_.attach(fd_);
+}
+
+output_file::~output_file() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!temp_.empty()) ::unlink(temp_.c_str());
+}
+
+void output_file::fail(int error) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  if (!temp_.empty()) ::unlink(temp_.c_str());
+  temp_.clear();
+  throw std::system_error(error, std::generic_category(), "cannot write " + path_);
+}
+
+void output_file::commit() {
+  stream_.flush();
+  if (buffer_.error() != 0) fail(buffer_.error());
+  if (!stream_) fail(EIO);
+  if (!temp_.empty() && io::detail::repeat_interrupted([&] { return ::fsync(fd_); }) != 0) fail(errno);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0 && errno != EINTR) fail(errno);  // (after EINTR the descriptor is closed)
+  if (!temp_.empty()) {
+    if (::rename(temp_.c_str(), target_.c_str()) != 0) fail(errno);
+    temp_.clear();
+  }
+}
+
+}  // namespace tensormem::trace::detail
