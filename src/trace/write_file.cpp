@@ -95,6 +95,9 @@ output_file::output_file(const std::string& path) : path_(path), stream_(&buffer
   struct stat old {};
   bool nothing_there = false;
   const bool replace = regular_file_at(path, file, old, nothing_there);
+  // A file the writer may not change is refused as its open would refuse it, though the
+  // folder would let a rename replace it.
+  if (replace && ::faccessat(AT_FDCWD, file.c_str(), W_OK, AT_EACCESS) != 0) fail(errno);
   if (replace || nothing_there) {
     target_ = replace ? file : path;
     fd_ = open_temporary(target_, temp_);

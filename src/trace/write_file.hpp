@@ -6,8 +6,10 @@
 // (`<file>.tensormem-tmp.<pid>.<n>`, made with O_EXCL), which is synced and renamed onto the
 // file; the replacement keeps the old file's permission bits (and its owner and group where
 // the writer may set them). A new file is made the same way, so a partial file is never seen
-// at the path. A write that fails (a full disk, a file-size limit, an exception from the
-// callback) removes the temporary file and leaves what was at the path as it was.
+// at the path. A file the writer may not write is refused (EACCES), as its open would be,
+// though its folder would let a rename replace it. A write that fails (a full disk, a
+// file-size limit, an exception from the callback) removes the temporary file and leaves what
+// was at the path as it was.
 //
 // Written in place instead: a device, a pipe or a socket (nothing there to keep; /dev/stdout,
 // /dev/null), a link that leads to no file or to something other than a regular file, and an

@@ -254,6 +254,31 @@ TEST(write_file, a_writable_file_in_a_folder_closed_to_new_files_is_written_in_p
   EXPECT_EQ(names_in(dir.path), std::vector<std::string>{"plan.csv"});
 }
 
+// A file the writer may not write, in a folder where it may add files (so that a rename could
+// replace it): refused with EACCES as its open would be, the file as it was.
+TEST(write_file, a_file_the_writer_may_not_write_is_refused_though_its_folder_is_open) {
+  const scratch_dir dir(fs::perms::all);
+  ASSERT_FALSE(dir.path.empty());
+  const std::string path = dir.file("plan.csv");
+  write_trace(path, buffers(2));
+  const auto before = file_bytes(path);
+  // r--r--r--: as root, the child writes as nobody, for whom it is closed anyway.
+  fs::permissions(path, fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (geteuid() == 0 && (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0)) _exit(91);
+    const auto [error, message] = write_error([&] { write_trace(path, buffers(6)); });
+    _exit(error == EACCES && message == "cannot write " + path + ": Permission denied" ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  EXPECT_EQ(file_bytes(path), before);
+  EXPECT_EQ(names_in(dir.path), std::vector<std::string>{"plan.csv"});
+}
+
 // Each step of the replacement failing (made, its permissions set, synced, closed, renamed):
 // the old file stays, no temporary file is left, and the error names the path with the
 // step's errno.
