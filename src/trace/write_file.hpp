@@ -9,7 +9,8 @@
 // at the path. A file the writer may not write is refused (EACCES), as its open would be,
 // though its folder would let a rename replace it. A write that fails (a full disk, a
 // file-size limit, an exception from the callback) removes the temporary file and leaves what
-// was at the path as it was.
+// was at the path as it was; a process killed while writing leaves its temporary file
+// instead (never a partial file at the path).
 //
 // Written in place instead: a device, a pipe or a socket (nothing there to keep; /dev/stdout,
 // /dev/null), a link that leads to no file or to something other than a regular file, and an
