@@ -44,6 +44,12 @@ int open_temporary(const std::string& target, std::string& temp) {
 // something else, or a path that cannot be looked at: the open reports that).
 bool regular_file_at(const std::string& path, std::string& file, struct stat& st, bool& nothing_there) {
   nothing_there = false;
+  // /dev/stdout, /dev/fd/N, /proc/self/fd/N: a descriptor the process already has open,
+  // perhaps on a regular file (a shell's `> out`); a rename would put a new file there and
+  // leave the descriptor on the old one, whose later writes no one would see.
+  std::error_code error;
+  const std::string absolute = std::filesystem::absolute(path, error).lexically_normal().string();
+  if (!error && (absolute.starts_with("/dev/") || absolute.starts_with("/proc/"))) return false;
   if (::lstat(path.c_str(), &st) != 0) {
     nothing_there = errno == ENOENT;
     return false;

@@ -13,6 +13,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -221,6 +222,43 @@ TEST(write_file, devices_are_written_in_place) {
   EXPECT_EQ(error, ENOSPC);
   EXPECT_EQ(message, "cannot write /dev/full: No space left on device");
   EXPECT_EQ(fs::status("/dev/full").type(), fs::file_type::character);
+}
+
+// `/dev/stdout` where the standard output is a file (a shell's `> out`): opened and written
+// as such, so that the process's standard output still names the file at that path (a rename
+// would leave it on a file no longer there, and what it wrote afterwards would be lost).
+TEST(write_file, the_standard_output_sent_to_a_file_is_written_in_place) {
+  const scratch_dir dir;
+  ASSERT_FALSE(dir.path.empty());
+  const std::string out = dir.file("out.txt");
+  for (const char* name : {"/dev/stdout", "/proc/self/fd/1", "/dev/fd/1", "/dev/../dev/stdout"}) {
+    SCOPED_TRACE(name);
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      const int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd < 0 || dup2(fd, 1) != 1) _exit(90);
+      try {
+        write_trace(name, buffers(2));
+      } catch (...) {
+        _exit(1);
+      }
+      struct stat standard_output {}, there {};
+      _exit(fstat(1, &standard_output) == 0 && stat(out.c_str(), &there) == 0 &&
+                    standard_output.st_ino == there.st_ino
+                ? 0
+                : 2);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 0);
+    std::ostringstream expected;
+    write_trace(expected, buffers(2));
+    const auto bytes = file_bytes(out);
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()), expected.str());
+    EXPECT_EQ(names_in(dir.path), std::vector<std::string>{"out.txt"});
+  }
 }
 
 TEST(write_file, a_writable_file_in_a_folder_closed_to_new_files_is_written_in_place) {
