@@ -39,6 +39,13 @@ int open_temporary(const std::string& target, std::string& temp) {
   return -1;  // errno EEXIST: a hundred names taken
 }
 
+// Whether `path` lies under /dev or /proc (read without following links).
+bool under_dev_or_proc(const std::string& path) {
+  std::error_code error;
+  const std::string absolute = std::filesystem::absolute(path, error).lexically_normal().string();
+  return !error && (absolute.starts_with("/dev/") || absolute.starts_with("/proc/"));
+}
+
 // A regular file at `path`, or at the end of the symbolic link at `path`: its path (the link's
 // target resolved) and status. False where there is none (nothing there, a dangling link,
 // something else, or a path that cannot be looked at: the open reports that).
@@ -47,9 +54,7 @@ bool regular_file_at(const std::string& path, std::string& file, struct stat& st
   // /dev/stdout, /dev/fd/N, /proc/self/fd/N: a descriptor the process already has open,
   // perhaps on a regular file (a shell's `> out`); a rename would put a new file there and
   // leave the descriptor on the old one, whose later writes no one would see.
-  std::error_code error;
-  const std::string absolute = std::filesystem::absolute(path, error).lexically_normal().string();
-  if (!error && (absolute.starts_with("/dev/") || absolute.starts_with("/proc/"))) return false;
+  if (under_dev_or_proc(path)) return false;
   if (::lstat(path.c_str(), &st) != 0) {
     nothing_there = errno == ENOENT;
     return false;
@@ -59,6 +64,16 @@ bool regular_file_at(const std::string& path, std::string& file, struct stat& st
     return true;
   }
   if (!S_ISLNK(st.st_mode)) return false;
+  // A link to one of them (out.csv -> /dev/stdout), at any step of its chain, likewise.
+  std::filesystem::path step(path);
+  for (int hop = 0; hop < 40; ++hop) {
+    std::error_code error;
+    if (!std::filesystem::is_symlink(step, error)) break;
+    const std::filesystem::path to = std::filesystem::read_symlink(step, error);
+    if (error) break;
+    step = to.is_absolute() ? to : step.parent_path() / to;
+    if (under_dev_or_proc(step.string())) return false;
+  }
   char* real = ::realpath(path.c_str(), nullptr);
   if (real == nullptr) return false;
   file = real;

@@ -13,11 +13,11 @@
 // instead (never a partial file at the path).
 //
 // Written in place instead: a device, a pipe or a socket (nothing there to keep), anything
-// under /dev or /proc (/dev/stdout where a shell sent it to a file: the process writes on
-// through its descriptor, which must still name the file), a link that leads to no file or to
-// something other than a regular file, and an existing file in a folder the writer may not
-// add files to (EACCES or EPERM there). A file
-// replaced by rename is a new file: other hard links to the old one keep the old text.
+// under /dev or /proc and a link to such a path (/dev/stdout where a shell sent it to a file:
+// the process writes on through its descriptor, which must still name the file), a link that
+// leads to no file or to something other than a regular file, and an existing file in a
+// folder the writer may not add files to (EACCES or EPERM there). A file replaced by rename
+// is a new file: other hard links to the old one keep the old text.
 //
 // Errors: std::system_error "cannot write <path>: <reason>" (EINTR where a signal interrupts
 // the open of a pipe waiting for its reader: nothing was written, the caller may call again);

@@ -231,7 +231,12 @@ TEST(write_file, the_standard_output_sent_to_a_file_is_written_in_place) {
   const scratch_dir dir;
   ASSERT_FALSE(dir.path.empty());
   const std::string out = dir.file("out.txt");
-  for (const char* name : {"/dev/stdout", "/proc/self/fd/1", "/dev/fd/1", "/dev/../dev/stdout"}) {
+  // A link to it, and a link to that link.
+  const std::string link = dir.file("link.csv"), link_of_link = dir.file("link_of_link.csv");
+  fs::create_symlink("/dev/stdout", link);
+  fs::create_symlink("link.csv", link_of_link);
+  for (const std::string& name : {std::string("/dev/stdout"), std::string("/proc/self/fd/1"), std::string("/dev/fd/1"),
+                                  std::string("/dev/../dev/stdout"), link, link_of_link}) {
     SCOPED_TRACE(name);
     const pid_t child = fork();
     ASSERT_GE(child, 0);
@@ -257,7 +262,7 @@ TEST(write_file, the_standard_output_sent_to_a_file_is_written_in_place) {
     write_trace(expected, buffers(2));
     const auto bytes = file_bytes(out);
     EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()), expected.str());
-    EXPECT_EQ(names_in(dir.path), std::vector<std::string>{"out.txt"});
+    EXPECT_EQ(names_in(dir.path), (std::vector<std::string>{"link.csv", "link_of_link.csv", "out.txt"}));
   }
 }
 
