@@ -55,6 +55,12 @@ std::pair<int, std::string> write_error(Write&& write) {
   return {0, ""};
 }
 
+// In a child running as root: becomes user nobody, so that permissions apply (true where it
+// did, or where the process was not root).
+bool drop_root() {
+  return geteuid() != 0 || (setgroups(0, nullptr) == 0 && setgid(65534) == 0 && setuid(65534) == 0);
+}
+
 // Under a file-size limit (SIGXFSZ ignored: the write fails with EFBIG instead of ending the
 // process), restored when it goes.
 struct file_size_limit {
@@ -278,7 +284,7 @@ TEST(write_file, a_writable_file_in_a_folder_closed_to_new_files_is_written_in_p
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    if (geteuid() == 0 && (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0)) _exit(91);
+    if (!drop_root()) _exit(91);
     bool ok = true;
     try {
       write_trace(path, buffers(6));
@@ -310,7 +316,7 @@ TEST(write_file, a_file_the_writer_may_not_write_is_refused_though_its_folder_is
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    if (geteuid() == 0 && (setgroups(0, nullptr) != 0 || setgid(65534) != 0 || setuid(65534) != 0)) _exit(91);
+    if (!drop_root()) _exit(91);
     const auto [error, message] = write_error([&] { write_trace(path, buffers(6)); });
     _exit(error == EACCES && message == "cannot write " + path + ": Permission denied" ? 0 : 1);
   }
