@@ -291,11 +291,13 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
     def save_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Streams the committed state and the hyperparameters (``param_groups`` without the
         tensors) to one file at ``path``, never holding more than the pinned budget. The file is
-        written to ``path``.tmp, synced and renamed: an interrupted save leaves the previous
-        checkpoint whole, state and hyperparameters together. ``path`` may be a str or a
-        path-like object (``pathlib.Path``). Anything but a regular file at ``path`` or at
-        ``path``.tmp (a symbolic link there is not followed) is refused with ``OSError`` before
-        anything is written."""
+        written to a new file beside it (``path``.tensormem-tmp.<pid>.<n>, made under a name no
+        file has, so nothing else there is touched), synced and renamed: an interrupted save
+        leaves the previous checkpoint whole, state and hyperparameters together, and saves to
+        one path from several processes at once each leave a whole file (the last one wins).
+        ``path`` may be a str or a path-like object (``pathlib.Path``). Anything but a regular
+        file or a symbolic link (replaced, not followed) at ``path`` is refused with ``OSError``
+        before anything is written."""
         path = os.fspath(path)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._core.save(path, json.dumps({"param_groups": groups}).encode())

@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
 #include <filesystem>
 #include <cstring>
 #include <stdexcept>
@@ -91,6 +93,23 @@ void check_path_argument(std::string_view who, std::string_view path) {
     throw std::invalid_argument(std::string(who) + ": the path '" + std::string(path.substr(0, nul)) +
                                 "\\0...' holds a NUL byte");
   }
+}
+
+int create_temporary_beside(const std::string& target, std::string& temp, unsigned mode) {
+  static std::atomic<unsigned long> made{0};
+  const std::filesystem::path where(target);
+  const std::string name = where.filename().string();
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const std::string suffix = ".tensormem-tmp." + std::to_string(::getpid()) + "." + std::to_string(made++);
+    // A name at the file system's limit leaves no room for the suffix: a short hidden name then.
+    temp = name.size() + suffix.size() <= NAME_MAX ? target + suffix
+                                                   : (where.parent_path() / ("." + suffix.substr(1))).string();
+    const int fd = detail::repeat_interrupted([&] {
+      return ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, static_cast<mode_t>(mode));
+    });
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  return -1;  // errno EEXIST: a hundred names taken
 }
 
 std::string folder_of(const std::string& path) {

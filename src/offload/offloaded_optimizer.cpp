@@ -41,10 +41,10 @@ std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / 
 struct file {
   int fd = -1;
   std::string path;
-  // A checkpoint to read, and the temporary file a save writes, are regular files only
-  // (anything else is refused, EINVAL, or EISDIR for a folder). The open never waits
-  // (O_NONBLOCK, cleared once open): a pipe there is refused, not a wait for its other end.
-  // `what` begins the message of a failed open (default: "cannot open checkpoint PATH").
+  // A checkpoint to read is a regular file only (anything else is refused, EINVAL, or EISDIR
+  // for a folder). The open never waits (O_NONBLOCK, cleared once open): a pipe there is
+  // refused, not a wait for its other end. `what` begins the message of a failed open
+  // (default: "cannot open checkpoint PATH").
   file(const std::string& p, int flags, const std::string& what = {}) : path(p) {
     const char* refused = nullptr;
     fd = io::keep_opened_file(::open(p.c_str(), flags | O_CLOEXEC | O_NONBLOCK, 0600), p.c_str(), refused);
@@ -54,6 +54,9 @@ struct file {
       throw std::system_error(e, std::generic_category(), (what.empty() ? "cannot open checkpoint " + p : what) + why);
     }
   }
+  // A file opened already (the temporary file a save makes; its path is set after: a copy
+  // of the name can fail).
+  explicit file(int opened) noexcept : fd(opened) {}
   ~file() {
     if (fd >= 0) ::close(fd);
   }
@@ -492,21 +495,8 @@ void check_replaceable(const std::string& path) {
                               "; a checkpoint replaces only a regular file");
 }
 
-// The temporary file is the save's own: a regular file it makes at `tmp` (or a stale one of
-// an interrupted save, cut to nothing). Anything else there is refused before it is opened
-// and stays: through a symbolic link the checkpoint would overwrite the link's target (a
-// user's file) and the rename would then put the link at `path`; a device would take the
-// bytes.
-void check_temporary(const std::string& path, const std::string& tmp) {
-  const auto there = io::not_a_file_at(tmp);
-  if (!there) return;
-  throw std::system_error(there->error, std::generic_category(),
-                          "cannot save checkpoint " + path + ": " + tmp + " is " + there->kind +
-                              "; a save writes its temporary file there itself, and nothing was written");
-}
-
-// The temporary file is removed after a failed save where it is a regular file: anything
-// else there now (put there since it was opened) is not the save's to remove.
+// After a failed save: the save's temporary file is removed where it is still a regular
+// file (anything put there since is not the save's to remove).
 void remove_temporary(const std::string& tmp) noexcept {
   if (const auto mode = io::mode_at(tmp); mode && S_ISREG(*mode)) ::unlink(tmp.c_str());
 }
@@ -517,14 +507,18 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   const exclusive_call call(*this, "save");
   io::check_path_argument("offloaded_optimizer::save", path);
   check_replaceable(path);
-  const std::string tmp = path + ".tmp";
   const std::string folder = io::folder_of(path);  // (named now: nothing may fail after the rename)
-  check_temporary(path, tmp);
-  // O_NOFOLLOW and a regular file only: the check above holds even against a link or a
-  // device put there since.
-  const file out(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW,
-                 "cannot save checkpoint " + path + ": cannot create its temporary file " + tmp);
+  // A new file under a name no file has (O_EXCL): nothing already beside the checkpoint (a
+  // user's file, a link, another process's save to the same path) is opened or changed.
+  std::string tmp;
+  const int fd = io::create_temporary_beside(path, tmp, 0600);
+  if (fd < 0) {
+    throw std::system_error(errno, std::generic_category(),
+                            "cannot save checkpoint " + path + ": cannot create its temporary file " + tmp);
+  }
+  file out(fd);
   try {
+    out.path = tmp;
     const std::vector<std::uint64_t> words = header_words(*this);
     std::vector<char> head(header_bytes(numels_.size()), 0);
     std::memcpy(head.data(), checkpoint_magic, 8);

@@ -4,9 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
-#include <climits>
 #include <cstdlib>
 #include <filesystem>
 #include <system_error>
@@ -18,26 +16,6 @@ namespace tensormem::trace::detail {
 namespace {
 
 constexpr std::size_t buffer_bytes = 64 * 1024;
-
-// Where a file that replaces `target` is first written: beside it, under a name no file has
-// yet (O_EXCL), or -1 with errno.
-int open_temporary(const std::string& target, std::string& temp) {
-  static std::atomic<unsigned long> made{0};
-  const std::filesystem::path where(target);
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    const std::string suffix = ".tensormem-tmp." + std::to_string(::getpid()) + "." + std::to_string(made++);
-    const std::string name = where.filename().string();
-    // A name at the file system's limit leaves no room for the suffix: a short hidden name then.
-    temp = name.size() + suffix.size() <= NAME_MAX
-               ? target + suffix
-               : (where.parent_path() / ("." + suffix.substr(1))).string();
-    const int fd = io::detail::repeat_interrupted([&] {
-      return ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-    });
-    if (fd >= 0 || errno != EEXIST) return fd;
-  }
-  return -1;  // errno EEXIST: a hundred names taken
-}
 
 // Whether `path` lies under /dev or /proc (read without following links).
 bool under_dev_or_proc(const std::string& path) {
@@ -121,7 +99,7 @@ output_file::output_file(const std::string& path) : path_(path), stream_(&buffer
   if (replace && ::faccessat(AT_FDCWD, file.c_str(), W_OK, AT_EACCESS) != 0) fail(errno);
   if (replace || nothing_there) {
     target_ = replace ? file : path;
-    fd_ = open_temporary(target_, temp_);
+    fd_ = io::create_temporary_beside(target_, temp_, 0666);
     if (fd_ < 0) {
       const int error = errno;
       temp_.clear();

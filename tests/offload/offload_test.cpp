@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "tensormem/memory/errors.hpp"
+#include "tensormem/io/path_argument.hpp"
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "../io/forked_child.hpp"
 #include "../memory/limited_child.hpp"
@@ -36,6 +37,7 @@ using io::testing::in_forked_child;
 using io::testing::refused_in_child;
 using swap::testing::pattern;
 using swap::testing::scratch_dir;
+using swap::testing::temporary_files_in;
 
 std::vector<float> randoms(std::size_t n, std::uint64_t seed, float lo = -1, float hi = 1) {
   std::mt19937_64 rng(seed);
@@ -848,6 +850,26 @@ std::vector<char> file_bytes(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
+std::string file_text(const std::string& path) {
+  const std::vector<char> bytes = file_bytes(path);
+  return {bytes.begin(), bytes.end()};
+}
+
+// The next `count` names a temporary file beside `target` would take, learned from one made
+// (and removed) the same way.
+std::vector<std::string> next_temporary_names(const std::string& target, int count) {
+  std::string probe;
+  const int fd = io::create_temporary_beside(target, probe, 0600);
+  EXPECT_GE(fd, 0) << probe;
+  if (fd >= 0) ::close(fd);
+  std::filesystem::remove(probe);
+  const std::size_t dot = probe.rfind('.') + 1;
+  const unsigned long made = std::stoul(probe.substr(dot));
+  std::vector<std::string> names;
+  for (int k = 1; k <= count; ++k) names.push_back(probe.substr(0, dot) + std::to_string(made + static_cast<unsigned long>(k)));
+  return names;
+}
+
 void write_bytes(const std::string& path, const std::vector<char>& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
@@ -921,7 +943,7 @@ TEST(offload_optimizer, a_stopped_step_is_undone_while_it_can_be) {
 
 TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   o.save(ck);
-  EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
+  EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
   offloaded_optimizer r(numels, small_options(dir));
   EXPECT_THROW(r.step(a.p(), a.g(), hyper), std::logic_error);  // neither initialized nor loaded
   r.load(ck);
@@ -975,7 +997,7 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
     EXPECT_THROW(truncated.load(path), std::invalid_argument);
   }
   EXPECT_EQ(std::filesystem::file_size(ck), size);
-  EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
+  EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
   // A folder that is not there: the save says so by the checkpoint's name.
   const std::string nowhere = (dir.path / "missing" / "ck").string();
   try {
@@ -984,57 +1006,67 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   } catch (const std::system_error& e) {
     EXPECT_EQ(e.code().value(), ENOENT);
     EXPECT_NE(std::string(e.what()).find("cannot save checkpoint " + nowhere + ": cannot create its temporary file " +
-                                         nowhere + ".tmp"),
+                                         nowhere + ".tensormem-tmp."),
               std::string::npos)
         << e.what();
   }
 
-  // The temporary file is the save's own: a symbolic link there (to a user's file, to
-  // /dev/full), a pipe or a folder is refused before anything is opened or written, and stays;
-  // the previous checkpoint keeps its bytes. Through a link, the save overwrote the user's
-  // file with the checkpoint and renamed the link onto ck.
-  std::vector<char> before = file_bytes(ck);
+  // Nothing beside the checkpoint is opened or changed: the save makes its temporary file
+  // under a name no file has (O_EXCL). The next names it would try hold a symbolic link to a
+  // user's file, a link to /dev/full, a pipe, a folder, a user's file and (where root may
+  // make one) a node of the null device: the save passes over them, each stays as it was,
+  // and the checkpoint is whole. A file at `ck.tmp` is a user's like any other.
   const std::string notes = (dir.path / "notes").string();
-  std::ofstream(notes) << "a user's own bytes";
-  const auto refused_beside = [&](const std::string& what, int error) {
-    const swap::testing::hang_guard guard("saving a checkpoint beside " + what, std::chrono::seconds(20));
-    try {
-      o.save(ck);
-      ADD_FAILURE() << "saved beside " << what;
-    } catch (const std::system_error& e) {
-      EXPECT_EQ(e.code().value(), error) << e.what();
-      EXPECT_NE(std::string(e.what()).find("cannot save checkpoint " + ck + ": " + ck + ".tmp is " + what +
-                                           "; a save writes its temporary file there itself, and nothing was written"),
-                std::string::npos)
-          << e.what();
-    }
-    EXPECT_EQ(file_bytes(ck), before);
-  };
-  for (const std::string& target : {notes, std::string("/dev/full")}) {
-    std::filesystem::create_symlink(target, ck + ".tmp");
-    refused_beside("a symbolic link", EINVAL);
-    EXPECT_TRUE(std::filesystem::is_symlink(ck + ".tmp"));
-    std::filesystem::remove(ck + ".tmp");
+  const std::string users = "a user's own bytes";
+  std::ofstream(notes) << users;
+  std::ofstream(ck + ".tmp") << users;
+  auto names = next_temporary_names(ck, 6);
+  std::filesystem::create_symlink(notes, names[0]);
+  std::filesystem::create_symlink("/dev/full", names[1]);
+  ASSERT_EQ(mkfifo(names[2].c_str(), 0600), 0);
+  std::filesystem::create_directory(names[3]);
+  std::ofstream(names[4]) << users;
+  const bool node = mknod(names[5].c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0;
+  {
+    const swap::testing::hang_guard guard("saving a checkpoint beside a pipe", std::chrono::seconds(20));
+    o.save(ck, "past six names");
   }
-  EXPECT_EQ(file_bytes(notes), (std::vector<char>{'a', ' ', 'u', 's', 'e', 'r', '\'', 's', ' ', 'o', 'w', 'n', ' ',
-                                                  'b', 'y', 't', 'e', 's'}));
+  EXPECT_EQ(file_text(notes), users);
+  EXPECT_EQ(file_text(ck + ".tmp"), users);
+  EXPECT_EQ(file_text(names[4]), users);
+  EXPECT_EQ(std::filesystem::read_symlink(names[0]), notes);
+  EXPECT_EQ(std::filesystem::read_symlink(names[1]), "/dev/full");
+  EXPECT_TRUE(std::filesystem::is_fifo(names[2]));  // not opened: no wait for a reader
+  EXPECT_TRUE(std::filesystem::is_directory(names[3]));
+  EXPECT_EQ(std::filesystem::is_character_file(names[5]), node);
   EXPECT_FALSE(std::filesystem::is_symlink(ck));
-  ASSERT_EQ(mkfifo((ck + ".tmp").c_str(), 0600), 0);
-  refused_beside("a pipe", EINVAL);
-  EXPECT_TRUE(std::filesystem::is_fifo(ck + ".tmp"));  // not opened: left as it was
-  std::filesystem::remove(ck + ".tmp");
-  std::filesystem::create_directory(ck + ".tmp");
-  refused_beside("a directory", EISDIR);
-  EXPECT_TRUE(std::filesystem::is_directory(ck + ".tmp"));
-  std::filesystem::remove(ck + ".tmp");
-  // A stale temporary file of an interrupted save is the save's: cut and written over.
-  std::ofstream(ck + ".tmp") << std::string(100000, 'x');
-  o.save(ck);
-  EXPECT_FALSE(std::filesystem::exists(ck + ".tmp"));
   {
     offloaded_optimizer saved(numels, small_options(dir));
-    saved.load(ck);
+    EXPECT_EQ(saved.load(ck), "past six names");
     EXPECT_EQ(all_records(saved), all_records(o));
+  }
+  for (const std::string& name : names) std::filesystem::remove(name);
+  std::filesystem::remove(ck + ".tmp");
+  EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
+  // A hundred names in a row taken: the save gives up (EEXIST) naming the last it tried,
+  // writes nothing, and the checkpoint and the files there keep their bytes.
+  std::vector<char> before = file_bytes(ck);
+  names = next_temporary_names(ck, 100);
+  for (const std::string& name : names) std::ofstream(name) << users;
+  try {
+    o.save(ck);
+    ADD_FAILURE() << "saved with every name taken";
+  } catch (const std::system_error& e) {
+    EXPECT_EQ(e.code().value(), EEXIST) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("cannot save checkpoint " + ck + ": cannot create its temporary file " +
+                                         names.back()),
+              0U)
+        << e.what();
+  }
+  EXPECT_EQ(file_bytes(ck), before);
+  for (const std::string& name : names) {
+    EXPECT_EQ(file_text(name), users) << name;
+    std::filesystem::remove(name);
   }
   before = file_bytes(ck);
   // What the save would replace is a regular file or nothing: a pipe, or a node of the null
@@ -1056,16 +1088,9 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
                 std::string::npos)
           << e.what();
     }
-    EXPECT_FALSE(std::filesystem::exists(target + ".tmp"));
+    EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
     EXPECT_EQ(std::filesystem::is_fifo(target), what == "a pipe");
     EXPECT_EQ(std::filesystem::is_character_file(target), what == "a device");
-  }
-  // That device's node where the temporary file goes: refused, and not the save's to remove.
-  if (not_files.size() == 2) {
-    ASSERT_EQ(mknod((ck + ".tmp").c_str(), S_IFCHR | 0666, makedev(1, 3)), 0);
-    refused_beside("a device", EINVAL);
-    EXPECT_TRUE(std::filesystem::is_character_file(ck + ".tmp"));
-    std::filesystem::remove(ck + ".tmp");
   }
   o.save(ck);  // O_NONBLOCK is not left on the file: a whole checkpoint, loaded back
   offloaded_optimizer reloaded(numels, small_options(dir));
@@ -1075,7 +1100,7 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
   std::filesystem::create_directory(folder);
   std::filesystem::create_directory(folder + "/inside");
   EXPECT_THROW(o.save(folder), std::system_error);
-  EXPECT_FALSE(std::filesystem::exists(folder + ".tmp"));
+  EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
   EXPECT_TRUE(std::filesystem::is_directory(folder + "/inside"));
 }
 
@@ -1114,9 +1139,59 @@ TEST(offload_checkpoint_disk, a_full_disk_fails_the_save_and_keeps_the_previous_
     }
     offloaded_optimizer back(sizes, small_options(dir));
     back.load(ck);
-    return error == ENOSPC && !std::filesystem::exists(ck + ".tmp") && file_bytes(ck) == first &&
+    return error == ENOSPC && swap::testing::temporary_files_in(folder.path).empty() && file_bytes(ck) == first &&
            back.steps() == std::vector<std::uint64_t>(sizes.size(), 0);
   }));
+}
+
+// Two optimizers of other states saving to one path at once (ranks that all save, threads
+// here; processes differ only in the name's pid): every save succeeds, and the file there
+// after each round is one of the two checkpoints whole, never a mix of their bytes.
+TEST_F(offload_checkpoint, saves_to_one_path_at_once_each_leave_a_whole_file) {
+  scratch_dir other_dir;
+  model_params b{numels};
+  offloaded_optimizer other(numels, small_options(other_dir));
+  other.initialize(b.cp());
+  for (int k = 0; k < 3; ++k) other.step(b.p(), b.g(), hyper);
+  const std::vector<float> mine = all_records(o);
+  const std::vector<float> theirs = all_records(other);
+  ASSERT_NE(mine, theirs);
+  std::set<std::string> seen;
+  for (int round = 0; round < 30; ++round) {
+    std::exception_ptr failed[2];
+    swap::testing::gate start;
+    std::thread t([&] {
+      start.pass();
+      try {
+        other.save(ck, "theirs");
+      } catch (...) {
+        failed[1] = std::current_exception();
+      }
+    });
+    start.open();
+    try {
+      o.save(ck, "mine");
+    } catch (...) {
+      failed[0] = std::current_exception();
+    }
+    t.join();
+    for (const std::exception_ptr& e : failed) {
+      if (e) {
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& x) {
+          ADD_FAILURE() << "round " << round << ": " << x.what();
+        }
+      }
+    }
+    offloaded_optimizer back(numels, small_options(dir));
+    const std::string note = back.load(ck);  // whole: the checksum holds
+    ASSERT_TRUE(note == "mine" || note == "theirs") << note;
+    EXPECT_EQ(all_records(back), note == "mine" ? mine : theirs) << "round " << round;
+    seen.insert(note);
+  }
+  EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
+  RecordProperty("last_writers", static_cast<int>(seen.size()));
 }
 
 // The note is kept with the state; any byte changed, cut or added is refused and the loaded

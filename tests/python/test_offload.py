@@ -500,20 +500,23 @@ def test_kill_and_resume_from_a_streamed_checkpoint(tmp_path):
     opt.save_checkpoint(tmp_path / "as_path")
     opt.load_checkpoint(tmp_path / "as_path")
     assert opt.param_groups[0]["lr"] == 1e-3
-    (tmp_path / "blocked.tmp").mkdir()  # where the state is first written
-    with pytest.raises(IsADirectoryError, match="blocked.tmp is a directory"):
-        opt.save_checkpoint(tmp_path / "blocked")
-    assert not (tmp_path / "blocked.json.tmp").exists() and not (tmp_path / "blocked").exists()
-    # A symbolic link where the state is first written is not followed: the save wrote the
-    # checkpoint over the link's target (a user's file) and renamed the link onto the path.
+    # Nothing beside the checkpoint is touched: a folder, or a link to a user's file, at the
+    # name earlier versions wrote first stays, and the save writes a file of its own.
+    (tmp_path / "blocked.tmp").mkdir()
     (tmp_path / "notes.txt").write_text("a user's own bytes")
     (tmp_path / "linked.tmp").symlink_to(tmp_path / "notes.txt")
-    with pytest.raises(OSError, match="linked.tmp is a symbolic link; a save writes its temporary file there "
-                                      "itself, and nothing was written"):
-        opt.save_checkpoint(tmp_path / "linked")
+    opt.save_checkpoint(tmp_path / "blocked")
+    opt.save_checkpoint(tmp_path / "linked")
     assert (tmp_path / "notes.txt").read_text() == "a user's own bytes"
-    assert (tmp_path / "linked.tmp").is_symlink() and not (tmp_path / "linked").exists()
-
+    assert (tmp_path / "linked.tmp").is_symlink() and (tmp_path / "blocked.tmp").is_dir()
+    assert (tmp_path / "blocked").read_bytes() == (tmp_path / "linked").read_bytes()
+    assert not (tmp_path / "linked").is_symlink()
+    opt.load_checkpoint(tmp_path / "linked")
+    # A folder where the checkpoint goes: refused, and the folder stays.
+    with pytest.raises(IsADirectoryError, match="it is a directory"):
+        opt.save_checkpoint(tmp_path / "blocked.tmp")
+    assert (tmp_path / "blocked.tmp").is_dir()
+    assert not [p for p in tmp_path.iterdir() if ".tensormem-tmp." in p.name]
 
 def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
     torch.manual_seed(0)
@@ -554,7 +557,7 @@ def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
     with file_size_limit(len(good) // 2), pytest.raises(OSError) as info:
         opt.save_checkpoint(ck)
     assert info.value.errno == errno.EFBIG and "cannot write checkpoint" in str(info.value)
-    assert not os.path.lexists(tmp_path / "ck.tmp") and ck.read_bytes() == good
+    assert not [p for p in tmp_path.iterdir() if ".tensormem-tmp." in p.name] and ck.read_bytes() == good
 
     # Another grouping of the same parameters: the state loads, the hyperparameters are refused.
     one_group = OffloadedAdamW(model.parameters(), lr=5.0, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)

@@ -60,6 +60,17 @@ struct scratch_dir {
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
 
+/// The temporary files a replacement writes first (`<file>.tensormem-tmp.<pid>.<n>`) left in
+/// `dir`, by name.
+inline std::vector<std::string> temporary_files_in(const std::filesystem::path& dir) {
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.find(".tensormem-tmp.") != std::string::npos) left.push_back(name);
+  }
+  return left;
+}
+
 /// `n` pseudo-random bytes determined by `seed`.
 inline std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {
   std::vector<std::byte> v(n);

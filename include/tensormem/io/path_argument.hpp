@@ -1,6 +1,7 @@
 #pragma once
-// The check every entry point that takes a file or folder path makes before using it, and
-// the folder sync that makes a file renamed into place survive a crash.
+// The check every entry point that takes a file or folder path makes before using it, the
+// temporary file a replacement is first written to, and the folder sync that makes a file
+// renamed into place survive a crash.
 
 #include <string>
 #include <string_view>
@@ -11,6 +12,15 @@ namespace tensormem::io {
 /// path, and a path holding a NUL byte (the system reads a path up to its first NUL, so
 /// "a\0b" would name "a"). Throws std::invalid_argument "<who>: ...".
 void check_path_argument(std::string_view who, std::string_view path);
+
+/// Creates a new file beside `target` (in its folder), for a replacement written before it is
+/// renamed onto `target`: named `<target>.tensormem-tmp.<pid>.<n>` (a short hidden name
+/// `.tensormem-tmp.<pid>.<n>` in the same folder where the target's name leaves no room for the
+/// suffix), opened write-only with O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC and `mode`, so
+/// nothing already there (a user's file, a link, a device, another writer's temporary file) is
+/// opened or changed. Returns the descriptor and sets `temp` to its name, or returns -1 with
+/// errno (EEXIST after a hundred names found taken), `temp` naming the last name tried.
+int create_temporary_beside(const std::string& target, std::string& temp, unsigned mode);
 
 /// Syncs the folder that holds `path` (the current folder when the path names none), so that
 /// a rename into it survives a crash. Throws std::system_error "<who>: cannot sync the

@@ -165,16 +165,19 @@ class offloaded_optimizer {
   /// Streams every record through `edit` and commits the edited state (all or nothing).
   /// `steps` (if not empty) replaces the step counts with it.
   void rewrite(const std::function<void(const group&, float* record)>& edit, std::vector<std::uint64_t> steps = {});
-  /// Writes a checkpoint file of the committed state (written to `path`.tmp, synced and
-  /// renamed, so an interrupted save leaves the previous file; then the folder is synced, so
-  /// that the new file survives a crash, std::system_error naming the folder if it cannot
-  /// be: the new file is in place then). `note` (any bytes: the
-  /// caller's hyperparameters, say) is kept in the same file, so the two are replaced together.
-  /// The file ends with a CRC-32C of all it holds. Never holds more than the pinned budget.
-  /// `path` must be a regular file or nothing, and `path`.tmp the same (a stale one of an
-  /// interrupted save is written over): anything else at either, a symbolic link at
-  /// `path`.tmp included, is std::system_error EINVAL (EISDIR for a folder) before anything
-  /// is written, and stays as it was.
+  /// Writes a checkpoint file of the committed state (written to a new file beside it,
+  /// `path`.tensormem-tmp.<pid>.<n>, synced and renamed onto `path`, so an interrupted save
+  /// leaves the previous file; then the folder is synced, so that the new file survives a
+  /// crash, std::system_error naming the folder if it cannot be: the new file is in place
+  /// then). `note` (any bytes: the caller's hyperparameters, say) is kept in the same file, so
+  /// the two are replaced together. The file ends with a CRC-32C of all it holds. Never holds
+  /// more than the pinned budget. The temporary file is made with O_EXCL under a name no file
+  /// has: nothing beside `path` is opened or changed, and saves to one path from several
+  /// processes at once each write a whole file of their own (the last rename wins). A failed
+  /// save removes its temporary file; a process killed while saving leaves it.
+  /// `path` must be a regular file, a symbolic link (replaced itself, not followed) or
+  /// nothing: anything else there is std::system_error EINVAL (EISDIR for a folder) before
+  /// anything is written, and stays as it was.
   /// For `save` and `load`, an empty path or one holding a NUL byte is std::invalid_argument.
   void save(const std::string& path, std::string_view note = {});
   /// Replaces the state with a checkpoint written by `save` for the same parameters and
