@@ -295,6 +295,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         file has, so nothing else there is touched), synced and renamed: an interrupted save
         leaves the previous checkpoint whole, state and hyperparameters together, and saves to
         one path from several processes at once each leave a whole file (the last one wins).
+        A checkpoint that replaces a file keeps that file's permission bits (a new one is 0600).
         ``path`` may be a str or a path-like object (``pathlib.Path``). Anything but a regular
         file or a symbolic link (replaced, not followed) at ``path`` is refused with ``OSError``
         before anything is written."""

@@ -519,6 +519,12 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   file out(fd);
   try {
     out.path = tmp;
+    // A checkpoint that replaces a regular file keeps its permission bits (a new one is 0600).
+    struct stat old {};
+    if (::lstat(path.c_str(), &old) == 0 && S_ISREG(old.st_mode) && ::fchmod(out.fd, old.st_mode & 0777) != 0) {
+      throw std::system_error(errno, std::generic_category(),
+                              "cannot save checkpoint " + path + ": cannot set the mode of " + tmp);
+    }
     const std::vector<std::uint64_t> words = header_words(*this);
     std::vector<char> head(header_bytes(numels_.size()), 0);
     std::memcpy(head.data(), checkpoint_magic, 8);

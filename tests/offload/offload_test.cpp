@@ -8,6 +8,7 @@
 #include <unistd.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <sys/syscall.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1142,6 +1143,56 @@ TEST(offload_checkpoint_disk, a_full_disk_fails_the_save_and_keeps_the_previous_
     return error == ENOSPC && swap::testing::temporary_files_in(folder.path).empty() && file_bytes(ck) == first &&
            back.steps() == std::vector<std::uint64_t>(sizes.size(), 0);
   }));
+}
+
+// A new checkpoint is its owner's alone (0600); one that replaces a file keeps that file's
+// permission bits, as an editor keeps them; through a link the link itself is replaced.
+TEST_F(offload_checkpoint, a_replaced_checkpoint_keeps_the_mode_of_the_file_it_replaces) {
+  const auto mode = [](const std::string& path) {
+    struct stat st {};
+    EXPECT_EQ(::lstat(path.c_str(), &st), 0) << path;
+    return st.st_mode & 07777;
+  };
+  o.save(ck);
+  EXPECT_EQ(mode(ck), 0600U);
+  for (const mode_t wanted : {0640U, 0444U, 0604U}) {
+    ASSERT_EQ(::chmod(ck.c_str(), wanted), 0);
+    o.save(ck);
+    EXPECT_EQ(mode(ck), wanted);
+  }
+  const std::string link = (dir.path / "latest").string();
+  std::filesystem::create_symlink(ck, link);
+  o.save(link);
+  EXPECT_FALSE(std::filesystem::is_symlink(link));
+  EXPECT_EQ(mode(link), 0600U);
+  EXPECT_EQ(mode(ck), 0604U);
+  offloaded_optimizer back(numels, small_options(dir));
+  back.load(ck);
+  EXPECT_EQ(all_records(back), all_records(o));
+  // The mode cannot be set (fchmod fails, a seccomp filter in a child): the save fails
+  // naming it, removes its temporary file, and the checkpoint keeps its bytes.
+  const std::vector<char> before = file_bytes(ck);
+  const int status = swap::testing::with_failing_syscall(SYS_fchmod, EPERM, [&] {
+    try {
+      offloaded_optimizer child(numels, small_options(dir));  // (an optimizer is its process's own)
+      child.load(ck);
+      try {
+        child.save(ck);
+        return false;
+      } catch (const std::system_error& e) {
+        return e.code().value() == EPERM &&
+               std::string(e.what()).rfind("cannot save checkpoint " + ck + ": cannot set the mode of " + ck +
+                                               ".tensormem-tmp.",
+                                           0) == 0 &&
+               file_bytes(ck) == before && temporary_files_in(dir.path).empty();
+      }
+    } catch (...) {
+      return false;
+    }
+  });
+  if (status == 77) GTEST_SKIP() << "no seccomp filter here";
+  EXPECT_EQ(status, 0);
+  EXPECT_EQ(file_bytes(ck), before);
 }
 
 // Two optimizers of other states saving to one path at once (ranks that all save, threads

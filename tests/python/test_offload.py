@@ -8,6 +8,7 @@ import re
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -527,6 +528,11 @@ def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
     ck = tmp_path / "ck"
     opt.save_checkpoint(ck)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck")) == ["ck"]  # one file
+    # A new checkpoint is its owner's (0600); one saved over it keeps the mode a user gave it.
+    assert stat.S_IMODE(ck.stat().st_mode) == 0o600
+    ck.chmod(0o640)
+    opt.save_checkpoint(ck)
+    assert stat.S_IMODE(ck.stat().st_mode) == 0o640
     fresh = OffloadedAdamW([{"params": model[0].parameters()}, {"params": model[2].parameters()}],
                            lr=5.0, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
     fresh.load_checkpoint(ck)

@@ -174,7 +174,9 @@ class offloaded_optimizer {
   /// more than the pinned budget. The temporary file is made with O_EXCL under a name no file
   /// has: nothing beside `path` is opened or changed, and saves to one path from several
   /// processes at once each write a whole file of their own (the last rename wins). A failed
-  /// save removes its temporary file; a process killed while saving leaves it.
+  /// save removes its temporary file; a process killed while saving leaves it. A new
+  /// checkpoint is readable by its owner only (0600); one that replaces a regular file keeps
+  /// that file's permission bits.
   /// `path` must be a regular file, a symbolic link (replaced itself, not followed) or
   /// nothing: anything else there is std::system_error EINVAL (EISDIR for a folder) before
   /// anything is written, and stays as it was.
