@@ -389,6 +389,9 @@ def _global_rank(dist, group, rank: int) -> int:
     return convert(group, rank)
 
 
+_ZERO_CHECKPOINT_FORMAT = "tensormem ZeroOffloadedOptimizer checkpoint 1"
+
+
 class ZeroOffloadedOptimizer:
     """ZeRO stage 2 at parameter granularity over ``torch.distributed`` (gloo or NCCL): each
     rank owns whole parameters (largest first, to the least-loaded rank), gradients are
@@ -472,12 +475,127 @@ class ZeroOffloadedOptimizer:
         if self.local is not None:
             self.local.restore_parameters()
 
-    def _raise_if_any_failed(self, error: Optional[BaseException], what: str) -> None:
+    def save_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Saves every rank's optimizer as one checkpoint, committed by a small file at ``path``.
+
+        Collective: every rank of the group calls it with the same ``path``, in a folder every
+        rank reaches (a file system shared by the machines). Each rank that owns parameters
+        saves its optimizer (``save_checkpoint``: state and hyperparameters) to
+        ``<path>.<save>.rank<r>``, ``save`` a number drawn for this save and sent to
+        every rank. Once every rank has saved, the group's rank 0 writes ``path`` (JSON: the
+        save's number, the group's size, the owner of every parameter and the files) through a
+        temporary file and a rename: that is the commit. Then it removes the files of the save
+        ``path`` named before. A save that fails on any rank raises on every rank (that rank's
+        own error; on the others ``RuntimeError`` "... could not be saved on N other rank(s)"),
+        removes this save's files, and leaves the previous checkpoint whole and in use."""
+        import secrets
+        import torch.distributed as dist
+        path = os.fspath(path)
+        number = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(number, src=self._global[0], group=self.group)
+        save = f"{number.item():016x}"
+        mine = self._checkpoint_file(path, save, self.rank) if self.local is not None else None
+
+        def remove_mine():
+            if mine is not None:
+                try:
+                    os.unlink(mine)
+                except FileNotFoundError:
+                    pass
+
+        self._on_every_rank("saved", lambda: mine is not None and self.local.save_checkpoint(mine), remove_mine)
+        # The commit: rank 0 replaces the file at `path`; every rank learns whether it could.
+        replaced: List[str] = []
+        error = None
+        if self.rank == 0:
+            try:
+                replaced = list(self._checkpoint_files(path, self._read_manifest(path)).values())
+            except (OSError, ValueError, KeyError, TypeError):
+                replaced = []  # none there, or not one of ours: no files of ours to remove
+            try:
+                manifest = {"format": _ZERO_CHECKPOINT_FORMAT, "save": save, "world": self.world,
+                            "owner": self.owner,
+                            "files": {str(r): os.path.basename(self._checkpoint_file(path, save, r))
+                                      for r in sorted(set(self.owner))}}
+                _tensormem._write_file(path, json.dumps(manifest, indent=1) + "\n")
+            except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
+                error = e
+        self._raise_if_any_failed(error, "committed", remove_mine)
+        for old in replaced:  # the files of the save `path` named before
+            if os.path.basename(old).startswith(os.path.basename(path) + "." + save + "."):
+                continue  # (the same number drawn twice: these are this save's)
+            try:
+                os.unlink(old)
+            except FileNotFoundError:
+                pass
+
+    def load_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Loads a checkpoint written by ``save_checkpoint`` (collective: every rank of the
+        group, the same ``path``). Every rank reads ``path`` and checks, before any rank loads,
+        that it was saved by a group of this size with the same owner for every parameter and
+        that each rank's file is there: otherwise every rank raises (that rank's own error, or
+        ``RuntimeError`` on the others) and nothing is loaded. Then each rank loads its file;
+        a file refused there (damaged: its checksum does not match) raises on every rank, and
+        the ranks whose files loaded keep the loaded state: load a whole checkpoint again
+        before the next step."""
+        path = os.fspath(path)
+        mine: List[str] = []  # this rank's file, once checked
+
+        def check():
+            manifest = self._read_manifest(path)
+            if manifest["world"] != self.world or manifest["owner"] != self.owner:
+                raise ValueError(f"checkpoint {path} was saved by a group of {manifest['world']} rank(s) owning "
+                                 f"the parameters as {manifest['owner']}; this one has {self.world} owning them as "
+                                 f"{self.owner}")
+            if self.local is not None:
+                file = self._checkpoint_files(path, manifest)[self.rank]
+                if not os.path.isfile(file):
+                    raise FileNotFoundError(f"checkpoint {path}: the file of rank {self.rank}, {file}, is missing")
+                mine.append(file)
+
+        self._on_every_rank("loaded", check)
+        self._on_every_rank("loaded", lambda: mine and self.local.load_checkpoint(mine[0]))
+
+    @staticmethod
+    def _checkpoint_file(path: str, save: str, rank: int) -> str:
+        return f"{path}.{save}.rank{rank}"
+
+    @staticmethod
+    def _read_manifest(path: str) -> dict:
+        with open(path) as f:
+            text = f.read()
+        try:
+            manifest = json.loads(text)
+        except ValueError:
+            manifest = None
+        if not isinstance(manifest, dict) or manifest.get("format") != _ZERO_CHECKPOINT_FORMAT:
+            raise ValueError(f"{path} is not a checkpoint of ZeroOffloadedOptimizer.save_checkpoint")
+        return manifest
+
+    @staticmethod
+    def _checkpoint_files(path: str, manifest: dict) -> Dict[int, str]:
+        folder = os.path.dirname(path)
+        return {int(r): os.path.join(folder, name) for r, name in manifest["files"].items()}
+
+    def _on_every_rank(self, what: str, call, cleanup=None) -> None:
+        """Runs ``call()`` here; where it failed on any rank, raises on every rank (see
+        ``_raise_if_any_failed``)."""
+        error = None
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
+            error = e
+        self._raise_if_any_failed(error, what, cleanup)
+
+    def _raise_if_any_failed(self, error: Optional[BaseException], what: str, cleanup=None) -> None:
         """Counts the ranks where ``error`` is set (one all_reduce); re-raises this rank's
-        error, or says on how many other ranks the optimizer could not be ``what``."""
+        error, or says on how many other ranks the optimizer could not be ``what``. Where any
+        rank failed, ``cleanup()`` runs first on every rank."""
         import torch.distributed as dist
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
         dist.all_reduce(failed, group=self.group)
+        if failed.item() and cleanup is not None:
+            cleanup()
         if error is not None:
             raise error
         if failed.item():

@@ -3,6 +3,7 @@
 import copy
 import errno
 import gc
+import json
 import os
 import re
 import resource
@@ -1073,6 +1074,120 @@ def test_a_rank_that_fails_makes_every_rank_fail_not_wait(tmp_path, failure):
     assert outs[0][0].strip() == ("rank 0 RuntimeError: ZeroOffloadedOptimizer: the offloaded optimizer could not be "
                                   f"{verb} on 1 other rank(s) of the group; their errors say why"), outs
     assert outs[1][0].startswith("rank 1 " + ("FileNotFoundError" if failure == "make" else "ValueError")), outs
+
+
+ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, zero_batches
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    rank, store, swap, ck = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = mlp()
+    opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10)
+    batches = iter(zero_batches(8, 2))
+    def train(steps):
+        for _ in range(steps):
+            xs = next(batches)
+            opt.zero_grad()
+            m(xs[rank]).pow(2).mean().backward()
+            opt.step()
+    def state():
+        s = opt.local.state_dict()["state"]
+        return {{(i, k): v.clone() for i, d in s.items() for k, v in d.items() if torch.is_tensor(v)}}
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    def files():
+        dist.barrier()
+        return sorted(f for f in os.listdir(os.path.dirname(ck)) if f.startswith("ck"))
+    def outcome(call):
+        try:
+            call()
+            return "ok"
+        except Exception as e:
+            return type(e).__name__ + ": " + str(e)
+    train(2)
+    opt.save_checkpoint(ck)
+    first, first_files = state(), files()
+    train(2)
+    assert not same(state(), first)
+    opt.load_checkpoint(ck)
+    print("rank", rank, "loaded the first save:", same(state(), first))
+    train(1)
+    opt.save_checkpoint(ck)
+    second, second_files = state(), files()
+    print("rank", rank, "files", len(first_files), len(second_files), "shared", len(set(first_files) & set(second_files)))
+    # A save that fails on rank 1 (its disk full, say): every rank raises, this save's files
+    # are removed, and the second save stays the checkpoint.
+    train(1)
+    if rank == 1:
+        def full(path):
+            open(path, "wb").close()  # a part written, then the failure
+            raise OSError(28, "No space left on device")
+        opt.local.save_checkpoint = full
+    print("rank", rank, "failed save:", outcome(lambda: opt.save_checkpoint(ck)))
+    if rank == 1:
+        del opt.local.save_checkpoint  # the disk has room again
+    print("rank", rank, "files kept:", files() == second_files)
+    opt.load_checkpoint(ck)
+    print("rank", rank, "loaded the second save:", same(state(), second))
+    # Rank 1's file gone: every rank refuses before any rank loads.
+    train(1)
+    before = state()
+    if rank == 0:
+        os.unlink(os.path.join(os.path.dirname(ck), json.load(open(ck))["files"]["1"]))
+    dist.barrier()
+    print("rank", rank, "missing file:", outcome(lambda: opt.load_checkpoint(ck)), same(state(), before))
+    # An optimizer over other parameters (one fewer): refused on every rank by the file at ck.
+    os.makedirs(os.path.join(swap, "other"), exist_ok=True)
+    other = ZeroOffloadedOptimizer(list(m.parameters())[:-1], OffloadedAdamW, swap_dirs=[os.path.join(swap, "other")])
+    print("rank", rank, "other parameters:", outcome(lambda: other.load_checkpoint(ck)))
+    # A file that is not such a checkpoint: refused on every rank.
+    junk = os.path.join(os.path.dirname(ck), "junk")
+    if rank == 0:
+        with open(junk, "w") as f:
+            f.write("{{}}")
+    dist.barrier()
+    print("rank", rank, "junk:", outcome(lambda: opt.load_checkpoint(junk)))
+    # The commit cannot be written (a folder where the file goes): every rank raises, and
+    # this save's files are removed.
+    folder = os.path.join(os.path.dirname(ck), "ck-folder")
+    os.makedirs(folder, exist_ok=True)
+    listed = files()
+    print("rank", rank, "commit:", outcome(lambda: opt.save_checkpoint(folder)), files() == listed)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_zero_checkpoint_is_saved_by_every_rank_and_committed_once(tmp_path):
+    ck = tmp_path / "ck"
+    procs, outs = run_ranks(tmp_path, ZERO_CHECKPOINT_SCRIPT, 2,
+                            lambda r: [str(r), str(tmp_path / "store"), str(tmp_path / "swap"), str(ck)], timeout=180)
+    assert all(p.returncode == 0 for p in procs), outs
+    for r, (out, _) in enumerate(outs):
+        lines = out.splitlines()
+        assert lines[0] == f"rank {r} loaded the first save: True", out
+        # The manifest and one file per rank; the second save's files replaced the first's.
+        assert lines[1] == f"rank {r} files 3 3 shared 1", out
+        failure = ("OSError: [Errno 28] No space left on device" if r == 1 else
+                   "RuntimeError: ZeroOffloadedOptimizer: the offloaded optimizer could not be saved on 1 other "
+                   "rank(s) of the group; their errors say why")
+        assert lines[2] == f"rank {r} failed save: {failure}", out
+        assert lines[3] == f"rank {r} files kept: True", out
+        assert lines[4] == f"rank {r} loaded the second save: True", out
+        assert lines[5].startswith(f"rank {r} missing file: "), out
+        assert lines[5].endswith(" True"), out  # nothing loaded
+        assert ("FileNotFoundError: checkpoint " if r == 1 else "RuntimeError: ") in lines[5], out
+        assert lines[6].startswith(f"rank {r} other parameters: ValueError: checkpoint {ck} was saved by a group of "
+                                   "2 rank(s) owning the parameters as ["), out
+        assert lines[7] == f"rank {r} junk: ValueError: {tmp_path / 'junk'} is not a checkpoint of " \
+                           "ZeroOffloadedOptimizer.save_checkpoint", out
+        commit = ("IsADirectoryError: " if r == 0 else "RuntimeError: ZeroOffloadedOptimizer: the offloaded "
+                  "optimizer could not be committed on 1 other rank(s)")
+        assert lines[8].startswith(f"rank {r} commit: {commit}") and lines[8].endswith(" True"), out
+    manifest = json.loads(ck.read_text())
+    assert manifest["world"] == 2 and sorted(manifest["files"]) == ["0", "1"]
 
 
 def test_the_training_example_matches_in_memory_adamw(tmp_path):
