@@ -971,6 +971,17 @@ ZERO_SCRIPT = textwrap.dedent("""
             with torch.no_grad():
                 p.copy_(k)
         assert os.path.isdir(os.path.join(swap, "rank%d" % rank))
+        # A checkpoint of the group (its rank 0 commits it; in the group of three processes
+        # that is global rank 1), saved and loaded back bit for bit.
+        def state():
+            s = opt.local.state_dict()["state"]
+            return {{(i, k): v.clone() for i, d in s.items() for k, v in d.items() if torch.is_tensor(v)}}
+        saved = state()
+        ck = os.path.join(os.path.dirname(out), "zero-ck")
+        opt.save_checkpoint(ck)
+        opt.load_checkpoint(ck)
+        now = state()
+        assert now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in now)
         if member == 0:
             torch.save(m.state_dict(), out)
             print("broadcasts", len(broadcasts), "of", 4 * sum(p.requires_grad for p in m.parameters()))
