@@ -392,6 +392,13 @@ def _global_rank(dist, group, rank: int) -> int:
 _ZERO_CHECKPOINT_FORMAT = "tensormem ZeroOffloadedOptimizer checkpoint 1"
 
 
+def _remove_if_there(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class ZeroOffloadedOptimizer:
     """ZeRO stage 2 at parameter granularity over ``torch.distributed`` (gloo or NCCL): each
     rank owns whole parameters (largest first, to the least-loaded rank), gradients are
@@ -455,13 +462,7 @@ class ZeroOffloadedOptimizer:
                 p.grad.div_(self.world)
         # A step that fails on its rank (a full disk, a parameter changed there) fails on every
         # rank, before any broadcast that would wait for that rank's values.
-        error = None
-        if self.local is not None:
-            try:
-                self.local.step()
-            except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
-                error = e
-        self._raise_if_any_failed(error, "stepped")
+        self._on_every_rank("stepped", lambda: self.local is not None and self.local.step())
         # Only what was stepped: a parameter no rank had a gradient for kept its value.
         for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()):
             if anywhere:
@@ -498,36 +499,29 @@ class ZeroOffloadedOptimizer:
 
         def remove_mine():
             if mine is not None:
-                try:
-                    os.unlink(mine)
-                except FileNotFoundError:
-                    pass
+                _remove_if_there(mine)
 
         self._on_every_rank("saved", lambda: mine is not None and self.local.save_checkpoint(mine), remove_mine)
         # The commit: rank 0 replaces the file at `path`; every rank learns whether it could.
-        replaced: List[str] = []
-        error = None
-        if self.rank == 0:
+        replaced: List[str] = []  # the files of the save `path` named before
+
+        def commit():
+            if self.rank != 0:
+                return
             try:
-                replaced = list(self._checkpoint_files(path, self._read_manifest(path)).values())
+                replaced.extend(self._checkpoint_files(path, self._read_manifest(path)).values())
             except (OSError, ValueError, KeyError, TypeError):
-                replaced = []  # none there, or not one of ours: no files of ours to remove
-            try:
-                manifest = {"format": _ZERO_CHECKPOINT_FORMAT, "save": save, "world": self.world,
-                            "owner": self.owner,
-                            "files": {str(r): os.path.basename(self._checkpoint_file(path, save, r))
-                                      for r in sorted(set(self.owner))}}
-                _tensormem._write_file(path, json.dumps(manifest, indent=1) + "\n")
-            except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
-                error = e
-        self._raise_if_any_failed(error, "committed", remove_mine)
-        for old in replaced:  # the files of the save `path` named before
-            if os.path.basename(old).startswith(os.path.basename(path) + "." + save + "."):
-                continue  # (the same number drawn twice: these are this save's)
-            try:
-                os.unlink(old)
-            except FileNotFoundError:
-                pass
+                pass  # none there, or not one of ours: no files of ours to remove
+            files = {str(r): os.path.basename(self._checkpoint_file(path, save, r)) for r in sorted(set(self.owner))}
+            manifest = {"format": _ZERO_CHECKPOINT_FORMAT, "save": save, "world": self.world, "owner": self.owner,
+                        "files": files}
+            _tensormem._write_file(path, json.dumps(manifest, indent=1) + "\n")
+
+        self._on_every_rank("committed", commit, remove_mine)
+        new = set(self._checkpoint_file(path, save, r) for r in set(self.owner))
+        for old in replaced:
+            if old not in new:  # (the same number drawn twice: this save's own)
+                _remove_if_there(old)
 
     def load_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
         """Loads a checkpoint written by ``save_checkpoint`` (collective: every rank of the
