@@ -1161,6 +1161,8 @@ ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
             f.write("{{}}")
     dist.barrier()
     print("rank", rank, "junk:", outcome(lambda: opt.load_checkpoint(junk)))
+    print("rank", rank, "nothing there:", outcome(lambda: opt.load_checkpoint(junk + "-missing")),
+          outcome(lambda: opt.save_checkpoint(42)))
     # The commit cannot be written (a folder where the file goes): every rank raises, and
     # this save's files are removed.
     folder = os.path.join(os.path.dirname(ck), "ck-folder")
@@ -1194,9 +1196,12 @@ def test_a_zero_checkpoint_is_saved_by_every_rank_and_committed_once(tmp_path):
                                    "2 rank(s) owning the parameters as ["), out
         assert lines[7] == f"rank {r} junk: ValueError: {tmp_path / 'junk'} is not a checkpoint of " \
                            "ZeroOffloadedOptimizer.save_checkpoint", out
+        assert lines[8].startswith(f"rank {r} nothing there: FileNotFoundError: [Errno 2] No such file or "
+                                   "directory: ") and lines[8].endswith(" TypeError: expected str, bytes or "
+                                                                          "os.PathLike object, not int"), out
         commit = ("IsADirectoryError: " if r == 0 else "RuntimeError: ZeroOffloadedOptimizer: the offloaded "
                   "optimizer could not be committed on 1 other rank(s)")
-        assert lines[8].startswith(f"rank {r} commit: {commit}") and lines[8].endswith(" True"), out
+        assert lines[9].startswith(f"rank {r} commit: {commit}") and lines[9].endswith(" True"), out
     manifest = json.loads(ck.read_text())
     assert manifest["world"] == 2 and sorted(manifest["files"]) == ["0", "1"]
 
