@@ -78,12 +78,12 @@ def torch_arithmetic(version: Optional[str] = None) -> str:
 class _OffloadedOptimizer(torch.optim.Optimizer):
     _kind = "adamw"
 
-    def __init__(self, params, defaults, *, swap_dirs: Sequence[str], pinned_budget: int = 256 << 20,
+    def __init__(self, params, defaults, *, swap_dirs: Sequence[Union[str, bytes, "os.PathLike"]], pinned_budget: int = 256 << 20,
                  group_bytes: int = 32 << 20, offload_master: bool = True, rank: Optional[int] = None,
                  stripe_bytes: int = 8 << 20, capacity_bytes: Optional[Sequence[int]] = None,
                  engine: str = "uring", rings: int = 1, simd: str = "auto", progress: bool = False,
                  arithmetic: str = "auto", allow_unlocked: bool = False):
-        if isinstance(swap_dirs, (str, os.PathLike)):
+        if isinstance(swap_dirs, (str, bytes, os.PathLike)):
             swap_dirs = [swap_dirs]
         if not swap_dirs:
             raise ValueError("swap_dirs: give at least one folder")
@@ -102,7 +102,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         self._core = _tensormem.OffloadedOptimizer(
             [p.numel() for p in self._params], kind=self._kind, offload_master=offload_master,
             group_bytes=operator.index(group_bytes), pinned_budget=operator.index(pinned_budget),
-            swap_dirs=[os.fspath(d) for d in swap_dirs], rank=self.rank, stripe_bytes=operator.index(stripe_bytes),
+            swap_dirs=[os.fsdecode(d) for d in swap_dirs], rank=self.rank, stripe_bytes=operator.index(stripe_bytes),
             capacity_bytes=list(capacity_bytes or []), engine=engine, rings=rings,
             name=f"{self._kind}-{os.getpid()}-{next(_names)}", simd=simd, arithmetic=self.arithmetic,
             allow_unlocked=allow_unlocked)
@@ -288,7 +288,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         for g, saved in zip(self.param_groups, groups_in):
             g.update({k: v for k, v in saved.items() if k != "params"})
 
-    def save_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
+    def save_checkpoint(self, path: Union[str, bytes, "os.PathLike"]) -> None:
         """Streams the committed state and the hyperparameters (``param_groups`` without the
         tensors) to one file at ``path``, never holding more than the pinned budget. The file is
         written to a new file beside it (``path``.tensormem-tmp.<pid>.<n>, made under a name no
@@ -299,15 +299,15 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         ``path`` may be a str or a path-like object (``pathlib.Path``). Anything but a regular
         file or a symbolic link (replaced, not followed) at ``path`` is refused with ``OSError``
         before anything is written."""
-        path = os.fspath(path)
+        path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._core.save(path, json.dumps({"param_groups": groups}).encode())
 
-    def load_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
+    def load_checkpoint(self, path: Union[str, bytes, "os.PathLike"]) -> None:
         """Restores a checkpoint written by ``save_checkpoint`` for the same parameters and
         options: a file of other parameters, a truncated file or one whose checksum does not
         match is refused (``RuntimeError``) and the state stays as it was."""
-        path = os.fspath(path)
+        path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         note = self._core.load(path)
         if note:
             groups = json.loads(note)["param_groups"]
@@ -476,7 +476,7 @@ class ZeroOffloadedOptimizer:
         if self.local is not None:
             self.local.restore_parameters()
 
-    def save_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
+    def save_checkpoint(self, path: Union[str, bytes, "os.PathLike"]) -> None:
         """Saves every rank's optimizer as one checkpoint, committed by a small file at ``path``.
 
         Collective: every rank of the group calls it with the same ``path``, in a folder every
@@ -491,7 +491,7 @@ class ZeroOffloadedOptimizer:
         removes this save's files, and leaves the previous checkpoint whole and in use."""
         import secrets
         import torch.distributed as dist
-        path = os.fspath(path)
+        path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         number = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         dist.broadcast(number, src=self._global[0], group=self.group)
         save = f"{number.item():016x}"
@@ -523,7 +523,7 @@ class ZeroOffloadedOptimizer:
             if old not in new:  # (the same number drawn twice: this save's own)
                 _remove_if_there(old)
 
-    def load_checkpoint(self, path: Union[str, "os.PathLike[str]"]) -> None:
+    def load_checkpoint(self, path: Union[str, bytes, "os.PathLike"]) -> None:
         """Loads a checkpoint written by ``save_checkpoint`` (collective: every rank of the
         group, the same ``path``). Every rank reads ``path`` and checks, before any rank loads,
         that it was saved by a group of this size with the same owner for every parameter and
@@ -532,7 +532,7 @@ class ZeroOffloadedOptimizer:
         a file refused there (damaged: its checksum does not match) raises on every rank, and
         the ranks whose files loaded keep the loaded state: load a whole checkpoint again
         before the next step."""
-        path = os.fspath(path)
+        path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         mine: List[str] = []  # this rank's file, once checked
 
         def check():

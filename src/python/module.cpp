@@ -42,6 +42,7 @@
 #include "tensormem/trace/plan_svg.hpp"
 #include "tensormem/trace/trace_io.hpp"
 #include "engine_name.hpp"
+#include "file_name.hpp"
 #include "numpy_abi.hpp"
 #include "signals.hpp"
 #include "whole_number.hpp"
@@ -54,6 +55,10 @@ using python::u64;  // sizes, offsets, alignments, ids: ValueError outside 0..2^
 using python::whole;
 using python::engine_kinds;  // "uring", "threads": what an `engine` argument names
 using python::engine_of;
+using python::file_name;  // str, bytes or os.PathLike: the bytes os.fsencode gives
+using python::message_text;
+using python::python_file_name;
+using python::set_python_error;
 using python::signal_check_interval;
 using python::wait_answering_signals;
 
@@ -341,8 +346,9 @@ class py_swapper {
     }
     held_.clear();  // GIL held again: the views can be released
   }
-  std::uint64_t start(const std::vector<py::object>& tensors, const std::vector<std::string>& paths,
+  std::uint64_t start(const std::vector<py::object>& tensors, const std::vector<file_name>& names,
                       const std::vector<std::string>& keys, bool out) {
+    const std::vector<std::string> paths = python::name_bytes(names);
     std::vector<held_view> views;
     views.reserve(tensors.size());
     for (const auto& t : tensors) views.push_back(hold(t, !out));
@@ -440,10 +446,10 @@ py::list results_to_python(const std::vector<swap::swap_result>& results) {
   py::list out;
   for (const auto& r : results) {
     py::dict d;
-    d["path"] = r.path;
+    d["path"] = python_file_name(r.path);
     d["bytes"] = r.bytes;
     d["error"] = r.error;
-    d["message"] = r.message;
+    d["message"] = message_text(r.message);
     out.append(d);
   }
   return out;
@@ -681,21 +687,34 @@ PYBIND11_MODULE(_tensormem, m) {
   // A call in a child forked after its object was made (the object's threads stayed behind,
   // or its memory is no longer locked there).
   static PyObject* forked_child = nullptr;  // the class, kept alive by the module
-  forked_child = py::register_exception<io::forked_child_error>(m, "ForkedChildError", PyExc_RuntimeError).ptr();
-  py::register_exception_translator([](std::exception_ptr p) {
+  forked_child = py::register_local_exception<io::forked_child_error>(m, "ForkedChildError", PyExc_RuntimeError).ptr();
+  // Local: the translators of this module's functions only. pybind11 shares its registry of
+  // global translators with every module built like this one (PyTorch's among them), where
+  // the last catch below would take PyTorch's own errors from PyTorch's translator.
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const memory::forked_child_error& e) {
-      PyErr_SetString(forked_child, e.what());
+      set_python_error(forked_child, e.what());
+    } catch (const io::forked_child_error& e) {
+      set_python_error(forked_child, e.what());
     } catch (const memory::out_of_memory& e) {
-      PyErr_SetString(PyExc_MemoryError, e.what());
+      set_python_error(PyExc_MemoryError, e.what());
     } catch (const std::system_error& e) {
-      py::object err = py::module_::import("builtins").attr("OSError")(e.code().value(), e.what());
+      py::object err = py::module_::import("builtins").attr("OSError")(e.code().value(), message_text(e.what()));
       PyErr_SetObject(PyExc_OSError, err.ptr());
     } catch (const std::invalid_argument& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      set_python_error(PyExc_ValueError, e.what());
     } catch (const trace::trace_error& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
+      set_python_error(PyExc_ValueError, e.what());
+    } catch (const py::error_already_set&) {
+      throw;
+    } catch (const py::builtin_exception&) {
+      throw;
+    } catch (const std::exception& e) {
+      // Any other: the Python class pybind11 gives it, with a message that may name a file
+      // whose name is not UTF-8 (pybind11's own translation would raise UnicodeDecodeError).
+      set_python_error(python::python_class_of(e), e.what());
     }
   });
 
@@ -732,7 +751,7 @@ PYBIND11_MODULE(_tensormem, m) {
   for (std::size_t i = 0; i < engine_kinds.size(); ++i) engines[i] = std::string(io::to_string(engine_kinds[i]));
   m.attr("IO_ENGINES") = engines;  // the names an `engine` argument takes
 
-  m.def("read_trace", [](const std::string& path) {
+  m.def("read_trace", [](const file_name& path) {
     python::require_numpy_abi("read_trace");
     // Other threads run meanwhile: a pipe's writer may be one of them.
     const std::vector<core::buffer> b = python::call_resuming_after_signals([&] { return trace::read_trace(path); });
@@ -864,7 +883,7 @@ PYBIND11_MODULE(_tensormem, m) {
      py::arg("batch") = 8, py::arg("vocabulary") = 50257, py::arg("dtype_bytes") = 2,
      "The demo's model: one training step of a GPT-style transformer, as an OperatorGraph.");
 
-  m.def("_write_file", [](const std::string& path, const std::string& text) {
+  m.def("_write_file", [](const file_name& path, const std::string& text) {
     // (A pipe's reader may be another thread.)
     python::call_resuming_after_signals([&] {
       trace::detail::write_file(path, [&](std::ostream& out) { out.write(text.data(), static_cast<std::streamsize>(text.size())); });
@@ -874,9 +893,10 @@ PYBIND11_MODULE(_tensormem, m) {
      "Writes text (UTF-8) to a file as the library writes its traces and pictures: a regular file there is "
      "replaced only once the new text is whole, so a failed write (a full disk) keeps it; OSError otherwise.");
 
-  m.def("write_plan_picture", [](const std::string& path, const py::handle& lower, const py::handle& upper,
+  m.def("write_plan_picture", [](const file_name& name, const py::handle& lower, const py::handle& upper,
                                  const py::handle& size, const py::handle& offsets, u64 arena_bytes,
                                  u64 lower_bound, const std::string& title, const py::object& ids) {
+    const std::string& path = name;
     auto buffers = buffers_from(lower, upper, size);
     if (!ids.is_none()) {
       const auto names = ids.cast<std::vector<std::string>>();
@@ -1051,7 +1071,7 @@ PYBIND11_MODULE(_tensormem, m) {
            "staging_buffers: where the pool may lock fewer (RLIMIT_MEMLOCK, no unlocked fallback), the "
            "swapper keeps those it got, two or more; stats()['staging_buffers'] and ['fallback'] say so.")
       .def("swap_out", [](py_swapper& s, const std::vector<py::object>& tensors,
-                          const std::vector<std::string>& paths, const std::vector<std::string>& keys) {
+                          const std::vector<file_name>& paths, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, true);
            }, py::arg("tensors"), py::arg("paths"), py::arg("keys") = std::vector<std::string>{},
            "Queues the writes; returns a ticket. tensors: contiguous buffers (numpy arrays...) or CPU "
@@ -1061,7 +1081,7 @@ PYBIND11_MODULE(_tensormem, m) {
            "raises RuntimeError (where tensormem.torch.size_hold_problem() is empty; else it is warned once, "
            "and must not be done). None may change before it. keys: the identity recorded per file (default: "
            "the path).")
-      .def("swap_in", [](py_swapper& s, const std::vector<std::string>& paths,
+      .def("swap_in", [](py_swapper& s, const std::vector<file_name>& paths,
                          const std::vector<py::object>& tensors, const std::vector<std::string>& keys) {
              return s.start(tensors, paths, keys, false);
            }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<std::string>{})
@@ -1078,7 +1098,7 @@ PYBIND11_MODULE(_tensormem, m) {
            }, py::arg("ticket"),
            "True until the ticket is collected by wait() or synchronize(), from any thread; after "
            "that its buffers are no longer held.")
-      .def("discard", [](py_swapper& s, const std::string& path) {
+      .def("discard", [](py_swapper& s, const file_name& path) {
              py::gil_scoped_release release;
              s.get().discard(path);
            }, py::arg("path"), "Frees a packed tensor's slot and deletes the path's files.")
@@ -1124,12 +1144,12 @@ PYBIND11_MODULE(_tensormem, m) {
            }),
            py::arg("block_bytes") = std::size_t{1} << 20, py::arg("queue_depth") = 128, py::arg("rings") = 1,
            py::arg("engine") = "uring", py::arg("direct") = true)
-      .def("read", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const std::string& path,
+      .def("read", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const file_name& path,
                       u64 offset, bool validate) {
              py::gil_scoped_release release;
              return io.read(reinterpret_cast<void*>(address), bytes, path, offset, validate);
            }, "Queues a read; returns its ticket (named by a failure that wait() reports).", py::arg("address"), py::arg("bytes"), py::arg("path"), py::arg("offset") = 0, py::arg("validate") = false)
-      .def("write", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const std::string& path,
+      .def("write", [](io::async_file_io& io, std::uintptr_t address, whole<std::size_t> bytes, const file_name& path,
                        u64 offset, bool validate) {
              py::gil_scoped_release release;
              return io.write(reinterpret_cast<const void*>(address), bytes, path, offset, validate);
@@ -1141,7 +1161,7 @@ PYBIND11_MODULE(_tensormem, m) {
                return r.has_value();
              });
              py::list errors;
-             for (const io::file_io_error& e : r->errors) errors.append(py::make_tuple(e.path, e.error, e.message, e.ticket));
+             for (const io::file_io_error& e : r->errors) errors.append(py::make_tuple(python_file_name(e.path), e.error, message_text(e.message), e.ticket));
              return py::make_tuple(r->completed, errors);
            }, "Waits for every queued operation: (completed, [(path, errno, message, ticket) per failure]). "
               "Ctrl-C raises KeyboardInterrupt and collects nothing: the operations go on, their buffers "

@@ -17,6 +17,7 @@
 #include "tensormem/io/io_engine.hpp"
 #include "tensormem/offload/offloaded_optimizer.hpp"
 #include "engine_name.hpp"
+#include "file_name.hpp"
 #include "numpy_abi.hpp"
 #include "signals.hpp"
 #include "whole_number.hpp"
@@ -27,6 +28,7 @@ using namespace tensormem;
 using python::u64;
 using python::whole;
 using python::engine_of;
+using python::file_name;
 
 namespace {
 
@@ -144,13 +146,13 @@ void call_with_record(const py::function& f, const offload::offloaded_optimizer&
 
 void bind_offload(py::module_& m) {
   static py::exception<offload::offload_error> offload_error_type(m, "OffloadError", PyExc_OSError);
-  py::register_exception_translator([](std::exception_ptr p) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const offload::offload_error& e) {
       py::object type = py::reinterpret_borrow<py::object>(offload_error_type.ptr());
-      py::object err = type(e.error(), e.what(), e.path().empty() ? py::object(py::none())
-                                                                  : py::object(py::str(e.path())));
+      py::object err = type(e.error(), python::message_text(e.what()),
+                            e.path().empty() ? py::object(py::none()) : py::object(python::python_file_name(e.path())));
       err.attr("tensor") = e.tensor();
       // A step that could not be undone: the parameters that may hold its values.
       const auto* not_undone = dynamic_cast<const offload::step_not_undone*>(&e);
@@ -183,7 +185,7 @@ void bind_offload(py::module_& m) {
   py::class_<offload::offloaded_optimizer>(m, "OffloadedOptimizer",
                                            "Optimizer state in a striped swap space (see tensormem.offload).")
       .def(py::init([](std::vector<std::uint64_t> numels, const std::string& kind, bool offload_master,
-                       u64 group_bytes, u64 pinned_budget, std::vector<std::string> swap_dirs,
+                       u64 group_bytes, u64 pinned_budget, const std::vector<file_name>& swap_dirs,
                        whole<unsigned> rank, whole<std::size_t> stripe_bytes, const std::vector<u64>& capacity_bytes,
                        const std::string& engine, whole<unsigned> rings, whole<std::size_t> block_bytes,
                        const std::string& name, const std::string& simd, const std::string& arithmetic,
@@ -194,7 +196,7 @@ void bind_offload(py::module_& m) {
              o.offload_master = offload_master;
              o.group_bytes = group_bytes;
              o.pipeline.pinned_budget = pinned_budget;
-             o.swap.folders = std::move(swap_dirs);
+             o.swap.folders = python::name_bytes(swap_dirs);
              o.swap.rank = rank;
              o.swap.stripe_bytes = stripe_bytes;
              o.swap.capacity_bytes.assign(capacity_bytes.begin(), capacity_bytes.end());
@@ -208,7 +210,7 @@ void bind_offload(py::module_& m) {
            }),
            py::arg("numels"), py::arg("kind") = "adamw", py::arg("offload_master") = true,
            py::arg("group_bytes") = std::uint64_t{32} << 20, py::arg("pinned_budget") = std::uint64_t{256} << 20,
-           py::arg("swap_dirs") = std::vector<std::string>{}, py::arg("rank") = 0,
+           py::arg("swap_dirs") = std::vector<file_name>{}, py::arg("rank") = 0,
            py::arg("stripe_bytes") = std::size_t{8} << 20, py::arg("capacity_bytes") = std::vector<std::uint64_t>{},
            py::arg("engine") = "uring", py::arg("rings") = 1, py::arg("block_bytes") = std::size_t{1} << 20,
            py::arg("name") = "", py::arg("simd") = "auto", py::arg("arithmetic") = "torch1",
@@ -341,13 +343,13 @@ void bind_offload(py::module_& m) {
            "Like visit, with a writable record: what the callback leaves in it when it returns is written "
            "(with copy=True, later changes to the array change nothing); the edited state is committed when "
            "every record is written.")
-      .def("save", [](offload::offloaded_optimizer& o, const std::string& path, const py::bytes& note) {
+      .def("save", [](offload::offloaded_optimizer& o, const file_name& path, const py::bytes& note) {
              const std::string bytes = note;
              py::gil_scoped_release release;
              o.save(path, bytes);
            }, py::arg("path"), py::arg("note") = py::bytes(),
            "Writes the committed state and `note` (kept with it, checksummed) to `path`.")
-      .def("load", [](offload::offloaded_optimizer& o, const std::string& path) {
+      .def("load", [](offload::offloaded_optimizer& o, const file_name& path) {
              std::string note;
              {
                py::gil_scoped_release release;
@@ -374,10 +376,10 @@ void bind_offload(py::module_& m) {
         return d;
       })
       .def("paths", [](offload::offloaded_optimizer& o) {
-        std::vector<std::string> out;
+        std::vector<file_name> out;
         for (const auto& g : o.groups()) {
           for (unsigned slot = 0; slot < 2; ++slot) {
-            for (std::size_t f = 0; f < o.options().swap.folders.size(); ++f) out.push_back(o.space().path(g.tensor, slot, f));
+            for (std::size_t f = 0; f < o.options().swap.folders.size(); ++f) out.push_back({o.space().path(g.tensor, slot, f)});
           }
         }
         return out;

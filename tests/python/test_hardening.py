@@ -801,6 +801,65 @@ def test_paths_with_a_nul_byte_or_empty_are_value_errors_and_touch_no_file(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
 
 
+def test_file_names_may_be_bytes_that_are_not_utf8_or_path_like_and_come_back_as_os_fsdecode_makes_them(tmp_path):
+    """A Linux file name is bytes. Every entry point takes str (names from os.listdir, whose
+    undecodable bytes are lone surrogates), bytes and os.PathLike; names come back as
+    os.fsdecode makes them, and a message naming such a file says \\xNN instead of failing."""
+    import pathlib
+    import tensormem.deepspeed as ds
+
+    folder = os.fsencode(tmp_path)
+    raw = folder + b"/t\xff\xfe"  # not UTF-8
+    name = os.fsdecode(raw)       # '...t\udcff\udcfe', as os.listdir(str) gives it
+    swapper = tensormem.TensorSwapper(tensormem.PinnedPool(slab_bytes=8 << 20), staging_buffers=2)
+    data = np.arange(4096, dtype=np.float32)
+    for given in (raw, name, pathlib.Path(name)):
+        result = swapper.wait(swapper.swap_out([data], [given]))
+        assert result == [{"path": name, "bytes": data.nbytes, "error": 0, "message": ""}]
+        back = np.zeros_like(data)
+        assert swapper.wait(swapper.swap_in([given], [back]))[0]["error"] == 0
+        assert np.array_equal(back, data)
+    assert os.path.exists(raw)
+    swapper.discard(pathlib.Path(name))
+    assert not os.path.exists(raw)
+    # A failure names the file: the result's path opens it again, its message says \xff.
+    missing = folder + b"/no\xff/t"
+    failed = swapper.wait(swapper.swap_out([data], [missing]))[0]
+    assert failed["error"] == errno.ENOENT and failed["path"] == os.fsdecode(missing)
+    assert "no\\xff/t" in failed["message"]
+
+    # Traces and pictures.
+    trace = folder + b"/tr\xff.csv"
+    with open(trace, "w") as f:
+        f.write("id,lower,upper,size\na,0,2,8\nb,1,3,8\n")
+    for given in (trace, os.fsdecode(trace), pathlib.Path(os.fsdecode(trace))):
+        assert list(tensormem.read_trace(given)["id"]) == ["a", "b"]
+    with pytest.raises(FileNotFoundError, match=re.escape("no\\xff.csv")):
+        tensormem.read_trace(folder + b"/no\xff.csv")
+    with open(trace, "a") as f:
+        f.write("c,0,1,x\n")
+    with pytest.raises(ValueError, match=re.escape("tr\\xff.csv:4:")):
+        tensormem.read_trace(trace)
+    one = np.zeros(1, dtype=np.uint64)
+    picture = pathlib.Path(os.fsdecode(folder + b"/p\xff.svg"))
+    assert tensormem.write_plan_picture(picture, one, one + 2, one + 8, one, 8, 8) == ""
+    assert os.path.getsize(os.fsencode(picture)) > 0
+
+    # DeepSpeed's handle: a write and its failure, named the same way.
+    handle = ds.aio_handle()
+    assert handle.sync_pwrite(torch.arange(1024.0), folder + b"/h\xff") == 1
+    got = torch.zeros(1024)
+    assert handle.sync_pread(got, pathlib.Path(os.fsdecode(folder + b"/h\xff"))) == 1
+    assert torch.equal(got, torch.arange(1024.0))
+    with pytest.raises(FileNotFoundError, match=re.escape("h\\xffmissing for reading")):
+        handle.sync_pread(got, folder + b"/h\xffmissing")
+    # Names that no bytes stand for (a lone surrogate of a code point below 128) are refused.
+    with pytest.raises(UnicodeEncodeError):
+        swapper.swap_out([data], [name[:-1] + "\udc41"])
+    with pytest.raises(TypeError):
+        tensormem.read_trace(42)
+
+
 def test_aio_handle_sizes_and_offsets_are_whole_numbers(tmp_path):
     """DeepSpeed's handle takes integers: a float offset is a TypeError there, and was read
     here as the offset truncated (bytes from the wrong place)."""
@@ -1628,3 +1687,4 @@ def test_plan_without_a_thread_to_start_plans_on_the_calling_thread(tmp_path):
     if int(cpus) > 1:  # the planner asks for helper threads only where there are cores for them
         assert "a planner thread could not be started: Resource temporarily unavailable; planned on the " \
                "calling thread alone" in fallback, fallback
+

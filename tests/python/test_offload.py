@@ -585,6 +585,43 @@ def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
     assert all(torch.equal(now[k], v) for k, v in state.items())
 
 
+def test_swap_folders_and_checkpoints_may_be_named_by_bytes_that_are_not_utf8(tmp_path):
+    import pathlib
+    torch.manual_seed(0)
+    model = mlp()
+    folder = os.fsencode(tmp_path) + b"/swap\xff"
+    os.mkdir(folder)
+    opt = OffloadedAdamW(model.parameters(), lr=1e-3, swap_dirs=folder, group_bytes=16 << 10)
+    run_steps(model, opt, 0, 2)
+    paths = opt._core.paths()  # as os.fsdecode gives them: they open the swap files
+    assert paths and all(p.startswith(os.fsdecode(folder) + "/") for p in paths)
+    assert any(os.path.exists(p) for p in paths)
+    ck = folder + b"/ck\xfe"
+    opt.save_checkpoint(ck)
+    state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items() if torch.is_tensor(v)}
+    fresh = OffloadedAdamW(model.parameters(), lr=1e-3, swap_dirs=[pathlib.Path(os.fsdecode(folder))],
+                           group_bytes=16 << 10)
+    fresh.load_checkpoint(os.fsdecode(ck))
+    now = fresh.state_dict()["state"][0]
+    assert all(torch.equal(now[k], v) for k, v in state.items())
+    # A damaged one: the message names the file, its bytes written \xNN.
+    damaged = bytearray(open(ck, "rb").read())
+    damaged[5000] ^= 1
+    with open(folder + b"/bad\xff", "wb") as f:
+        f.write(bytes(damaged))
+    with pytest.raises(RuntimeError, match=re.escape("swap\\xff/bad\\xff is damaged")):
+        fresh.load_checkpoint(folder + b"/bad\xff")
+    # OffloadError.filename names the file as os.fsdecode does: it opens it.
+    from tensormem import _tensormem
+    values = torch.zeros(8)
+    first = _tensormem.OffloadedOptimizer([8], swap_dirs=[folder], name="same")
+    first.initialize([values.data_ptr()])
+    with pytest.raises(OffloadError) as e:
+        _tensormem.OffloadedOptimizer([8], swap_dirs=[folder], name="same").initialize([values.data_ptr()])
+    assert e.value.errno == errno.EEXIST and e.value.filename == os.fsdecode(folder) + "/rank0/same.group0.g0"
+    assert os.path.isfile(e.value.filename) and "swap\\xff/rank0/same.group0.g0 already exists" in str(e.value)
+
+
 FULL_SCRIPT = textwrap.dedent("""
     import copy, errno, os, sys, torch
     sys.path.insert(0, {here!r})
@@ -1169,6 +1206,16 @@ ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
     os.makedirs(folder, exist_ok=True)
     listed = files()
     print("rank", rank, "commit:", outcome(lambda: opt.save_checkpoint(folder)), files() == listed)
+    # A path given as bytes that are not UTF-8: the rank files beside it, loaded back by the
+    # same name as os.fsdecode gives it.
+    raw = os.fsencode(os.path.dirname(ck)) + b"/ck\\xff"
+    opt.save_checkpoint(raw)
+    saved = state()
+    train(1)
+    opt.load_checkpoint(os.fsdecode(raw))
+    dist.barrier()
+    beside = sorted(f for f in os.listdir(os.fsencode(os.path.dirname(ck))) if f.startswith(b"ck\\xff"))
+    print("rank", rank, "bytes path:", same(state(), saved), len(beside))
     dist.destroy_process_group()
 """)
 
@@ -1202,6 +1249,7 @@ def test_a_zero_checkpoint_is_saved_by_every_rank_and_committed_once(tmp_path):
         commit = ("IsADirectoryError: " if r == 0 else "RuntimeError: ZeroOffloadedOptimizer: the offloaded "
                   "optimizer could not be committed on 1 other rank(s)")
         assert lines[9].startswith(f"rank {r} commit: {commit}") and lines[9].endswith(" True"), out
+        assert lines[10] == f"rank {r} bytes path: True 3", out  # the manifest and a file per rank
     manifest = json.loads(ck.read_text())
     assert manifest["world"] == 2 and sorted(manifest["files"]) == ["0", "1"]
 

@@ -78,7 +78,7 @@ void run_arena(const arena_cli_options& o, bool alignment_given, bool capacity_g
     j["bytes_moved"] = s.bytes_moved;
     j["verified"] = r.verified ? nlohmann::json(*r.verified) : nlohmann::json(nullptr);
     j["map"] = map;
-    std::cout << j.dump() << '\n';
+    std::cout << json_text(j) << '\n';
     fail_if_needed(r);
     return;
   }

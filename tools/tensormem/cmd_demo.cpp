@@ -342,7 +342,7 @@ void run_demo(const demo_options& o) {
                              {"ns_per_op", r.ns_per_op},
                              {"replays", r.replays}});
     }
-    std::cout << j.dump(2) << '\n';
+    std::cout << json_text(j, 2) << '\n';
     throw_if_failed(swapped);
     return;
   }

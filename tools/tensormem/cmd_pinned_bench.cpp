@@ -43,7 +43,7 @@ void add_pinned_bench_command(CLI::App& app) {
       j["locked_bytes_after_release"] = r.locked_bytes_after_release;
       j["pool_system_calls"] = r.pool_system_calls;
       j["mlock_system_calls"] = r.mlock_system_calls;
-      std::cout << j.dump() << '\n';
+      std::cout << json_text(j) << '\n';
       return;
     }
     std::cout << fmt::format("pinned pool           {:>12.1f} ns per allocate/free pair ({} system calls)\n",

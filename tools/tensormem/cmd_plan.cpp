@@ -130,7 +130,7 @@ void run_plan(plan_cli_options o) {
     j["heap_huge_pages"] = huge_pages_status();
     j["stopped"] = stopped_by != 0;
     j["fallback"] = r.fallback;
-    std::cout << j.dump() << '\n';
+    std::cout << json_text(j) << '\n';
     stop_if_signalled(stopped_by, r);
     return;
   }

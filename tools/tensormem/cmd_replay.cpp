@@ -49,7 +49,7 @@ void run_replay(const replay_options& o) {
     j["ratio"] = ratio_of(r.high_water, lb);
     j["ns_per_op"] = t.ns_per_op;
     j["replays"] = t.replays;
-    std::cout << j.dump() << '\n';
+    std::cout << json_text(j) << '\n';
     return;
   }
   std::cout << fmt::format("trace        {}\n", o.trace)

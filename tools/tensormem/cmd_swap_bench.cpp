@@ -291,7 +291,7 @@ void run_swap_bench(const swap_bench_options& o) {
     j["pack_below"] = o.pack_below;
     j["pack_file_bytes"] = s.pack_file_bytes;
     j["unlocked_slabs"] = unlocked_slabs;
-    std::cout << j.dump() << '\n';
+    std::cout << json_text(j) << '\n';
     return;
   }
   std::cout << fmt::format("swap-bench: {} tensors of {} in {}, {} requests, queue depth {}\n", count,

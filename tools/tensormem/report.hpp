@@ -6,7 +6,15 @@
 #include <cstdint>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 namespace tensormem::cli {
+
+/// `j` as one JSON text. JSON is UTF-8: in a string that is not (a file name can be any
+/// bytes), each byte that is not UTF-8 becomes U+FFFD instead of the output being lost.
+inline std::string json_text(const nlohmann::json& j, int indent = -1) {
+  return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
 
 /// "1.41 GiB", "12.0 MiB", "512 B".
 std::string human_bytes(std::uint64_t bytes);
