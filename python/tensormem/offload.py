@@ -307,22 +307,39 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         """Restores a checkpoint written by ``save_checkpoint`` for the same parameters and
         options: a file of other parameters, a truncated file or one whose checksum does not
         match is refused (``RuntimeError``) and the state stays as it was."""
-        path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
-        note = self._core.load(path)
-        if note:
-            groups = json.loads(note)["param_groups"]
-        else:  # a checkpoint of an earlier version: the hyperparameters were in path.json
-            try:
-                with open(path + ".json") as f:
-                    groups = json.load(f)["param_groups"]
-            except FileNotFoundError:
+        self._stage_checkpoint(os.fsdecode(path))()
+
+    def _stage_checkpoint(self, path: str):
+        """The first half of ``load_checkpoint``: reads and checks the file into the state's
+        generation not in use, and the hyperparameters it holds; the optimizer is unchanged.
+        Returns the second half, which makes them the optimizer's (no I/O). Anything that
+        writes the state in between (a step) leaves nothing to commit (``RuntimeError``);
+        ``self._core.drop_staged_load()`` forgets it."""
+        note = self._core.stage_load(path)
+        try:
+            if note:
+                groups = json.loads(note)["param_groups"]
+            else:  # a checkpoint of an earlier version: the hyperparameters were in path.json
+                try:
+                    with open(path + ".json") as f:
+                        groups = json.load(f)["param_groups"]
+                except FileNotFoundError:
+                    groups = None
+        except BaseException:
+            self._core.drop_staged_load()
+            raise
+
+        def commit():
+            self._core.commit_load()
+            if groups is None:
                 return
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint {path}: the state was loaded, but it holds the hyperparameters of "
-                             f"{len(groups)} parameter groups and this optimizer has {len(self.param_groups)}; "
-                             "param_groups were left as they were")
-        for g, saved in zip(self.param_groups, groups):
-            g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+            if len(groups) != len(self.param_groups):
+                raise ValueError(f"checkpoint {path}: the state was loaded, but it holds the hyperparameters of "
+                                 f"{len(groups)} parameter groups and this optimizer has {len(self.param_groups)}; "
+                                 "param_groups were left as they were")
+            for g, saved in zip(self.param_groups, groups):
+                g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        return commit
 
 
 def _check_unsupported(**flags):
@@ -525,13 +542,13 @@ class ZeroOffloadedOptimizer:
 
     def load_checkpoint(self, path: Union[str, bytes, "os.PathLike"]) -> None:
         """Loads a checkpoint written by ``save_checkpoint`` (collective: every rank of the
-        group, the same ``path``). Every rank reads ``path`` and checks, before any rank loads,
-        that it was saved by a group of this size with the same owner for every parameter and
-        that each rank's file is there: otherwise every rank raises (that rank's own error, or
-        ``RuntimeError`` on the others) and nothing is loaded. Then each rank loads its file;
-        a file refused there (damaged: its checksum does not match) raises on every rank, and
-        the ranks whose files loaded keep the loaded state: load a whole checkpoint again
-        before the next step."""
+        group, the same ``path``), on every rank or on none. Every rank reads ``path`` and
+        checks that it was saved by a group of this size with the same owner for every
+        parameter and that each rank's file is there; then each rank reads and checks its file
+        into the generation of its state not in use, its optimizer unchanged. Only once every
+        rank has done so does each make it its state (no I/O). Where any rank fails (a missing
+        or damaged file: its checksum does not match), every rank raises (that rank's own
+        error, or ``RuntimeError`` on the others) and keeps the state it had."""
         path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         mine: List[str] = []  # this rank's file, once checked
 
@@ -548,7 +565,14 @@ class ZeroOffloadedOptimizer:
                 mine.append(file)
 
         self._on_every_rank("loaded", check)
-        self._on_every_rank("loaded", lambda: mine and self.local.load_checkpoint(mine[0]))
+        commits = []  # this rank's second half, once its file is staged
+
+        def drop():
+            if commits:
+                self.local._core.drop_staged_load()
+
+        self._on_every_rank("loaded", lambda: mine and commits.append(self.local._stage_checkpoint(mine[0])), drop)
+        self._on_every_rank("loaded", lambda: commits and commits[0]())
 
     @staticmethod
     def _checkpoint_file(path: str, save: str, rank: int) -> str:

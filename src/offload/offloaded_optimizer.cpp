@@ -238,7 +238,8 @@ void offloaded_optimizer::commit_all(const std::vector<std::size_t>& tensors) {
 namespace {
 template <class Fill>
 void write_every_record(const std::vector<offloaded_optimizer::group>& groups, swap_space& space,
-                        memory::pinned_pool& pool, std::uint64_t largest_bytes, std::uint64_t budget, Fill fill) {
+                        memory::pinned_pool& pool, std::uint64_t largest_bytes, std::uint64_t budget, Fill fill,
+                        bool commit = true) {
   const std::size_t bytes = std::max<std::uint64_t>(largest_bytes, 4096);
   const std::size_t count = static_cast<std::size_t>(std::clamp<std::uint64_t>(budget / bytes, 1, groups.size()));
   std::vector<std::byte*> buffers;
@@ -269,6 +270,7 @@ void write_every_record(const std::vector<offloaded_optimizer::group>& groups, s
     throw;
   }
   release();
+  if (!commit) return;
   for (const auto& g : groups) space.commit(g.tensor);
 }
 }  // namespace
@@ -281,6 +283,7 @@ void offloaded_optimizer::initialize(std::span<const float* const> params) {
   }
   std::uint64_t largest = 0;
   for (const group& g : groups_) largest = std::max(largest, record_bytes(g));
+  staged_ = false;  // (as in step)
   try {
     write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
                        [&](const group& g, float* record) {
@@ -338,6 +341,7 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
                                 " hyperparameter sets; expected " + std::to_string(numels_.size()) + " of each");
   }
   check_not_null(params, "step");
+  staged_ = false;  // its writes go to the generation a staged checkpoint is in
   step_stats st;
   const double start = now_seconds();
   std::vector<std::size_t> updated;  // groups whose parameters changed in memory
@@ -469,6 +473,7 @@ void offloaded_optimizer::rewrite(const std::function<void(const group&, float* 
                                 " step counts for " + std::to_string(numels_.size()) + " parameters");
   }
   std::vector<std::size_t> written;
+  staged_ = false;  // (as in step)
   {
     prefetch_pipeline pipe(*space_, *pool_, order(), options_.pipeline);
     for (const group& g : groups_) {
@@ -560,6 +565,45 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
 
 std::string offloaded_optimizer::load(const std::string& path) {
   const exclusive_call call(*this, "load");
+  std::string note = stage(path);
+  commit_staged();
+  return note;
+}
+
+std::string offloaded_optimizer::stage_load(const std::string& path) {
+  const exclusive_call call(*this, "stage_load");
+  return stage(path);
+}
+
+void offloaded_optimizer::commit_load() {
+  const exclusive_call call(*this, "commit_load");
+  if (!staged_) {
+    throw std::logic_error("offloaded_optimizer::commit_load: no checkpoint is staged (none was, it was dropped, "
+                           "or initialize, step, rewrite or another load since stage_load took its generation)");
+  }
+  commit_staged();
+}
+
+void offloaded_optimizer::drop_staged_load() {
+  const exclusive_call call(*this, "drop_staged_load");
+  staged_ = false;
+}
+
+bool offloaded_optimizer::load_staged() const {
+  made_.require_same_process(who);
+  if (called_from_this_thread()) return staged_;
+  const std::lock_guard lock(calls_);
+  return staged_;
+}
+
+void offloaded_optimizer::commit_staged() {
+  for (const group& g : groups_) space_->commit(g.tensor);  // (in memory: the writes are done)
+  steps_.swap(staged_steps_);
+  initialized_ = true;
+  staged_ = false;
+}
+
+std::string offloaded_optimizer::stage(const std::string& path) {
   io::check_path_argument("offloaded_optimizer::load", path);
   const file in(path, O_RDONLY);
   std::vector<char> head(header_bytes(numels_.size()), 0);
@@ -629,6 +673,7 @@ std::string offloaded_optimizer::load(const std::string& path) {
   }
   std::uint32_t crc = swap::crc32c(head.data(), head.size());
   std::uint64_t at = head.size();
+  staged_ = false;  // the generation an earlier staged checkpoint is in is written now
   write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
                      [&](const group& g, float* record) {
     in.read_all(record, record_bytes(g), at);
@@ -640,9 +685,9 @@ std::string offloaded_optimizer::load(const std::string& path) {
     if (crc != stored_crc) {
       throw std::runtime_error("checkpoint " + path + " is damaged: its checksum does not match its contents");
     }
-  });
-  steps_ = std::move(steps);
-  initialized_ = true;
+  }, /*commit=*/false);
+  staged_steps_ = std::move(steps);
+  staged_ = true;
   return note;
 }
 

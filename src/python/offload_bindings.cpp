@@ -357,6 +357,28 @@ void bind_offload(py::module_& m) {
              }
              return py::bytes(note);
            }, py::arg("path"), "Replaces the state with the checkpoint at `path`; returns its note.")
+      .def("stage_load", [](offload::offloaded_optimizer& o, const file_name& path) {
+             std::string note;
+             {
+               py::gil_scoped_release release;
+               note = o.stage_load(path);
+             }
+             return py::bytes(note);
+           }, py::arg("path"),
+           "The first half of load: reads and checks the checkpoint into the generation not in use; the state "
+           "stays as it was until commit_load. Returns its note.")
+      .def("commit_load", [](offload::offloaded_optimizer& o) {
+             py::gil_scoped_release release;
+             o.commit_load();
+           }, "Makes the staged checkpoint the state (no I/O); RuntimeError when none is staged.")
+      .def("drop_staged_load", [](offload::offloaded_optimizer& o) {
+             py::gil_scoped_release release;
+             o.drop_staged_load();
+           }, "Forgets a staged checkpoint; the state is unchanged.")
+      .def("load_staged", [](offload::offloaded_optimizer& o) {
+             py::gil_scoped_release release;
+             return o.load_staged();
+           }, "Whether a checkpoint is staged.")
       .def("stats", [](offload::offloaded_optimizer& o) {
         const offload::swap_space_stats s = o.space().stats();
         const memory::pool_stats p = o.pool().stats();

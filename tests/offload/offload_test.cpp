@@ -1144,6 +1144,78 @@ TEST(offload_checkpoint_disk, a_full_disk_fails_the_save_and_keeps_the_previous_
            back.steps() == std::vector<std::uint64_t>(sizes.size(), 0);
   }));
 }
+// The two halves of load: a staged checkpoint changes neither the records nor the step counts
+// until it is committed; a call that writes the state in between, or a drop, leaves nothing
+// to commit; a damaged file stages nothing.
+TEST_F(offload_checkpoint, a_staged_load_changes_nothing_until_it_is_committed) {
+  o.save(ck);
+  const std::vector<float> saved = all_records(o);
+  const std::vector<std::uint64_t> saved_steps = o.steps();
+  o.step(a.p(), a.g(), hyper);
+  const std::vector<float> later = all_records(o);
+  ASSERT_NE(later, saved);
+  EXPECT_FALSE(o.load_staged());
+  EXPECT_THROW(o.commit_load(), std::logic_error);  // nothing staged
+
+  EXPECT_EQ(o.stage_load(ck), "");
+  EXPECT_TRUE(o.load_staged());
+  EXPECT_EQ(all_records(o), later);  // the state in use, not the staged one
+  EXPECT_EQ(o.steps(), (std::vector<std::uint64_t>{2, 2, 0, 2, 2}));
+  o.save((dir.path / "meanwhile").string());  // a save reads the state in use
+  o.commit_load();
+  EXPECT_FALSE(o.load_staged());
+  EXPECT_EQ(all_records(o), saved);
+  EXPECT_EQ(o.steps(), saved_steps);
+  EXPECT_THROW(o.commit_load(), std::logic_error);  // committed once
+
+  // A step between the halves takes the staged generation: nothing left to commit.
+  o.stage_load((dir.path / "meanwhile").string());
+  o.step(a.p(), a.g(), hyper);
+  const std::vector<float> stepped = all_records(o);
+  EXPECT_FALSE(o.load_staged());
+  EXPECT_THROW(o.commit_load(), std::logic_error);
+  EXPECT_EQ(all_records(o), stepped);
+  EXPECT_EQ(o.steps(), (std::vector<std::uint64_t>{2, 2, 0, 2, 2}));
+  // So do rewrite and initialize; a drop leaves nothing either.
+  o.stage_load(ck);
+  o.rewrite([](const auto&, float*) {});
+  EXPECT_THROW(o.commit_load(), std::logic_error);
+  o.stage_load(ck);
+  o.initialize(a.cp());
+  EXPECT_THROW(o.commit_load(), std::logic_error);
+  const std::vector<float> initialized = all_records(o);
+  o.stage_load(ck);
+  o.drop_staged_load();
+  EXPECT_FALSE(o.load_staged());
+  EXPECT_THROW(o.commit_load(), std::logic_error);
+  EXPECT_EQ(all_records(o), initialized);
+
+  // A damaged file: refused when staged, nothing to commit, the state as it was; and a
+  // staged checkpoint that another stage_load replaces is that one's.
+  std::vector<char> bytes = file_bytes(ck);
+  bytes[bytes.size() / 2] ^= 1;
+  write_bytes((dir.path / "damaged").string(), bytes);
+  o.stage_load((dir.path / "meanwhile").string());
+  EXPECT_THROW(o.stage_load((dir.path / "damaged").string()), std::runtime_error);
+  EXPECT_FALSE(o.load_staged());
+  EXPECT_THROW(o.commit_load(), std::logic_error);
+  EXPECT_EQ(all_records(o), initialized);
+  o.stage_load((dir.path / "meanwhile").string());
+  o.stage_load(ck);
+  o.commit_load();
+  EXPECT_EQ(all_records(o), saved);
+  EXPECT_EQ(o.steps(), saved_steps);
+
+  // Stepping on from a committed staged load equals stepping on from a plain load.
+  offloaded_optimizer plain(numels, small_options(dir));
+  plain.load(ck);
+  model_params b = a;
+  o.step(a.p(), a.g(), hyper);
+  plain.step(b.p(), b.g(), hyper);
+  EXPECT_EQ(a.values, b.values);
+  EXPECT_EQ(all_records(o), all_records(plain));
+}
+
 
 // A new checkpoint is its owner's alone (0600); one that replaces a file keeps that file's
 // permission bits, as an editor keeps them; through a link the link itself is replaced.

@@ -1134,7 +1134,7 @@ ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     m = mlp()
     opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10)
-    batches = iter(zero_batches(8, 2))
+    batches = iter(zero_batches(12, 2))
     def train(steps):
         for _ in range(steps):
             xs = next(batches)
@@ -1187,6 +1187,21 @@ ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
         os.unlink(os.path.join(os.path.dirname(ck), json.load(open(ck))["files"]["1"]))
     dist.barrier()
     print("rank", rank, "missing file:", outcome(lambda: opt.load_checkpoint(ck)), same(state(), before))
+    # Rank 1's file damaged (one byte): every rank refuses, and every rank keeps its state,
+    # rank 0 too, whose own file was whole.
+    opt.save_checkpoint(ck)
+    train(1)
+    before = state()
+    if rank == 0:
+        damaged = os.path.join(os.path.dirname(ck), json.load(open(ck))["files"]["1"])
+        with open(damaged, "r+b") as f:
+            f.seek(os.path.getsize(damaged) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    print("rank", rank, "damaged file:", outcome(lambda: opt.load_checkpoint(ck)), same(state(), before),
+          opt.local._core.load_staged())
     # An optimizer over other parameters (one fewer): refused on every rank by the file at ck.
     os.makedirs(os.path.join(swap, "other"), exist_ok=True)
     other = ZeroOffloadedOptimizer(list(m.parameters())[:-1], OffloadedAdamW, swap_dirs=[os.path.join(swap, "other")])
@@ -1239,6 +1254,11 @@ def test_a_zero_checkpoint_is_saved_by_every_rank_and_committed_once(tmp_path):
         assert lines[5].startswith(f"rank {r} missing file: "), out
         assert lines[5].endswith(" True"), out  # nothing loaded
         assert ("FileNotFoundError: checkpoint " if r == 1 else "RuntimeError: ") in lines[5], out
+        damaged = lines.pop(6)
+        assert damaged.startswith(f"rank {r} damaged file: "), out
+        assert damaged.endswith(" True False"), out  # nothing loaded, nothing left staged
+        assert ("is damaged: its checksum does not match its contents" if r == 1 else
+                "could not be loaded on 1 other rank(s)") in damaged, out
         assert lines[6].startswith(f"rank {r} other parameters: ValueError: checkpoint {ck} was saved by a group of "
                                    "2 rank(s) owning the parameters as ["), out
         assert lines[7] == f"rank {r} junk: ValueError: {tmp_path / 'junk'} is not a checkpoint of " \

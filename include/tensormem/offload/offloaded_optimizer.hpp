@@ -100,12 +100,13 @@ struct step_stats {
 };
 
 /// Thread safety: calls from several threads run one at a time (`initialize`, `step`,
-/// `restore_parameters`, `visit`, `rewrite`, `save` and `load` take one mutex for their whole
-/// run; `steps` and `initialized` read under it). A call of one of the seven from inside the
+/// `restore_parameters`, `visit`, `rewrite`, `save`, `load`, `stage_load`, `commit_load` and
+/// `drop_staged_load`, "the guarded calls", take one mutex for their whole run; `steps`,
+/// `initialized` and `load_staged` read under it). A guarded call from inside the
 /// callback of `visit` or `rewrite` on the same optimizer would change the records being
 /// streamed, or wait for itself: it throws std::logic_error and changes nothing. Inside a callback,
 /// `steps` and `initialized` read the state directly. In a child forked after the optimizer
-/// was made, those nine calls throw io::forked_child_error, and the destructor waits for
+/// was made, those calls and the three readers throw io::forked_child_error, and the destructor waits for
 /// nothing and removes no file (its swap files are the parent's).
 class offloaded_optimizer {
  public:
@@ -187,12 +188,27 @@ class offloaded_optimizer {
   /// longer file, or one whose checksum does not match, is std::runtime_error, and the state
   /// stays as it was (the records are committed only once all were read and checked).
   std::string load(const std::string& path);
+  /// `load` in two halves, to load several optimizers (one per process, each from its own
+  /// file) all or none: `stage_load` on every one, then `commit_load` on every one once every
+  /// one has staged, else `drop_staged_load`. `stage_load` reads and checks the file as `load`
+  /// does (the same errors) and writes its records to the generation not in use; the state
+  /// in use, step counts included, stays as it was until `commit_load`. Returns the note.
+  std::string stage_load(const std::string& path);
+  /// Makes the staged checkpoint the state: no I/O, nothing that can fail, but
+  /// std::logic_error when none is staged: none was, it was dropped, or a call that writes
+  /// the state (`initialize`, `step`, `rewrite`, `load`, `stage_load`) came in between and
+  /// took the generation it was in.
+  void commit_load();
+  /// Forgets a staged checkpoint, if one is; the state in use is unchanged.
+  void drop_staged_load();
+  /// Whether a checkpoint is staged (`stage_load` and nothing since that drops it).
+  bool load_staged() const;
 
   swap_space& space() noexcept { return *space_; }
   memory::pinned_pool& pool() noexcept { return *pool_; }
   const optimizer_options& options() const noexcept { return options_; }
 
-  /// Whether the calling thread is inside one of the seven calls (in a callback of `visit` or
+  /// Whether the calling thread is inside one of the guarded calls (in a callback of `visit` or
   /// `rewrite`), where another of them is refused. A caller that hands a call to another
   /// thread asks this first: there the call would not be refused but wait for this one.
   bool called_from_this_thread() const noexcept { return caller_.load() == std::this_thread::get_id(); }
@@ -204,10 +220,12 @@ class offloaded_optimizer {
   void roll_back(const std::vector<std::size_t>& groups, std::span<float* const> params);
   void check_not_null(std::span<float* const> params, const char* what) const;
   void commit_all(const std::vector<std::size_t>& tensors);
+  std::string stage(const std::string& path);  // stage_load, unguarded
+  void commit_staged();                         // commit_load, unguarded
   std::vector<std::size_t> order() const;
   void visit_records(const std::function<void(const group&, const float* record)>& f);  // visit, unguarded
 
-  // Holds calls_ for one of the seven calls, after refusing one made from inside a callback.
+  // Holds calls_ for one of the guarded calls, after refusing one made from inside a callback.
   class exclusive_call {
    public:
     exclusive_call(const offloaded_optimizer& o, const char* what);
@@ -230,8 +248,12 @@ class offloaded_optimizer {
   std::unique_ptr<memory::pinned_pool> pool_;
   std::unique_ptr<swap_space> space_;
   bool initialized_ = false;
+  // A checkpoint staged by stage_load: its records in the generation not in use, its step
+  // counts here, until commit_load (or a call that writes that generation).
+  bool staged_ = false;
+  std::vector<std::uint64_t> staged_steps_;
   mutable std::mutex calls_;
-  mutable std::atomic<std::thread::id> caller_{};  // the thread inside one of the seven calls
+  mutable std::atomic<std::thread::id> caller_{};  // the thread inside one of the guarded calls
 };
 
 }  // namespace tensormem::offload
