@@ -585,6 +585,26 @@ def test_a_checkpoint_keeps_its_hyperparameters_and_damage_is_refused(tmp_path):
     assert all(torch.equal(now[k], v) for k, v in state.items())
 
 
+def test_a_checkpoint_whose_hyperparameters_cannot_be_read_loads_nothing(tmp_path):
+    # The state and the hyperparameters are loaded together: a note that is not the
+    # hyperparameters' JSON (a file saved by other code through the core) is refused before
+    # the state read from the file is made the optimizer's.
+    torch.manual_seed(0)
+    model = mlp()
+    opt = OffloadedAdamW(model.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    run_steps(model, opt, 0, 1)
+    for i, note in enumerate((b"not json", b'{"groups": []}')):
+        opt._core.save(str(tmp_path / f"foreign{i}"), note)
+    run_steps(model, opt, 1, 2)
+    state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items() if torch.is_tensor(v)}
+    for i, error in enumerate((ValueError, KeyError)):
+        with pytest.raises(error):
+            opt.load_checkpoint(tmp_path / f"foreign{i}")
+        now = opt.state_dict()["state"][0]
+        assert all(torch.equal(now[k], v) for k, v in state.items())
+        assert not opt._core.load_staged()
+    assert int(opt.state_dict()["state"][0]["step"]) == 2
+
 def test_swap_folders_and_checkpoints_may_be_named_by_bytes_that_are_not_utf8(tmp_path):
     import pathlib
     torch.manual_seed(0)
