@@ -416,18 +416,38 @@ def _remove_if_there(path: str) -> None:
         pass
 
 
-class ZeroOffloadedOptimizer:
+def _hyperparameter_defaults(optimizer_class, kwargs) -> dict:
+    """The hyperparameters ``optimizer_class`` takes by name (``lr``, ``betas``...), each with
+    its default or the value in ``kwargs``."""
+    import inspect
+    named = inspect.signature(optimizer_class).parameters.values()
+    return {p.name: kwargs.get(p.name, p.default) for p in named
+            if p.name != "params" and p.kind == p.POSITIONAL_OR_KEYWORD and p.default is not p.empty}
+
+
+class ZeroOffloadedOptimizer(torch.optim.Optimizer):
     """ZeRO stage 2 at parameter granularity over ``torch.distributed`` (gloo or NCCL): each
     rank owns whole parameters (largest first, to the least-loaded rank), gradients are
     summed onto their owner (``reduce``) and averaged, the owner steps its offloaded optimizer
     (swap files in ``<swap_dir>/rank<r>``, ``r`` the process's global rank) and broadcasts the
     new values to every rank. ``group`` may be any process group that holds this process;
-    its members own the parameters."""
+    its members own the parameters.
 
-    def __init__(self, params: Iterable[torch.Tensor], optimizer_class=OffloadedAdamW, group=None, **kwargs):
+    ``params`` takes parameter groups as ``torch.optim`` does (dicts with ``"params"`` and
+    their own hyperparameters). ``param_groups`` holds every group on every rank, and a change
+    to a group's hyperparameters (an ``lr_scheduler``'s, made alike on every rank) applies
+    from the next step: each owner steps its parameters with their group's values. Groups
+    cannot be added after construction (the owners are set then). The state is on the owners'
+    disks: ``state_dict()`` raises; ``save_checkpoint`` / ``load_checkpoint`` save and load it,
+    with the groups' hyperparameters."""
+
+    def __init__(self, params, optimizer_class=OffloadedAdamW, group=None, **kwargs):
         import torch.distributed as dist
         if not dist.is_initialized():
             raise RuntimeError("ZeroOffloadedOptimizer needs torch.distributed.init_process_group first")
+        self._constructed = False
+        super().__init__(params, _hyperparameter_defaults(optimizer_class, kwargs))
+        self._constructed = True
         self.group = group
         self.rank = dist.get_rank(group)  # within the group
         if self.rank < 0:
@@ -436,14 +456,22 @@ class ZeroOffloadedOptimizer:
         self.world = dist.get_world_size(group)
         # reduce and broadcast name processes by their global ranks, also in a smaller group
         self._global = [_global_rank(dist, group, r) for r in range(self.world)]
-        self.params = list(params)
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        group_of = [i for i, g in enumerate(self.param_groups) for _ in g["params"]]
         load = [0] * self.world
         self.owner: List[int] = [0] * len(self.params)
         for i in sorted(range(len(self.params)), key=lambda i: -self.params[i].numel()):
             r = min(range(self.world), key=lambda r: (load[r], r))
             self.owner[i] = r
             load[r] += self.params[i].numel()
-        mine = [p for p, r in zip(self.params, self.owner) if r == self.rank]
+        # This rank's parameters in their groups (groups it owns nothing of left out), each
+        # with its group's hyperparameters; _local_groups[j] is the group of local group j.
+        mine, self._local_groups = [], []
+        for i, g in enumerate(self.param_groups):
+            owned = [p for p, r, gi in zip(self.params, self.owner, group_of) if r == self.rank and gi == i]
+            if owned:
+                mine.append({**{k: v for k, v in g.items() if k != "params"}, "params": owned})
+                self._local_groups.append(i)
         # Made on every rank, or on none: a rank whose optimizer could not be made (a swap
         # folder missing there, bad options) would leave the others waiting in the first step.
         error = None
@@ -452,6 +480,26 @@ class ZeroOffloadedOptimizer:
         except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
             error = e
         self._raise_if_any_failed(error, "made")
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_constructed", True):
+            raise RuntimeError("ZeroOffloadedOptimizer: parameter groups cannot be added after construction "
+                               "(each parameter's owner is chosen then); make a new optimizer")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("ZeroOffloadedOptimizer: the state is on the owners' disks, not in a state "
+                                  "dict; save it with save_checkpoint(path) and load it with load_checkpoint(path)")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.state_dict()  # raises, as above
+
+    def _hyperparameters_to_local(self) -> None:
+        """Each local group takes its group's hyperparameters as they are now."""
+        if self.local is None:
+            return
+        for local, i in zip(self.local.param_groups, self._local_groups):
+            local.update({k: v for k, v in self.param_groups[i].items() if k != "params"})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -462,8 +510,12 @@ class ZeroOffloadedOptimizer:
                     p.grad.zero_()
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None):
         import torch.distributed as dist
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         # A parameter with no gradient on any rank (frozen, or not used this step) is left
         # alone, as torch.optim leaves one whose gradient is None: a zero gradient would
         # still move it (weight decay, the moments of earlier steps).
@@ -479,11 +531,17 @@ class ZeroOffloadedOptimizer:
                 p.grad.div_(self.world)
         # A step that fails on its rank (a full disk, a parameter changed there) fails on every
         # rank, before any broadcast that would wait for that rank's values.
-        self._on_every_rank("stepped", lambda: self.local is not None and self.local.step())
+        def local_step():
+            if self.local is not None:
+                self._hyperparameters_to_local()
+                self.local.step()
+
+        self._on_every_rank("stepped", local_step)
         # Only what was stepped: a parameter no rank had a gradient for kept its value.
         for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()):
             if anywhere:
                 dist.broadcast(p.data, src=self._global[r], group=self.group)
+        return loss
 
     def restore_parameters(self) -> None:
         """Puts the parameters this rank owns back from its master copy (see
@@ -531,7 +589,8 @@ class ZeroOffloadedOptimizer:
                 pass  # none there, or not one of ours: no files of ours to remove
             files = {str(r): os.path.basename(self._checkpoint_file(path, save, r)) for r in sorted(set(self.owner))}
             manifest = {"format": _ZERO_CHECKPOINT_FORMAT, "save": save, "world": self.world, "owner": self.owner,
-                        "files": files}
+                        "files": files,
+                        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
             _tensormem._write_file(path, json.dumps(manifest, indent=1) + "\n")
 
         self._on_every_rank("committed", commit, remove_mine)
@@ -548,12 +607,21 @@ class ZeroOffloadedOptimizer:
         into the generation of its state not in use, its optimizer unchanged. Only once every
         rank has done so does each make it its state (no I/O). Where any rank fails (a missing
         or damaged file: its checksum does not match), every rank raises (that rank's own
-        error, or ``RuntimeError`` on the others) and keeps the state it had."""
+        error, or ``RuntimeError`` on the others) and keeps the state it had. The groups'
+        hyperparameters (``param_groups``) are set to those saved with it."""
         path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         mine: List[str] = []  # this rank's file, once checked
+        groups: List[dict] = []  # the groups' hyperparameters, as saved
 
         def check():
             manifest = self._read_manifest(path)
+            saved = manifest.get("param_groups", [])  # (none in a checkpoint saved before groups were kept)
+            if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
+                raise ValueError(f"{path} is not a checkpoint of ZeroOffloadedOptimizer.save_checkpoint")
+            groups.extend(saved)
+            if groups and len(groups) != len(self.param_groups):
+                raise ValueError(f"checkpoint {path} holds {len(groups)} parameter groups; this optimizer has "
+                                 f"{len(self.param_groups)}")
             if manifest["world"] != self.world or manifest["owner"] != self.owner:
                 raise ValueError(f"checkpoint {path} was saved by a group of {manifest['world']} rank(s) owning "
                                  f"the parameters as {manifest['owner']}; this one has {self.world} owning them as "
@@ -573,6 +641,8 @@ class ZeroOffloadedOptimizer:
 
         self._on_every_rank("loaded", lambda: mine and commits.append(self.local._stage_checkpoint(mine[0])), drop)
         self._on_every_rank("loaded", lambda: commits and commits[0]())
+        for g, saved in zip(self.param_groups, groups):
+            g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
 
     @staticmethod
     def _checkpoint_file(path: str, save: str, rank: int) -> str:

@@ -1067,6 +1067,31 @@ def zero_batches(steps, world):
     return [[torch.randn(8, 37, generator=gen) for _ in range(world)] for _ in range(steps)]
 
 
+def outcome(call) -> str:
+    """"ok", or the error ``call()`` raised as "Class: message" (for the scripts' output)."""
+    try:
+        call()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - any error is the outcome
+        return type(e).__name__ + ": " + str(e)
+
+
+def zero_trainer(m, opt, rank, steps, after_step=None):
+    """The training loop of the two-rank scripts: ``train(n)`` takes the next ``n`` of
+    ``steps`` batches (rank ``rank``'s half of each), one step each, then ``after_step()``."""
+    batches = iter(zero_batches(steps, 2))
+
+    def train(n):
+        for _ in range(n):
+            xs = next(batches)
+            opt.zero_grad()
+            m(xs[rank]).pow(2).mean().backward()
+            opt.step()
+            if after_step is not None:
+                after_step()
+    return train
+
+
 @pytest.mark.parametrize("processes, frozen", [(2, False), (3, False), (2, True)])
 def test_two_gloo_ranks_equal_one_rank(tmp_path, processes, frozen):
     """Two ranks: the whole world, or (of three processes) a group of the last two, whose
@@ -1103,6 +1128,85 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, processes, frozen):
     final = torch.load(tmp_path / "final.pt")
     assert all(torch.equal(final[k], v) for k, v in m.state_dict().items())
     assert torch.equal(final["0.weight"], initial) == frozen
+
+
+ZERO_GROUPS_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, outcome, zero_groups, zero_trainer
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    rank, store, swap, out, ck = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = mlp()
+    opt = ZeroOffloadedOptimizer(zero_groups(m), OffloadedAdamW, lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10)
+    print("rank", rank, "groups", [(len(g["params"]), g["lr"], g["weight_decay"]) for g in opt.param_groups])
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train = zero_trainer(m, opt, rank, 8, schedule.step)
+    train(3)
+    if rank == 0:
+        torch.save(m.state_dict(), out)
+    # The hyperparameters are saved with the state and put back by a load.
+    opt.save_checkpoint(ck)
+    saved = [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
+    values = [p.detach().clone() for p in m.parameters()]
+    train(1)
+    opt.load_checkpoint(ck)
+    print("rank", rank, "hyperparameters back:", [dict((k, v) for k, v in g.items() if k != "params")
+                                                   for g in opt.param_groups] == saved)
+    for p, v in zip(m.parameters(), values):  # (a load restores the optimizer, not the model)
+        with torch.no_grad():
+            p.copy_(v)
+    print("rank", rank, "state_dict:", outcome(opt.state_dict))
+    print("rank", rank, "add_param_group:", outcome(lambda: opt.add_param_group({{"params": [torch.zeros(2)]}})))
+    os.makedirs(os.path.join(swap, "one"), exist_ok=True)
+    one = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, swap_dirs=[os.path.join(swap, "one")])
+    print("rank", rank, "one group:", outcome(lambda: one.load_checkpoint(ck)))
+    dist.destroy_process_group()
+""")
+
+
+def zero_groups(m):
+    """The mlp's weights and biases as two groups of their own hyperparameters."""
+    return [{"params": [m[0].weight, m[2].weight], "weight_decay": 0.1, "lr": 2e-3},
+            {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0}]
+
+
+def test_zero_parameter_groups_follow_their_own_hyperparameters_and_a_scheduler(tmp_path):
+    procs, outs = run_ranks(tmp_path, ZERO_GROUPS_SCRIPT, 2,
+                            lambda r: [str(r), str(tmp_path / "store"), str(tmp_path / "swap"),
+                                       str(tmp_path / "final.pt"), str(tmp_path / "ck")], timeout=180)
+    assert all(p.returncode == 0 for p in procs), outs
+    for r, (out, _) in enumerate(outs):
+        lines = out.splitlines()
+        assert lines[0] == f"rank {r} groups [(2, 0.002, 0.1), (2, 0.001, 0.0)]", out
+        assert lines[1] == f"rank {r} hyperparameters back: True", out
+        assert lines[2].startswith(f"rank {r} state_dict: NotImplementedError: ZeroOffloadedOptimizer: the state is "
+                                   "on the owners' disks"), out
+        assert lines[3].startswith(f"rank {r} add_param_group: RuntimeError: ZeroOffloadedOptimizer: parameter "
+                                   "groups cannot be added after construction"), out
+        assert lines[4] == (f"rank {r} one group: ValueError: checkpoint {tmp_path / 'ck'} holds 2 parameter "
+                            "groups; this optimizer has 1"), out
+    # One rank, the same groups and schedule, the averaged gradients: the same bits.
+    torch.manual_seed(0)
+    m = mlp()
+    opt = OffloadedAdamW(zero_groups(m), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=16 << 10,
+                         pinned_budget=BUDGET)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for xs in zero_batches(3, 2):
+        grads = []
+        for x in xs:
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        for p, g0, g1 in zip(m.parameters(), *grads):
+            p.grad = (g0 + g1) / 2
+        opt.step()
+        schedule.step()
+    final = torch.load(tmp_path / "final.pt")
+    assert all(torch.equal(final[k], v) for k, v in m.state_dict().items())
+    # Without the schedule (or with each group at one rate) the values differ.
+    assert opt.param_groups[0]["lr"] == 2e-3 / 8 and opt.param_groups[1]["lr"] == 1e-3 / 8
 
 
 ZERO_FAILURE_SCRIPT = textwrap.dedent("""
@@ -1147,20 +1251,14 @@ def test_a_rank_that_fails_makes_every_rank_fail_not_wait(tmp_path, failure):
 ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch, torch.distributed as dist
     sys.path.insert(0, {here!r})
-    from test_offload import mlp, zero_batches
+    from test_offload import mlp, outcome, zero_trainer
     from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
     rank, store, swap, ck = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
     torch.manual_seed(0)
     m = mlp()
     opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10)
-    batches = iter(zero_batches(12, 2))
-    def train(steps):
-        for _ in range(steps):
-            xs = next(batches)
-            opt.zero_grad()
-            m(xs[rank]).pow(2).mean().backward()
-            opt.step()
+    train = zero_trainer(m, opt, rank, 12)
     def state():
         s = opt.local.state_dict()["state"]
         return {{(i, k): v.clone() for i, d in s.items() for k, v in d.items() if torch.is_tensor(v)}}
@@ -1169,12 +1267,6 @@ ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
     def files():
         dist.barrier()
         return sorted(f for f in os.listdir(os.path.dirname(ck)) if f.startswith("ck"))
-    def outcome(call):
-        try:
-            call()
-            return "ok"
-        except Exception as e:
-            return type(e).__name__ + ": " + str(e)
     train(2)
     opt.save_checkpoint(ck)
     first, first_files = state(), files()
