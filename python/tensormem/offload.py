@@ -135,6 +135,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------
     def _hyper(self, group) -> dict:
+        for flag in ("amsgrad", "maximize"):  # set in a group (or a state dict's) after construction
+            if group.get(flag):
+                raise ValueError(f"param_groups: {flag}={group[flag]!r} is not supported by the offloaded optimizers")
         return {k: group[k] for k in ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
                 if k in group}
 

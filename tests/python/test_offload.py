@@ -893,6 +893,18 @@ def test_a_hyperparameter_set_to_what_is_not_a_number_is_named_and_the_step_chan
             opt.step()
         opt.param_groups[0][key] = kept
         assert all(torch.equal(p, b) for p, b in zip(params, before)), key
+    # What the kernels do not do, set in a group after construction (a state dict of
+    # torch.optim.AdamW(amsgrad=True) brings it): refused, not stepped without it.
+    for flag in ("amsgrad", "maximize"):
+        opt.param_groups[0][flag] = True
+        with pytest.raises(ValueError, match=f"param_groups: {flag}=True is not supported"):
+            opt.step()
+        opt.param_groups[0][flag] = False
+        assert all(torch.equal(p, b) for p, b in zip(params, before)), flag
+    sgd = OffloadedSGD([{"params": params, "maximize": True}], swap_dirs=[str(tmp_path)])
+    with pytest.raises(ValueError, match="param_groups: maximize=True is not supported"):
+        sgd.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
     # A 0-d tensor or a numpy number is still read as one.
     opt.param_groups[0]["lr"] = torch.tensor(1e-3)
     opt.param_groups[0]["eps"] = np.float32(1e-8)
