@@ -304,7 +304,7 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         before anything is written."""
         path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        self._core.save(path, json.dumps({"param_groups": groups}).encode())
+        self._core.save(path, json.dumps({"param_groups": groups}, default=_json_number).encode())
 
     def load_checkpoint(self, path: Union[str, bytes, "os.PathLike"]) -> None:
         """Restores a checkpoint written by ``save_checkpoint`` for the same parameters and
@@ -343,6 +343,18 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
             for g, saved in zip(self.param_groups, groups):
                 g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
         return commit
+
+
+def _json_number(value):
+    """A hyperparameter the step reads as a number (a 0-d tensor, a numpy number), saved as
+    that number; anything else is json's TypeError."""
+    if (isinstance(value, torch.Tensor) and value.numel() == 1) or isinstance(value, numbers.Number) or \
+            type(value).__module__ == "numpy":
+        try:
+            return value.item()
+        except (AttributeError, ValueError):
+            pass
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def _check_unsupported(**flags):
@@ -594,7 +606,7 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
             manifest = {"format": _ZERO_CHECKPOINT_FORMAT, "save": save, "world": self.world, "owner": self.owner,
                         "files": files,
                         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
-            _tensormem._write_file(path, json.dumps(manifest, indent=1) + "\n")
+            _tensormem._write_file(path, json.dumps(manifest, indent=1, default=_json_number) + "\n")
 
         self._on_every_rank("committed", commit, remove_mine)
         new = set(self._checkpoint_file(path, save, r) for r in set(self.owner))

@@ -605,6 +605,27 @@ def test_a_checkpoint_whose_hyperparameters_cannot_be_read_loads_nothing(tmp_pat
         assert not opt._core.load_staged()
     assert int(opt.state_dict()["state"][0]["step"]) == 2
 
+def test_hyperparameters_given_as_tensors_or_numpy_numbers_are_saved_as_those_numbers(tmp_path):
+    # The step reads a 0-d tensor or a numpy number as a number: a checkpoint saves it as one
+    # (it used to fail with "Object of type Tensor is not JSON serializable").
+    model = mlp()
+    opt = OffloadedAdamW(model.parameters(), swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    group = opt.param_groups[0]
+    group.update(lr=torch.tensor(2e-3, dtype=torch.float64), eps=np.float32(1e-6),
+                 betas=(np.float64(0.8), torch.tensor(0.99, dtype=torch.float64)))
+    run_steps(model, opt, 0, 1)
+    opt.save_checkpoint(tmp_path / "ck")
+    fresh = OffloadedAdamW(model.parameters(), swap_dirs=[str(tmp_path)], group_bytes=16 << 10)
+    fresh.load_checkpoint(tmp_path / "ck")
+    loaded = fresh.param_groups[0]
+    assert (loaded["lr"], loaded["eps"], loaded["betas"]) == (2e-3, float(np.float32(1e-6)), (0.8, 0.99))
+    assert all(type(v) is float for v in (loaded["lr"], loaded["eps"], *loaded["betas"]))
+    # What is not a number still cannot be saved; nothing is left of the attempt.
+    group["lr"] = object()
+    with pytest.raises(TypeError, match="Object of type object is not JSON serializable"):
+        opt.save_checkpoint(tmp_path / "ck2")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ck")) == ["ck"]
+
 def test_swap_folders_and_checkpoints_may_be_named_by_bytes_that_are_not_utf8(tmp_path):
     import pathlib
     torch.manual_seed(0)
@@ -1153,6 +1174,7 @@ ZERO_GROUPS_SCRIPT = textwrap.dedent("""
     m = mlp()
     opt = ZeroOffloadedOptimizer(zero_groups(m), OffloadedAdamW, lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10)
     print("rank", rank, "groups", [(len(g["params"]), g["lr"], g["weight_decay"]) for g in opt.param_groups])
+    opt.param_groups[1]["eps"] = torch.tensor(1e-8, dtype=torch.float64)  # read as the number; saved as it
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     train = zero_trainer(m, opt, rank, 8, schedule.step)
     train(3)
