@@ -853,6 +853,13 @@ def test_file_names_may_be_bytes_that_are_not_utf8_or_path_like_and_come_back_as
     assert torch.equal(got, torch.arange(1024.0))
     with pytest.raises(FileNotFoundError, match=re.escape("h\\xffmissing for reading")):
         handle.sync_pread(got, folder + b"/h\xffmissing")
+    # A failure found by the I/O (past the file-size limit): AIOError's filename and errors.
+    from file_limits import file_size_limit
+    with file_size_limit(4096), pytest.raises(ds.AIOError) as e:
+        handle.sync_pwrite(torch.arange(4096.0), folder + b"/big\xff")
+    assert e.value.errno == errno.EFBIG and e.value.filename == os.fsdecode(folder + b"/big\xff")
+    assert [(p, code) for p, code, _ in e.value.errors] == [(e.value.filename, errno.EFBIG)]
+    assert "big\\xff" in e.value.errors[0][2]
     # Names that no bytes stand for (a lone surrogate of a code point below 128) are refused.
     with pytest.raises(UnicodeEncodeError):
         swapper.swap_out([data], [name[:-1] + "\udc41"])
