@@ -25,8 +25,14 @@ struct file_name {
   operator const std::string&() const noexcept { return bytes; }  // NOLINT(google-explicit-constructor)
 };
 
+/// A text that stands beside file names and is compared with their bytes (a swap file's
+/// identity key, the path's bytes by default): str or bytes, converted as a file name is,
+/// so that a key given as the str of a name equals that name's default key.
+struct name_text : file_name {};
+
 /// The bytes of each name, in order.
-inline std::vector<std::string> name_bytes(const std::vector<file_name>& names) {
+template <class Name>
+std::vector<std::string> name_bytes(const std::vector<Name>& names) {
   std::vector<std::string> out;
   out.reserve(names.size());
   for (const file_name& n : names) out.push_back(n.bytes);
@@ -72,25 +78,38 @@ inline PyObject* python_class_of(const std::exception& e) {
 
 namespace pybind11::detail {
 
+/// Loads a str or bytes (and, with `path_like`, an os.PathLike) as os.fsencode does.
+inline bool load_name_bytes(handle source, bool path_like, std::string& out) {
+  PyObject* o = source.ptr();
+  if (o == nullptr ||
+      !(PyUnicode_Check(o) || PyBytes_Check(o) || (path_like && PyObject_HasAttrString(o, "__fspath__")))) {
+    return false;
+  }
+  const object path = reinterpret_steal<object>(PyOS_FSPath(o));  // str or bytes
+  if (!path) throw error_already_set();                             // __fspath__ raised or returned neither
+  object encoded = path;
+  if (PyUnicode_Check(path.ptr())) {
+    encoded = reinterpret_steal<object>(PyUnicode_EncodeFSDefault(path.ptr()));
+    if (!encoded) throw error_already_set();  // a surrogate that no byte stands for
+  }
+  out.assign(PyBytes_AS_STRING(encoded.ptr()), static_cast<std::size_t>(PyBytes_GET_SIZE(encoded.ptr())));
+  return true;
+}
+
+template <>
+struct type_caster<tensormem::python::name_text> {
+  PYBIND11_TYPE_CASTER(tensormem::python::name_text, const_name("Union[str, bytes]"));
+  bool load(handle source, bool /*convert*/) { return load_name_bytes(source, false, value.bytes); }
+  static handle cast(const tensormem::python::name_text& text, return_value_policy /*policy*/, handle /*parent*/) {
+    return tensormem::python::python_file_name(text.bytes).release();
+  }
+};
+
 template <>
 struct type_caster<tensormem::python::file_name> {
   PYBIND11_TYPE_CASTER(tensormem::python::file_name, const_name("Union[str, bytes, os.PathLike]"));
 
-  bool load(handle source, bool /*convert*/) {
-    PyObject* o = source.ptr();
-    if (o == nullptr || !(PyUnicode_Check(o) || PyBytes_Check(o) || PyObject_HasAttrString(o, "__fspath__"))) {
-      return false;
-    }
-    const object path = reinterpret_steal<object>(PyOS_FSPath(o));  // str or bytes
-    if (!path) throw error_already_set();                             // __fspath__ raised or returned neither
-    object encoded = path;
-    if (PyUnicode_Check(path.ptr())) {
-      encoded = reinterpret_steal<object>(PyUnicode_EncodeFSDefault(path.ptr()));
-      if (!encoded) throw error_already_set();  // a surrogate that no byte stands for
-    }
-    value.bytes.assign(PyBytes_AS_STRING(encoded.ptr()), static_cast<std::size_t>(PyBytes_GET_SIZE(encoded.ptr())));
-    return true;
-  }
+  bool load(handle source, bool /*convert*/) { return load_name_bytes(source, true, value.bytes); }
 
   static handle cast(const tensormem::python::file_name& name, return_value_policy /*policy*/, handle /*parent*/) {
     return tensormem::python::python_file_name(name.bytes).release();

@@ -347,8 +347,9 @@ class py_swapper {
     held_.clear();  // GIL held again: the views can be released
   }
   std::uint64_t start(const std::vector<py::object>& tensors, const std::vector<file_name>& names,
-                      const std::vector<std::string>& keys, bool out) {
+                      const std::vector<python::name_text>& key_names, bool out) {
     const std::vector<std::string> paths = python::name_bytes(names);
+    const std::vector<std::string> keys = python::name_bytes(key_names);
     std::vector<held_view> views;
     views.reserve(tensors.size());
     for (const auto& t : tensors) views.push_back(hold(t, !out));
@@ -1071,9 +1072,9 @@ PYBIND11_MODULE(_tensormem, m) {
            "staging_buffers: where the pool may lock fewer (RLIMIT_MEMLOCK, no unlocked fallback), the "
            "swapper keeps those it got, two or more; stats()['staging_buffers'] and ['fallback'] say so.")
       .def("swap_out", [](py_swapper& s, const std::vector<py::object>& tensors,
-                          const std::vector<file_name>& paths, const std::vector<std::string>& keys) {
+                          const std::vector<file_name>& paths, const std::vector<python::name_text>& keys) {
              return s.start(tensors, paths, keys, true);
-           }, py::arg("tensors"), py::arg("paths"), py::arg("keys") = std::vector<std::string>{},
+           }, py::arg("tensors"), py::arg("paths"), py::arg("keys") = std::vector<python::name_text>{},
            "Queues the writes; returns a ticket. tensors: contiguous buffers (numpy arrays...) or CPU "
            "torch tensors. The buffers are held (not resizable) until wait(), torch tensors by reference "
            "with their storage: one given other memory before wait() (set_, .data =) keeps the memory the "
@@ -1082,9 +1083,9 @@ PYBIND11_MODULE(_tensormem, m) {
            "and must not be done). None may change before it. keys: the identity recorded per file (default: "
            "the path).")
       .def("swap_in", [](py_swapper& s, const std::vector<file_name>& paths,
-                         const std::vector<py::object>& tensors, const std::vector<std::string>& keys) {
+                         const std::vector<py::object>& tensors, const std::vector<python::name_text>& keys) {
              return s.start(tensors, paths, keys, false);
-           }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<std::string>{})
+           }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<python::name_text>{})
       .def("wait", [](py_swapper& s, u64 ticket) { return results_to_python(s.wait(ticket)); },
            py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message. Ctrl-C raises "
            "KeyboardInterrupt; the ticket stays outstanding, its buffers held, to be waited for again.")
