@@ -346,13 +346,19 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
 
 
 def _json_number(value):
-    """A hyperparameter the step reads as a number (a 0-d tensor, a numpy number), saved as
-    that number; anything else is json's TypeError."""
-    if (isinstance(value, torch.Tensor) and value.numel() == 1) or isinstance(value, numbers.Number) or \
-            type(value).__module__ == "numpy":
+    """A hyperparameter the step reads as a number, saved as that number: a one-element
+    tensor or numpy value as its item, any other object the step converts (one with
+    ``__float__`` or ``__index__``: a Fraction, a Decimal) as ``float(value)``; anything else
+    is json's TypeError."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         try:
             return value.item()
-        except (AttributeError, ValueError):
+        except (ValueError, RuntimeError):  # more than one element
+            pass
+    elif hasattr(type(value), "__float__") or hasattr(type(value), "__index__"):
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):
             pass
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 

@@ -283,7 +283,6 @@ void offloaded_optimizer::initialize(std::span<const float* const> params) {
   }
   std::uint64_t largest = 0;
   for (const group& g : groups_) largest = std::max(largest, record_bytes(g));
-  staged_ = false;  // (as in step)
   try {
     write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
                        [&](const group& g, float* record) {
@@ -341,7 +340,6 @@ step_stats offloaded_optimizer::step(std::span<float* const> params, std::span<c
                                 " hyperparameter sets; expected " + std::to_string(numels_.size()) + " of each");
   }
   check_not_null(params, "step");
-  staged_ = false;  // its writes go to the generation a staged checkpoint is in
   step_stats st;
   const double start = now_seconds();
   std::vector<std::size_t> updated;  // groups whose parameters changed in memory
@@ -473,7 +471,6 @@ void offloaded_optimizer::rewrite(const std::function<void(const group&, float* 
                                 " step counts for " + std::to_string(numels_.size()) + " parameters");
   }
   std::vector<std::size_t> written;
-  staged_ = false;  // (as in step)
   {
     prefetch_pipeline pipe(*space_, *pool_, order(), options_.pipeline);
     for (const group& g : groups_) {
@@ -577,9 +574,10 @@ std::string offloaded_optimizer::stage_load(const std::string& path) {
 
 void offloaded_optimizer::commit_load() {
   const exclusive_call call(*this, "commit_load");
-  if (!staged_) {
+  if (!still_staged()) {
     throw std::logic_error("offloaded_optimizer::commit_load: no checkpoint is staged (none was, it was dropped, "
-                           "or initialize, step, rewrite or another load since stage_load took its generation)");
+                           "or a write since stage_load, by initialize, step, rewrite or another load, took its "
+                           "generation)");
   }
   commit_staged();
 }
@@ -591,10 +589,12 @@ void offloaded_optimizer::drop_staged_load() {
 
 bool offloaded_optimizer::load_staged() const {
   made_.require_same_process(who);
-  if (called_from_this_thread()) return staged_;
+  if (called_from_this_thread()) return still_staged();
   const std::lock_guard lock(calls_);
-  return staged_;
+  return still_staged();
 }
+
+bool offloaded_optimizer::still_staged() const { return staged_ && space_->writes_started() == staged_writes_; }
 
 void offloaded_optimizer::commit_staged() {
   for (const group& g : groups_) space_->commit(g.tensor);  // (in memory: the writes are done)
@@ -673,7 +673,6 @@ std::string offloaded_optimizer::stage(const std::string& path) {
   }
   std::uint32_t crc = swap::crc32c(head.data(), head.size());
   std::uint64_t at = head.size();
-  staged_ = false;  // the generation an earlier staged checkpoint is in is written now
   write_every_record(groups_, *space_, *pool_, largest, options_.pipeline.pinned_budget,
                      [&](const group& g, float* record) {
     in.read_all(record, record_bytes(g), at);
@@ -687,6 +686,7 @@ std::string offloaded_optimizer::stage(const std::string& path) {
     }
   }, /*commit=*/false);
   staged_steps_ = std::move(steps);
+  staged_writes_ = space_->writes_started();
   staged_ = true;
   return note;
 }

@@ -269,6 +269,7 @@ swap_space::transfer swap_space::start(std::size_t id, std::byte* buffer, bool w
     if (write) {
       t = {id, true, e.committed == 0 ? 1U : 0U, {}};
       if (!e.created[t.slot]) check_free_space(e, t.slot);
+      ++writes_started_;  // counted before any stripe is queued: a failed write counts too
     } else {
       if (e.committed < 0) {
         throw offload_error("swap_space: tensor " + e.name + " has no committed generation to read", e.name);
@@ -324,6 +325,12 @@ void swap_space::commit(std::size_t id) {
   if (e.written < 0) throw std::logic_error("swap_space: tensor " + e.name + " has no finished write to commit");
   e.committed = e.written;
   e.written = -1;
+}
+
+std::uint64_t swap_space::writes_started() const {
+  made_.require_same_process(who);
+  const std::lock_guard lock(mutex_);
+  return writes_started_;
 }
 
 swap_space_stats swap_space::stats() const {

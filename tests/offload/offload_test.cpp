@@ -13,12 +13,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <set>
@@ -1184,6 +1186,28 @@ TEST_F(offload_checkpoint, a_staged_load_changes_nothing_until_it_is_committed) 
   o.initialize(a.cp());
   EXPECT_THROW(o.commit_load(), std::logic_error);
   const std::vector<float> initialized = all_records(o);
+  // Any write to the swap space takes it, one made through space() too; a step that writes
+  // nothing (no gradients) leaves it.
+  o.stage_load(ck);
+  {
+    const std::uint64_t padded = o.space().padded_bytes(0);
+    std::unique_ptr<void, decltype(&std::free)> buffer(std::aligned_alloc(4096, padded), &std::free);
+    std::memset(buffer.get(), 0, padded);
+    swap_space::transfer t = o.space().write(0, buffer.get());
+    EXPECT_FALSE(o.load_staged());  // as soon as it is queued
+    o.space().finish(t);
+  }
+  EXPECT_THROW(o.commit_load(), std::logic_error);
+  EXPECT_EQ(all_records(o), initialized);
+  o.stage_load(ck);
+  const std::vector<const float*> no_gradients(numels.size(), nullptr);
+  o.step(a.p(), no_gradients, hyper);
+  EXPECT_TRUE(o.load_staged());
+  EXPECT_EQ(all_records(o), initialized);
+  o.commit_load();
+  EXPECT_EQ(all_records(o), saved);
+  EXPECT_EQ(o.steps(), saved_steps);
+  o.initialize(a.cp());
   o.stage_load(ck);
   o.drop_staged_load();
   EXPECT_FALSE(o.load_staged());

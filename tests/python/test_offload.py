@@ -1,7 +1,9 @@
 """Offloaded optimizers (tensormem.offload): state on disk, steps equal to torch.optim's."""
 
 import copy
+import decimal
 import errno
+import fractions
 import gc
 import json
 import os
@@ -620,6 +622,18 @@ def test_hyperparameters_given_as_tensors_or_numpy_numbers_are_saved_as_those_nu
     loaded = fresh.param_groups[0]
     assert (loaded["lr"], loaded["eps"], loaded["betas"]) == (2e-3, float(np.float32(1e-6)), (0.8, 0.99))
     assert all(type(v) is float for v in (loaded["lr"], loaded["eps"], *loaded["betas"]))
+    # So is any other number the step converts (one with __float__): a Fraction, a Decimal.
+    group.update(lr=fractions.Fraction(1, 500), eps=decimal.Decimal("1e-7"))
+    run_steps(model, opt, 1, 2)
+    opt.save_checkpoint(tmp_path / "ck")
+    fresh.load_checkpoint(tmp_path / "ck")
+    assert (fresh.param_groups[0]["lr"], fresh.param_groups[0]["eps"]) == (0.002, 1e-7)
+    # A tensor of more than one element is not a number to the step or to the checkpoint.
+    group["lr"] = torch.tensor([1e-3, 2e-3])
+    with pytest.raises(TypeError, match="lr must be a number"):
+        run_steps(model, opt, 2, 3)
+    with pytest.raises(TypeError, match="Object of type Tensor is not JSON serializable"):
+        opt.save_checkpoint(tmp_path / "ck2")
     # What is not a number still cannot be saved; nothing is left of the attempt.
     group["lr"] = object()
     with pytest.raises(TypeError, match="Object of type object is not JSON serializable"):

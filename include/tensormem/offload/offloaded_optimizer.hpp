@@ -195,9 +195,10 @@ class offloaded_optimizer {
   /// in use, step counts included, stays as it was until `commit_load`. Returns the note.
   std::string stage_load(const std::string& path);
   /// Makes the staged checkpoint the state: no I/O, nothing that can fail, but
-  /// std::logic_error when none is staged: none was, it was dropped, or a call that writes
-  /// the state (`initialize`, `step`, `rewrite`, `load`, `stage_load`) came in between and
-  /// took the generation it was in.
+  /// std::logic_error when none is staged: none was, it was dropped, or a write to the swap
+  /// space came in between and took the generation it was in (`initialize`, `step`,
+  /// `rewrite`, `load`, another `stage_load` that got as far as reading records, or a write
+  /// through `space()`).
   void commit_load();
   /// Forgets a staged checkpoint, if one is; the state in use is unchanged.
   void drop_staged_load();
@@ -222,6 +223,7 @@ class offloaded_optimizer {
   void commit_all(const std::vector<std::size_t>& tensors);
   std::string stage(const std::string& path);  // stage_load, unguarded
   void commit_staged();                         // commit_load, unguarded
+  bool still_staged() const;                    // load_staged, unguarded
   std::vector<std::size_t> order() const;
   void visit_records(const std::function<void(const group&, const float* record)>& f);  // visit, unguarded
 
@@ -249,8 +251,11 @@ class offloaded_optimizer {
   std::unique_ptr<swap_space> space_;
   bool initialized_ = false;
   // A checkpoint staged by stage_load: its records in the generation not in use, its step
-  // counts here, until commit_load (or a call that writes that generation).
+  // counts here, until commit_load or drop_staged_load. It is still there while the swap
+  // space has started no write since (staged_writes_, its count when staging ended): any
+  // write, by this optimizer or through space(), goes to that generation.
   bool staged_ = false;
+  std::uint64_t staged_writes_ = 0;
   std::vector<std::uint64_t> staged_steps_;
   mutable std::mutex calls_;
   mutable std::atomic<std::thread::id> caller_{};  // the thread inside one of the guarded calls

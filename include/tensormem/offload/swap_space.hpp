@@ -97,6 +97,10 @@ class swap_space {
   void commit(std::size_t id);
 
   swap_space_stats stats() const;
+  /// Writes started so far, finished, failed or still queued. While it stays the same, no
+  /// generation's files have changed: what a caller wrote earlier and has not committed is
+  /// still there to commit.
+  std::uint64_t writes_started() const;
   const swap_space_options& options() const noexcept { return options_; }
   /// The file of `id`'s generation `slot` in folder `folder`.
   std::string path(std::size_t id, unsigned slot, std::size_t folder) const;
@@ -124,7 +128,7 @@ class swap_space {
   mutable std::mutex mutex_;
   io::detail::unless_forked<std::vector<entry>> entries_;  // left as it is in a forked child
   std::vector<std::uint64_t> reserved_;  // per folder, both generations
-  std::uint64_t bytes_read_ = 0, bytes_written_ = 0, reads_ = 0, writes_ = 0;
+  std::uint64_t bytes_read_ = 0, bytes_written_ = 0, reads_ = 0, writes_ = 0, writes_started_ = 0;
   io::async_file_io io_;
 };
 
