@@ -230,7 +230,16 @@ def _async_and_offset(method: str, args, kwargs) -> Tuple[bool, int]:
         values[key] = value
     if "async" not in values:
         raise TypeError(f"{method}() missing required argument: 'async'")
-    return bool(values["async"]), operator.index(values.get("file_offset", 0))
+    return _flag(method, "async", values["async"]), operator.index(values.get("file_offset", 0))
+
+
+def _flag(method: str, name: str, value) -> bool:
+    """A bool argument as DeepSpeed's pybind11 binding converts it: True, False, None or an
+    object with ``__bool__`` (1, 0.0, a one-element tensor); a string or a list is a
+    TypeError there, and here, rather than a truth value."""
+    if value is None or hasattr(type(value), "__bool__"):
+        return bool(value)
+    raise TypeError(f"{method}(): {name} must be a bool, not {type(value).__name__} {value!r:.40}")
 
 
 class aio_handle:  # noqa: N801 (DeepSpeed's name)
@@ -248,8 +257,8 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         self._block_size = _positive("block_size", block_size)
         self._queue_depth = _positive("queue_depth", queue_depth)
         self._intra_op_parallelism = _positive("intra_op_parallelism", intra_op_parallelism)
-        self._single_submit = bool(single_submit)
-        self._overlap_events = bool(overlap_events)
+        self._single_submit = _flag("aio_handle", "single_submit", single_submit)
+        self._overlap_events = _flag("aio_handle", "overlap_events", overlap_events)
         self._io = _tensormem.AsyncFileIO(block_bytes=self._block_size, queue_depth=self._queue_depth,
                                           rings=self._intra_op_parallelism)
         self._sync_io: Optional[_tensormem.AsyncFileIO] = None
@@ -300,6 +309,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         return tensor.detach().to("cpu", copy=True).contiguous(), None
 
     def _queue(self, io, read: bool, tensor: torch.Tensor, filename, validate: bool, file_offset: int):
+        validate = _flag("aio_handle", "validate", validate)
         staged, destination = self._staged(tensor, read)
         nbytes = staged.numel() * staged.element_size()
         path = os.fspath(filename)
@@ -308,9 +318,9 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         # the I/O uses; and its size, so that a resize_ that would free it raises instead.
         held = _storage_hold.hold(_storage(staged))
         if read:
-            ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
+            ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), validate)
         else:
-            ticket = io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), bool(validate))
+            ticket = io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), validate)
         return ticket, staged, destination, held
 
     @staticmethod

@@ -311,9 +311,19 @@ def test_pread_and_pwrite_take_async_and_the_offset_by_position_or_by_name(tmp_p
                           (lambda: h.pread(back, path, False, False, 0, file_offset=0),
                            "got multiple values for argument 'file_offset'"),
                           (lambda: h.pread(back, path, False, offset=0), "unexpected keyword argument 'offset'"),
-                          (lambda: h.pwrite(first, path, False), "missing required argument: 'async'")):
+                          (lambda: h.pwrite(first, path, False), "missing required argument: 'async'"),
+                          # Flags as DeepSpeed's binding converts them: not a string or a list.
+                          (lambda: h.pwrite(first, path, False, "no"), r"pwrite\(\): async must be a bool, not str"),
+                          (lambda: h.pread(back, path, [], False), r"aio_handle\(\): validate must be a bool, not list"),
+                          (lambda: h.write(first, path, "False"), r"aio_handle\(\): validate must be a bool, not str"),
+                          (lambda: ds.aio_handle(single_submit="yes"), "single_submit must be a bool"),
+                          (lambda: ds.aio_handle(overlap_events=[0]), "overlap_events must be a bool")):
         with pytest.raises(TypeError, match=message):
             call()
+    # What that binding takes (None, numbers, a one-element tensor) is its truth value.
+    assert h.pwrite(first, path, None, 0) == 1
+    assert h.pread(back, path, 0.0, torch.tensor(False)) == 1 and torch.equal(back, first)
+    assert ds.aio_handle(single_submit=1, overlap_events=None).get_single_submit() is True
     assert pathlib_bytes(path) == raw_bytes(first) + bytes(4096) + raw_bytes(second)  # nothing written
 
 
