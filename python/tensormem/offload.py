@@ -38,6 +38,7 @@ and broadcasts the new values (ZeRO stage 2 at parameter granularity).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -294,9 +295,10 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
     def save_checkpoint(self, path: Union[str, bytes, "os.PathLike"]) -> None:
         """Streams the committed state and the hyperparameters (``param_groups`` without the
         tensors) to one file at ``path``, never holding more than the pinned budget. The file is
-        written to a new file beside it (``path``.tensormem-tmp.<pid>.<n>, made under a name no
-        file has, so nothing else there is touched), synced and renamed: an interrupted save
-        leaves the previous checkpoint whole, state and hyperparameters together, and saves to
+        written to a new file in its folder (unnamed while it is written where the file system
+        can, so a process killed while saving leaves nothing; then named
+        ``path``.tensormem-tmp.<pid>.<n>, a name no file has, so nothing else there is
+        touched), synced and renamed: an interrupted save leaves the previous checkpoint whole, state and hyperparameters together, and saves to
         one path from several processes at once each leave a whole file (the last one wins).
         A checkpoint that replaces a file keeps that file's permission bits (a new one is 0600).
         ``path`` may be a str or a path-like object (``pathlib.Path``). Anything but a regular
@@ -576,7 +578,9 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         """Saves every rank's optimizer as one checkpoint, committed by a small file at ``path``.
 
         Collective: every rank of the group calls it with the same ``path``, in a folder every
-        rank reaches (a file system shared by the machines). Each rank that owns parameters
+        rank reaches (a file system shared by the machines): where a rank does not see
+        another's file once all have saved (each machine its own disk), the save fails on
+        every rank (``FileNotFoundError`` naming that file) before anything is committed. Each rank that owns parameters
         saves its optimizer (``save_checkpoint``: state and hyperparameters) to
         ``<path>.<save>.rank<r>``, ``save`` a number drawn for this save and sent to
         every rank. Once every rank has saved, the group's rank 0 writes ``path`` (JSON: the
@@ -598,6 +602,19 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
                 _remove_if_there(mine)
 
         self._on_every_rank("saved", lambda: mine is not None and self.local.save_checkpoint(mine), remove_mine)
+
+        def all_seen():
+            # Every rank sees every rank's file, as every rank's load will need: else the folder
+            # is not on one file system for the group (each machine its own disk), and the
+            # save, though each rank's file is whole, could never be loaded.
+            for r in sorted(set(self.owner)):
+                theirs = self._checkpoint_file(path, save, r)
+                if r != self.rank and not os.path.isfile(theirs):
+                    raise FileNotFoundError(errno.ENOENT, f"checkpoint {path}: rank {self.rank} does not see the file "
+                                            f"rank {r} saved beside it; every rank must save to a folder on a file "
+                                            f"system the whole group reaches", theirs)
+
+        self._on_every_rank("saved", all_seen, remove_mine)
         # The commit: rank 0 replaces the file at `path`; every rank learns whether it could.
         replaced: List[str] = []  # the files of the save `path` named before
 

@@ -4,6 +4,7 @@
 #include "tensormem/io/detail/blocking.hpp"
 #include "tensormem/core/detail/thread_start.hpp"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -95,21 +96,63 @@ void check_path_argument(std::string_view who, std::string_view path) {
   }
 }
 
-int create_temporary_beside(const std::string& target, std::string& temp, unsigned mode) {
+namespace {
+
+std::atomic<bool> unnamed_temporaries{true};
+
+// The next name a temporary file beside `target` tries.
+std::string temporary_name(const std::string& target) {
   static std::atomic<unsigned long> made{0};
   const std::filesystem::path where(target);
   const std::string name = where.filename().string();
+  const std::string suffix = ".tensormem-tmp." + std::to_string(::getpid()) + "." + std::to_string(made++);
+  // A name at the file system's limit leaves no room for the suffix: a short hidden name then.
+  return name.size() + suffix.size() <= NAME_MAX ? target + suffix
+                                                 : (where.parent_path() / ("." + suffix.substr(1))).string();
+}
+
+}  // namespace
+
+namespace detail {
+bool allow_unnamed_temporaries(bool allowed) noexcept { return unnamed_temporaries.exchange(allowed); }
+}  // namespace detail
+
+int create_temporary_beside(const std::string& target, std::string& temp, unsigned mode) {
+  temp.clear();
+  if (unnamed_temporaries.load() && ::access("/proc/self/fd", X_OK) == 0) {
+    const int fd = detail::repeat_interrupted([&] {
+      return ::open(folder_of(target).c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, static_cast<mode_t>(mode));
+    });
+    // Any failure (no O_TMPFILE there: EOPNOTSUPP, EISDIR; or the folder's own, which the
+    // named file meets again and reports by its name) tries a named file.
+    if (fd >= 0) return fd;
+  }
   for (int attempt = 0; attempt < 100; ++attempt) {
-    const std::string suffix = ".tensormem-tmp." + std::to_string(::getpid()) + "." + std::to_string(made++);
-    // A name at the file system's limit leaves no room for the suffix: a short hidden name then.
-    temp = name.size() + suffix.size() <= NAME_MAX ? target + suffix
-                                                   : (where.parent_path() / ("." + suffix.substr(1))).string();
+    temp = temporary_name(target);
     const int fd = detail::repeat_interrupted([&] {
       return ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, static_cast<mode_t>(mode));
     });
     if (fd >= 0 || errno != EEXIST) return fd;
   }
   return -1;  // errno EEXIST: a hundred names taken
+}
+
+int name_temporary(int fd, const std::string& target, std::string& temp) {
+  if (!temp.empty()) return 0;
+  const std::string by = "/proc/self/fd/" + std::to_string(fd);
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    std::string name = temporary_name(target);
+    if (::linkat(AT_FDCWD, by.c_str(), AT_FDCWD, name.c_str(), AT_SYMLINK_FOLLOW) == 0) {
+      temp = std::move(name);
+      return 0;
+    }
+    if (errno != EEXIST) return -1;
+  }
+  return -1;  // errno EEXIST: a hundred names taken
+}
+
+std::string temporary_in_messages(const std::string& target, const std::string& temp) {
+  return temp.empty() ? target + " (its new file, not yet named)" : temp;
 }
 
 std::string folder_of(const std::string& path) {

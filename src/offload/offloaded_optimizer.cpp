@@ -512,6 +512,8 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   const std::string folder = io::folder_of(path);  // (named now: nothing may fail after the rename)
   // A new file under a name no file has (O_EXCL): nothing already beside the checkpoint (a
   // user's file, a link, another process's save to the same path) is opened or changed.
+  // Where the file system can, the file has no name until it is whole: a process killed while
+  // saving leaves nothing.
   std::string tmp;
   const int fd = io::create_temporary_beside(path, tmp, 0600);
   if (fd < 0) {
@@ -520,12 +522,12 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
   }
   file out(fd);
   try {
-    out.path = tmp;
+    out.path = io::temporary_in_messages(path, tmp);
     // A checkpoint that replaces a regular file keeps its permission bits (a new one is 0600).
     struct stat old {};
     if (::lstat(path.c_str(), &old) == 0 && S_ISREG(old.st_mode) && ::fchmod(out.fd, old.st_mode & 0777) != 0) {
       throw std::system_error(errno, std::generic_category(),
-                              "cannot save checkpoint " + path + ": cannot set the mode of " + tmp);
+                              "cannot save checkpoint " + path + ": cannot set the mode of " + out.path);
     }
     const std::vector<std::uint64_t> words = header_words(*this);
     std::vector<char> head(header_bytes(numels_.size()), 0);
@@ -548,7 +550,11 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
     std::memcpy(tail + 16, checkpoint_end, 8);
     out.write_all(tail, tail_bytes, at);
     const int synced = io::detail::repeat_interrupted([&] { return ::fsync(out.fd); });
-    if (synced != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + tmp);
+    if (synced != 0) throw std::system_error(errno, std::generic_category(), "cannot sync " + out.path);
+    if (io::name_temporary(out.fd, path, tmp) != 0) {
+      throw std::system_error(errno, std::generic_category(),
+                              "cannot save checkpoint " + path + ": cannot give its new file a name beside it");
+    }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);
     }

@@ -142,11 +142,14 @@ void output_file::commit() {
   stream_.flush();
   if (buffer_.error() != 0) fail(buffer_.error());
   if (!stream_) fail(EIO);
-  if (!temp_.empty() && io::detail::repeat_interrupted([&] { return ::fsync(fd_); }) != 0) fail(errno);
+  if (!target_.empty()) {
+    if (io::detail::repeat_interrupted([&] { return ::fsync(fd_); }) != 0) fail(errno);
+    if (io::name_temporary(fd_, target_, temp_) != 0) fail(errno);  // (an unnamed file: named now)
+  }
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0 && errno != EINTR) fail(errno);  // (after EINTR the descriptor is closed)
-  if (!temp_.empty()) {
+  if (!target_.empty()) {
     if (::rename(temp_.c_str(), target_.c_str()) != 0) fail(errno);
     temp_.clear();
   }

@@ -2,15 +2,17 @@
 // Writes a text file through a callback, so that a failed write loses nothing.
 //
 // A regular file at the path (or at the end of a symbolic link there) is replaced only once
-// the new one is complete: the text goes to a temporary file beside it
-// (`<file>.tensormem-tmp.<pid>.<n>`, made with O_EXCL), which is synced and renamed onto the
-// file; the replacement keeps the old file's permission bits (and its owner and group where
-// the writer may set them). A new file is made the same way, so a partial file is never seen
+// the new one is complete: the text goes to a new file in its folder, which is synced, named
+// `<file>.tensormem-tmp.<pid>.<n>` (a name no file has) and renamed onto the file; the
+// replacement keeps the old file's permission bits (and its owner and group where the writer
+// may set them). A new file is made the same way, so a partial file is never seen
 // at the path. A file the writer may not write is refused (EACCES), as its open would be,
 // though its folder would let a rename replace it. A write that fails (a full disk, a
 // file-size limit, an exception from the callback) removes the temporary file and leaves what
-// was at the path as it was; a process killed while writing leaves its temporary file
-// instead (never a partial file at the path).
+// was at the path as it was. The new file has no name while it is written where the file
+// system can (O_TMPFILE), so a process killed while writing leaves nothing; elsewhere it is
+// named from the start (O_EXCL), and such a process leaves it (never a partial file at the
+// path).
 //
 // Written in place instead: a device, a pipe or a socket (nothing there to keep), anything
 // under /dev or /proc and a link to such a path (/dev/stdout where a shell sent it to a file:

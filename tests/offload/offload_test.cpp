@@ -9,9 +9,12 @@
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -40,6 +43,7 @@ using io::testing::in_forked_child;
 using io::testing::refused_in_child;
 using swap::testing::pattern;
 using swap::testing::scratch_dir;
+using swap::testing::next_temporary_names;
 using swap::testing::temporary_files_in;
 
 std::vector<float> randoms(std::size_t n, std::uint64_t seed, float lo = -1, float hi = 1) {
@@ -858,21 +862,6 @@ std::string file_text(const std::string& path) {
   return {bytes.begin(), bytes.end()};
 }
 
-// The next `count` names a temporary file beside `target` would take, learned from one made
-// (and removed) the same way.
-std::vector<std::string> next_temporary_names(const std::string& target, int count) {
-  std::string probe;
-  const int fd = io::create_temporary_beside(target, probe, 0600);
-  EXPECT_GE(fd, 0) << probe;
-  if (fd >= 0) ::close(fd);
-  std::filesystem::remove(probe);
-  const std::size_t dot = probe.rfind('.') + 1;
-  const unsigned long made = std::stoul(probe.substr(dot));
-  std::vector<std::string> names;
-  for (int k = 1; k <= count; ++k) names.push_back(probe.substr(0, dot) + std::to_string(made + static_cast<unsigned long>(k)));
-  return names;
-}
-
 void write_bytes(const std::string& path, const std::vector<char>& bytes) {
   std::ofstream(path, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
@@ -1014,62 +1003,67 @@ TEST_F(offload_checkpoint, round_trips_and_bad_ones_are_refused) {
         << e.what();
   }
 
-  // Nothing beside the checkpoint is opened or changed: the save makes its temporary file
-  // under a name no file has (O_EXCL). The next names it would try hold a symbolic link to a
-  // user's file, a link to /dev/full, a pipe, a folder, a user's file and (where root may
-  // make one) a node of the null device: the save passes over them, each stays as it was,
-  // and the checkpoint is whole. A file at `ck.tmp` is a user's like any other.
-  const std::string notes = (dir.path / "notes").string();
-  const std::string users = "a user's own bytes";
-  std::ofstream(notes) << users;
-  std::ofstream(ck + ".tmp") << users;
-  auto names = next_temporary_names(ck, 6);
-  std::filesystem::create_symlink(notes, names[0]);
-  std::filesystem::create_symlink("/dev/full", names[1]);
-  ASSERT_EQ(mkfifo(names[2].c_str(), 0600), 0);
-  std::filesystem::create_directory(names[3]);
-  std::ofstream(names[4]) << users;
-  const bool node = mknod(names[5].c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0;
-  {
-    const swap::testing::hang_guard guard("saving a checkpoint beside a pipe", std::chrono::seconds(20));
-    o.save(ck, "past six names");
-  }
-  EXPECT_EQ(file_text(notes), users);
-  EXPECT_EQ(file_text(ck + ".tmp"), users);
-  EXPECT_EQ(file_text(names[4]), users);
-  EXPECT_EQ(std::filesystem::read_symlink(names[0]), notes);
-  EXPECT_EQ(std::filesystem::read_symlink(names[1]), "/dev/full");
-  EXPECT_TRUE(std::filesystem::is_fifo(names[2]));  // not opened: no wait for a reader
-  EXPECT_TRUE(std::filesystem::is_directory(names[3]));
-  EXPECT_EQ(std::filesystem::is_character_file(names[5]), node);
-  EXPECT_FALSE(std::filesystem::is_symlink(ck));
-  {
-    offloaded_optimizer saved(numels, small_options(dir));
-    EXPECT_EQ(saved.load(ck), "past six names");
-    EXPECT_EQ(all_records(saved), all_records(o));
-  }
-  for (const std::string& name : names) std::filesystem::remove(name);
-  std::filesystem::remove(ck + ".tmp");
-  EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
-  // A hundred names in a row taken: the save gives up (EEXIST) naming the last it tried,
-  // writes nothing, and the checkpoint and the files there keep their bytes.
-  std::vector<char> before = file_bytes(ck);
-  names = next_temporary_names(ck, 100);
-  for (const std::string& name : names) std::ofstream(name) << users;
-  try {
-    o.save(ck);
-    ADD_FAILURE() << "saved with every name taken";
-  } catch (const std::system_error& e) {
-    EXPECT_EQ(e.code().value(), EEXIST) << e.what();
-    EXPECT_EQ(std::string(e.what()).find("cannot save checkpoint " + ck + ": cannot create its temporary file " +
-                                         names.back()),
-              0U)
-        << e.what();
-  }
-  EXPECT_EQ(file_bytes(ck), before);
-  for (const std::string& name : names) {
-    EXPECT_EQ(file_text(name), users) << name;
-    std::filesystem::remove(name);
+  // Both where the file is unnamed until it is whole (its name taken as it is renamed into
+  // place) and where it is named from the start.
+  std::vector<char> before;
+  for (const bool named : {false, true}) {
+    const swap::testing::named_temporaries mode(named);
+    // Nothing beside the checkpoint is opened or changed: the save makes its temporary file
+    // under a name no file has (O_EXCL). The next names it would try hold a symbolic link to a
+    // user's file, a link to /dev/full, a pipe, a folder, a user's file and (where root may
+    // make one) a node of the null device: the save passes over them, each stays as it was,
+    // and the checkpoint is whole. A file at `ck.tmp` is a user's like any other.
+    const std::string notes = (dir.path / "notes").string();
+    const std::string users = "a user's own bytes";
+    std::ofstream(notes) << users;
+    std::ofstream(ck + ".tmp") << users;
+    auto names = next_temporary_names(ck, 6);
+    std::filesystem::create_symlink(notes, names[0]);
+    std::filesystem::create_symlink("/dev/full", names[1]);
+    ASSERT_EQ(mkfifo(names[2].c_str(), 0600), 0);
+    std::filesystem::create_directory(names[3]);
+    std::ofstream(names[4]) << users;
+    const bool node = mknod(names[5].c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0;
+    {
+      const swap::testing::hang_guard guard("saving a checkpoint beside a pipe", std::chrono::seconds(20));
+      o.save(ck, "past six names");
+    }
+    EXPECT_EQ(file_text(notes), users);
+    EXPECT_EQ(file_text(ck + ".tmp"), users);
+    EXPECT_EQ(file_text(names[4]), users);
+    EXPECT_EQ(std::filesystem::read_symlink(names[0]), notes);
+    EXPECT_EQ(std::filesystem::read_symlink(names[1]), "/dev/full");
+    EXPECT_TRUE(std::filesystem::is_fifo(names[2]));  // not opened: no wait for a reader
+    EXPECT_TRUE(std::filesystem::is_directory(names[3]));
+    EXPECT_EQ(std::filesystem::is_character_file(names[5]), node);
+    EXPECT_FALSE(std::filesystem::is_symlink(ck));
+    {
+      offloaded_optimizer saved(numels, small_options(dir));
+      EXPECT_EQ(saved.load(ck), "past six names");
+      EXPECT_EQ(all_records(saved), all_records(o));
+    }
+    for (const std::string& name : names) std::filesystem::remove(name);
+    std::filesystem::remove(ck + ".tmp");
+    EXPECT_EQ(temporary_files_in(dir.path), std::vector<std::string>{});
+    // A hundred names in a row taken: the save gives up (EEXIST) naming the last it tried,
+    // writes nothing, and the checkpoint and the files there keep their bytes.
+    before = file_bytes(ck);
+    names = next_temporary_names(ck, 100);
+    for (const std::string& name : names) std::ofstream(name) << users;
+    try {
+      o.save(ck);
+      ADD_FAILURE() << "saved with every name taken";
+    } catch (const std::system_error& e) {
+      EXPECT_EQ(e.code().value(), EEXIST) << e.what();
+      const std::string refusal = named ? "cannot save checkpoint " + ck + ": cannot create its temporary file " + names.back()
+                                        : "cannot save checkpoint " + ck + ": cannot give its new file a name beside it";
+      EXPECT_EQ(std::string(e.what()).find(refusal), 0U) << e.what();
+    }
+    EXPECT_EQ(file_bytes(ck), before);
+    for (const std::string& name : names) {
+      EXPECT_EQ(file_text(name), users) << name;
+      std::filesystem::remove(name);
+    }
   }
   before = file_bytes(ck);
   // What the save would replace is a regular file or nothing: a pipe, or a node of the null
@@ -1146,6 +1140,84 @@ TEST(offload_checkpoint_disk, a_full_disk_fails_the_save_and_keeps_the_previous_
            back.steps() == std::vector<std::uint64_t>(sizes.size(), 0);
   }));
 }
+// A process killed while it saves a checkpoint leaves nothing beside it: the new file has no
+// name until it is whole (O_TMPFILE). The child saves again and again; once one of its open
+// files is in the checkpoints' folder under another name than the checkpoint's (the file
+// being written), it is killed. The checkpoint there is whole.
+TEST(offload_checkpoint_kill, a_process_killed_while_it_saves_leaves_nothing_beside_the_checkpoint) {
+  const scratch_dir swaps;
+  const scratch_dir folder;
+  const std::vector<std::uint64_t> sizes = {std::uint64_t{3} << 20};  // 36 MiB of state to save
+  const std::string ck = (folder.path / "ck").string();
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(ready[0]);
+    try {
+      offloaded_optimizer o(sizes, small_options(swaps));
+      model_params a(sizes);
+      o.initialize(a.cp());
+      o.save(ck, "first");
+      if (::write(ready[1], "r", 1) != 1) ::_exit(2);
+      for (;;) o.save(ck, "later");
+    } catch (...) {
+      ::_exit(3);
+    }
+  }
+  ::close(ready[1]);
+  char byte = 0;
+  const bool saved_once = ::read(ready[0], &byte, 1) == 1;
+  ::close(ready[0]);
+  std::string seen;  // the link of the child's file being written
+  const std::string fds = "/proc/" + std::to_string(child) + "/fd";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (saved_once && seen.empty() && std::chrono::steady_clock::now() < deadline) {
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(fds, ec)) {
+      std::error_code gone;
+      const std::string to = std::filesystem::read_symlink(e.path(), gone).string();
+      if (!gone && to.rfind(folder.path.string() + "/", 0) == 0 && to != ck) seen = to;
+    }
+  }
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(saved_once) << "the child failed before its first save, status " << status;
+  ASSERT_FALSE(seen.empty()) << "no file of the child's seen being written";
+  EXPECT_NE(seen.find(" (deleted)"), std::string::npos) << seen;  // unnamed: "<folder>/#<inode> (deleted)"
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(folder.path)) left.push_back(e.path().string());
+  EXPECT_EQ(left, std::vector<std::string>{ck});
+  offloaded_optimizer back(sizes, small_options(swaps));
+  const std::string note = back.load(ck);
+  EXPECT_TRUE(note == "first" || note == "later") << note;
+}
+
+// Where the file system has no unnamed files (O_TMPFILE refused as by NFS, EOPNOTSUPP, or by
+// a kernel without the flag, EISDIR), a save writes a named temporary file instead: the
+// checkpoint is whole and nothing is left beside it.
+TEST(offload_checkpoint_disk, without_unnamed_files_a_save_writes_a_named_file_and_leaves_nothing) {
+  const scratch_dir swaps;
+  const scratch_dir folder;
+  const std::string ck = (folder.path / "ck").string();
+  for (const int refusal : {EOPNOTSUPP, EISDIR}) {
+    const int status = swap::testing::without_unnamed_files(folder.path, [&] {
+      offloaded_optimizer o(numels, small_options(swaps));
+      model_params a(numels);
+      o.initialize(a.cp());
+      o.save(ck, "named");
+      offloaded_optimizer back(numels, small_options(swaps));
+      return back.load(ck) == "named" && all_records(back) == all_records(o) &&
+             temporary_files_in(folder.path).empty();
+    }, refusal);
+    if (status == 77) GTEST_SKIP() << "no seccomp filter here";
+    EXPECT_EQ(status, 0) << refusal;
+    std::filesystem::remove(ck);
+  }
+}
+
 // The two halves of load: a staged checkpoint changes neither the records nor the step counts
 // until it is committed; a call that writes the state in between, or a drop, leaves nothing
 // to commit; a damaged file stages nothing.
@@ -1278,7 +1350,7 @@ TEST_F(offload_checkpoint, a_replaced_checkpoint_keeps_the_mode_of_the_file_it_r
       } catch (const std::system_error& e) {
         return e.code().value() == EPERM &&
                std::string(e.what()).rfind("cannot save checkpoint " + ck + ": cannot set the mode of " + ck +
-                                               ".tensormem-tmp.",
+                                               " (its new file, not yet named)",
                                            0) == 0 &&
                file_bytes(ck) == before && temporary_files_in(dir.path).empty();
       }

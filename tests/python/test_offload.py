@@ -1434,6 +1434,51 @@ def test_a_zero_checkpoint_is_saved_by_every_rank_and_committed_once(tmp_path):
     assert manifest["world"] == 2 and sorted(manifest["files"]) == ["0", "1"]
 
 
+SEPARATE_DISKS_SCRIPT = textwrap.dedent("""
+    import ctypes, os, sys
+    rank, store, swap, ck = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    if rank == 1:  # a disk of its own at the checkpoints' folder (before any thread starts)
+        libc = ctypes.CDLL(None, use_errno=True)
+        MS_REC, MS_PRIVATE, CLONE_NEWNS = 16384, 1 << 18, 0x20000
+        if libc.unshare(CLONE_NEWNS) != 0 or libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0 or \\
+                libc.mount(b"tmpfs", os.fsencode(os.path.dirname(ck)), b"tmpfs", 0, b"size=16m") != 0:
+            sys.exit("rank 1: no mount namespace: " + os.strerror(ctypes.get_errno()))
+    import torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, outcome, zero_trainer
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = mlp()
+    opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, lr=1e-3, swap_dirs=[swap], group_bytes=16 << 10)
+    zero_trainer(m, opt, rank, 2)(1)
+    print("rank", rank, "save:", outcome(lambda: opt.save_checkpoint(ck)))
+    print("rank", rank, "left:", sorted(os.listdir(os.path.dirname(ck))))
+    dist.destroy_process_group()
+""")
+
+
+def test_a_zero_checkpoint_in_folders_the_ranks_do_not_share_is_refused_by_every_rank(tmp_path):
+    # Rank 1 saves onto a disk of its own (a tmpfs in its own mount namespace, where root may
+    # make one): its file is whole but rank 0 cannot see it, nor it rank 0's. The save used to
+    # succeed, leaving a checkpoint no rank could load; now it fails on every rank before the
+    # commit and removes its files.
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (root only)")
+    (tmp_path / "cks").mkdir()
+    ck = tmp_path / "cks" / "ck"
+    procs, outs = run_ranks(tmp_path, SEPARATE_DISKS_SCRIPT, 2,
+                            lambda r: [str(r), str(tmp_path / "store"), str(tmp_path / "swap"), str(ck)], timeout=180)
+    assert all(p.returncode == 0 for p in procs), outs
+    for r, (out, _) in enumerate(outs):
+        lines = out.splitlines()
+        assert lines[0].startswith(f"rank {r} save: FileNotFoundError: [Errno 2] checkpoint {ck}: rank {r} does not "
+                                   f"see the file rank {1 - r} saved beside it; every rank must save to a folder on a "
+                                   f"file system the whole group reaches: '{ck}."), out
+        assert lines[0].endswith(f".rank{1 - r}'"), out
+        assert lines[1] == f"rank {r} left: []", out  # its own file removed, no commit written
+
+
 def test_the_training_example_matches_in_memory_adamw(tmp_path):
     example = os.path.join(os.environ.get("TENSORMEM_EXAMPLES", os.path.join(HERE, "..", "..", "examples", "python")),
                            "train_offloaded.py")

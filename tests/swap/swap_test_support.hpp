@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "tensormem/io/io_engine.hpp"
+#include "tensormem/io/path_argument.hpp"
 
 namespace tensormem::swap::testing {
 
@@ -70,6 +71,36 @@ inline std::vector<std::string> temporary_files_in(const std::filesystem::path& 
   }
   return left;
 }
+
+/// The next `count` names a replacement file beside `target` will try, learned from one made
+/// (and removed) the same way.
+inline std::vector<std::string> next_temporary_names(const std::string& target, int count) {
+  std::string probe;
+  const int fd = io::create_temporary_beside(target, probe, 0600);
+  EXPECT_GE(fd, 0) << probe;
+  EXPECT_EQ(io::name_temporary(fd, target, probe), 0) << probe;  // (an unnamed file is named now)
+  if (fd >= 0) ::close(fd);
+  std::filesystem::remove(probe);
+  const std::size_t dot = probe.rfind('.') + 1;
+  const unsigned long made = std::stoul(probe.substr(dot));
+  std::vector<std::string> names;
+  for (int k = 1; k <= count; ++k) names.push_back(probe.substr(0, dot) + std::to_string(made + static_cast<unsigned long>(k)));
+  return names;
+}
+
+/// While it lives, replacement files are named from the start, as where the file system has
+/// no O_TMPFILE (`io::detail::allow_unnamed_temporaries`).
+class named_temporaries {
+ public:
+  named_temporaries() : was_(io::detail::allow_unnamed_temporaries(false)) {}
+  explicit named_temporaries(bool named) : was_(io::detail::allow_unnamed_temporaries(!named)) {}
+  ~named_temporaries() { io::detail::allow_unnamed_temporaries(was_); }
+  named_temporaries(const named_temporaries&) = delete;
+  named_temporaries& operator=(const named_temporaries&) = delete;
+
+ private:
+  bool was_;
+};
 
 /// `n` pseudo-random bytes determined by `seed`.
 inline std::vector<std::byte> pattern(std::size_t n, std::uint64_t seed) {

@@ -193,6 +193,7 @@ TEST(write_file, a_name_with_no_room_for_the_temporary_suffix_is_written) {
 // A temporary file's name taken (a file left by a process killed while writing, whose id this
 // process now has) is passed over for the next; the file there is not touched.
 TEST(write_file, a_temporary_name_already_taken_is_passed_over) {
+  const swap::testing::named_temporaries named;  // (an unnamed file's name: the next test)
   const scratch_dir dir;
   ASSERT_FALSE(dir.path.empty());
   const std::string path = dir.file("plan.csv");
@@ -220,6 +221,28 @@ TEST(write_file, a_temporary_name_already_taken_is_passed_over) {
     EXPECT_EQ(file_bytes(dir.file(prefix + std::to_string(taken))).size(), 14u);
   }
   EXPECT_EQ(names_in(dir.path).size(), 6u);
+}
+
+// Where the file system can, the new file has no name while it is written (a process killed
+// then leaves nothing): only once it is whole is it named beside the file, past names others
+// hold (each untouched), and renamed onto it.
+TEST(write_file, the_new_file_has_no_name_until_it_is_whole) {
+  const scratch_dir dir;
+  ASSERT_FALSE(dir.path.empty());
+  const std::string path = dir.file("plan.csv");
+  std::ofstream(path) << "old";
+  const std::vector<std::string> taken = swap::testing::next_temporary_names(path, 3);
+  for (const std::string& name : taken) std::ofstream(name) << "someone else's";
+  std::vector<std::string> while_written;
+  detail::write_file(path, [&](std::ostream& out) {
+    while_written = names_in(dir.path);
+    out << "new";
+  });
+  EXPECT_EQ(while_written.size(), 4u);  // the old file and the three taken names, nothing else
+  const std::vector<std::byte> text = file_bytes(path);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(text.data()), text.size()), "new");
+  for (const std::string& name : taken) EXPECT_EQ(file_bytes(name).size(), 14u) << name;
+  EXPECT_EQ(names_in(dir.path).size(), 4u);
 }
 
 TEST(write_file, devices_are_written_in_place) {

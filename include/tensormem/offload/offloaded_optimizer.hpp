@@ -166,16 +166,18 @@ class offloaded_optimizer {
   /// Streams every record through `edit` and commits the edited state (all or nothing).
   /// `steps` (if not empty) replaces the step counts with it.
   void rewrite(const std::function<void(const group&, float* record)>& edit, std::vector<std::uint64_t> steps = {});
-  /// Writes a checkpoint file of the committed state (written to a new file beside it,
-  /// `path`.tensormem-tmp.<pid>.<n>, synced and renamed onto `path`, so an interrupted save
-  /// leaves the previous file; then the folder is synced, so that the new file survives a
+  /// Writes a checkpoint file of the committed state (written to a new file in its folder,
+  /// synced, named `path`.tensormem-tmp.<pid>.<n> and renamed onto `path`, so an interrupted
+  /// save leaves the previous file; then the folder is synced, so that the new file survives a
   /// crash, std::system_error naming the folder if it cannot be: the new file is in place
   /// then). `note` (any bytes: the caller's hyperparameters, say) is kept in the same file, so
   /// the two are replaced together. The file ends with a CRC-32C of all it holds. Never holds
-  /// more than the pinned budget. The temporary file is made with O_EXCL under a name no file
-  /// has: nothing beside `path` is opened or changed, and saves to one path from several
-  /// processes at once each write a whole file of their own (the last rename wins). A failed
-  /// save removes its temporary file; a process killed while saving leaves it. A new
+  /// more than the pinned budget. The new file has no name while it is written where the file
+  /// system can (O_TMPFILE: a process killed while saving leaves nothing); elsewhere it is
+  /// made at once, with O_EXCL, under that name. Either way the name is one no file has:
+  /// nothing beside `path` is opened or changed, and saves to one path from several processes
+  /// at once each write a whole file of their own (the last rename wins). A failed save
+  /// removes its new file (a process killed while saving leaves a named one). A new
   /// checkpoint is readable by its owner only (0600); one that replaces a regular file keeps
   /// that file's permission bits.
   /// `path` must be a regular file, a symbolic link (replaced itself, not followed) or
