@@ -298,8 +298,9 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         written to a new file in its folder (unnamed while it is written where the file system
         can, so a process killed while saving leaves nothing; then named
         ``path``.tensormem-tmp.<pid>.<n>, a name no file has, so nothing else there is
-        touched), synced and renamed: an interrupted save leaves the previous checkpoint whole, state and hyperparameters together, and saves to
-        one path from several processes at once each leave a whole file (the last one wins).
+        touched), synced and renamed: an interrupted save leaves the previous checkpoint
+        whole, state and hyperparameters together, and saves to one path from several
+        processes at once each leave a whole file (the last one wins).
         A checkpoint that replaces a file keeps that file's permission bits (a new one is 0600).
         ``path`` may be a str or a path-like object (``pathlib.Path``). Anything but a regular
         file or a symbolic link (replaced, not followed) at ``path`` is refused with ``OSError``
@@ -580,10 +581,10 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         Collective: every rank of the group calls it with the same ``path``, in a folder every
         rank reaches (a file system shared by the machines): where a rank does not see
         another's file once all have saved (each machine its own disk), the save fails on
-        every rank (``FileNotFoundError`` naming that file) before anything is committed. Each rank that owns parameters
-        saves its optimizer (``save_checkpoint``: state and hyperparameters) to
-        ``<path>.<save>.rank<r>``, ``save`` a number drawn for this save and sent to
-        every rank. Once every rank has saved, the group's rank 0 writes ``path`` (JSON: the
+        every rank (``FileNotFoundError`` naming that file) before anything is committed.
+        Each rank that owns parameters saves its optimizer (``save_checkpoint``: state and
+        hyperparameters) to ``<path>.<save>.rank<r>``, ``save`` a number drawn for this save
+        and sent to every rank. Once every rank has saved, the group's rank 0 writes ``path`` (JSON: the
         save's number, the group's size, the owner of every parameter and the files) through a
         temporary file and a rename: that is the commit. Then it removes the files of the save
         ``path`` named before. A save that fails on any rank raises on every rank (that rank's
