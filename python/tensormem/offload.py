@@ -455,7 +455,9 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
     summed onto their owner (``reduce``) and averaged, the owner steps its offloaded optimizer
     (swap files in ``<swap_dir>/rank<r>``, ``r`` the process's global rank) and broadcasts the
     new values to every rank. ``group`` may be any process group that holds this process;
-    its members own the parameters.
+    its members own the parameters. Every rank gives the same parameters (compared at
+    construction: ``ValueError`` on every rank where their groups, order, shapes or dtypes
+    differ).
 
     ``params`` takes parameter groups as ``torch.optim`` does (dicts with ``"params"`` and
     their own hyperparameters). ``param_groups`` holds every group on every rank, and a change
@@ -469,15 +471,25 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         import torch.distributed as dist
         if not dist.is_initialized():
             raise RuntimeError("ZeroOffloadedOptimizer needs torch.distributed.init_process_group first")
-        self._constructed = False
-        super().__init__(params, _hyperparameter_defaults(optimizer_class, kwargs))
-        self._constructed = True
         self.group = group
         self.rank = dist.get_rank(group)  # within the group
         if self.rank < 0:
             raise RuntimeError(f"ZeroOffloadedOptimizer: this process (global rank {dist.get_rank()}) is not in the "
                                "process group it was given")
         self.world = dist.get_world_size(group)
+        # The parameters, on every rank or on none: a rank whose list torch.optim refuses (an
+        # empty one) would leave the others waiting in the next collective, and ranks given
+        # other parameters (a model built otherwise on one) would own, reduce and broadcast
+        # tensors that do not match.
+        self._constructed = False
+        error = None
+        try:
+            super().__init__(params, _hyperparameter_defaults(optimizer_class, kwargs))
+        except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
+            error = e
+        self._constructed = True
+        self._raise_if_any_failed(error, "made")
+        self._check_same_parameters(dist)
         # reduce and broadcast name processes by their global ranks, also in a smaller group
         self._global = [_global_rank(dist, group, r) for r in range(self.world)]
         self.params = [p for g in self.param_groups for p in g["params"]]
@@ -504,6 +516,22 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - raised below, after every rank knows
             error = e
         self._raise_if_any_failed(error, "made")
+
+    def _check_same_parameters(self, dist) -> None:
+        """Every rank was given the same parameters: as many groups, and in each the same
+        shapes and dtypes in the same order (one all_gather of a line per rank); else
+        ``ValueError`` on every rank, naming what each rank was given."""
+        shapes = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in self.param_groups]
+        mine = (repr(shapes), f"{len(shapes)} group(s), {sum(map(len, shapes))} parameter(s) of "
+                              f"{sum(p.numel() for g in self.param_groups for p in g['params'])} elements")
+        every: List[Optional[tuple]] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        if any(other[0] != mine[0] for other in every):
+            told = "; ".join(f"rank {r}: {summary}" + ("" if layout == every[0][0] else " (not as rank 0's)")
+                             for r, (layout, summary) in enumerate(every))
+            raise ValueError(f"ZeroOffloadedOptimizer: the ranks were given different parameters ({told}); every "
+                             f"rank gives the same parameters, in the same groups and order, with the same shapes "
+                             f"and dtypes")
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", True):

@@ -1434,6 +1434,55 @@ def test_a_zero_checkpoint_is_saved_by_every_rank_and_committed_once(tmp_path):
     assert manifest["world"] == 2 and sorted(manifest["files"]) == ["0", "1"]
 
 
+OTHER_PARAMETERS_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, outcome, zero_trainer
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    rank, store, swap = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = mlp()
+    def made(params):
+        return outcome(lambda: ZeroOffloadedOptimizer(params, OffloadedAdamW, swap_dirs=[swap]))
+    whole = list(m.parameters())
+    # Rank 1 leaves out a parameter; gives one of another shape; of another dtype; puts it
+    # in a group of its own; gives none at all.
+    print("rank", rank, "fewer:", made(whole if rank == 0 else whole[:-1]))
+    print("rank", rank, "shape:", made(whole if rank == 0 else whole[:-1] + [torch.nn.Parameter(torch.zeros(1, 11))]))
+    print("rank", rank, "dtype:", made(whole if rank == 0 else whole[:-1] + [torch.nn.Parameter(whole[-1].double())]))
+    print("rank", rank, "groups:", made(whole if rank == 0 else [{{"params": whole[:-1]}}, {{"params": whole[-1:]}}]))
+    print("rank", rank, "none:", made(whole if rank == 0 else []))
+    # The same parameters on both: made, and it trains.
+    opt = ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, swap_dirs=[swap])
+    zero_trainer(m, opt, rank, 1)(1)
+    print("rank", rank, "same: ok")
+    dist.destroy_process_group()
+""")
+
+
+def test_zero_ranks_given_other_parameters_are_refused_by_every_rank(tmp_path):
+    # Before, a rank given other parameters than the others (a model built otherwise there)
+    # went on to own, reduce and broadcast tensors that did not match, and a rank whose list
+    # torch.optim refused (empty) left the others waiting in the next collective.
+    procs, outs = run_ranks(tmp_path, OTHER_PARAMETERS_SCRIPT, 2,
+                            lambda r: [str(r), str(tmp_path / "store"), str(tmp_path / "swap")], timeout=120)
+    assert all(p.returncode == 0 for p in procs), outs
+    differ = "ValueError: ZeroOffloadedOptimizer: the ranks were given different parameters (rank 0: 1 group(s), " \
+             "4 parameter(s) of 14711 elements; rank 1: "
+    tail = "; every rank gives the same parameters, in the same groups and order, with the same shapes and dtypes"
+    for r, (out, _) in enumerate(outs):
+        lines = out.splitlines()
+        assert lines[0] == f"rank {r} fewer: {differ}1 group(s), 3 parameter(s) of 14700 elements (not as rank 0's)){tail}", out
+        assert lines[1] == f"rank {r} shape: {differ}1 group(s), 4 parameter(s) of 14711 elements (not as rank 0's)){tail}", out
+        assert lines[2] == f"rank {r} dtype: {differ}1 group(s), 4 parameter(s) of 14711 elements (not as rank 0's)){tail}", out
+        assert lines[3] == f"rank {r} groups: {differ}2 group(s), 4 parameter(s) of 14711 elements (not as rank 0's)){tail}", out
+        assert lines[4] == (f"rank {r} none: ValueError: optimizer got an empty parameter list" if r == 1 else
+                            f"rank {r} none: RuntimeError: ZeroOffloadedOptimizer: the offloaded optimizer could not be "
+                            f"made on 1 other rank(s) of the group; their errors say why"), out
+        assert lines[5] == f"rank {r} same: ok", out
+
+
 SEPARATE_DISKS_SCRIPT = textwrap.dedent("""
     import ctypes, os, sys
     rank, store, swap, ck = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
