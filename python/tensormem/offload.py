@@ -450,7 +450,9 @@ def _hyperparameter_defaults(optimizer_class, kwargs) -> dict:
 
 
 class ZeroOffloadedOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 2 at parameter granularity over ``torch.distributed`` (gloo or NCCL): each
+    """ZeRO stage 2 at parameter granularity over ``torch.distributed``, on a group that
+    carries CPU tensors (gloo; beside an NCCL default group, ``new_group(backend="gloo")``;
+    an NCCL-only group is refused, ``ValueError``, NCCL moving CUDA tensors only): each
     rank owns whole parameters (largest first, to the least-loaded rank), gradients are
     summed onto their owner (``reduce``) and averaged, the owner steps its offloaded optimizer
     (swap files in ``<swap_dir>/rank<r>``, ``r`` the process's global rank) and broadcasts the
@@ -477,6 +479,11 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"ZeroOffloadedOptimizer: this process (global rank {dist.get_rank()}) is not in the "
                                "process group it was given")
         self.world = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        if backend == "nccl":  # (torch 2's default "cpu:gloo,cuda:nccl" carries CPU tensors too)
+            raise ValueError("ZeroOffloadedOptimizer exchanges CPU tensors (the parameters it offloads, their "
+                             "gradients, its counts), which NCCL does not move: give it a gloo group, "
+                             "group=torch.distributed.new_group(backend=\"gloo\")")
         # The parameters, on every rank or on none: a rank whose list torch.optim refuses (an
         # empty one) would leave the others waiting in the next collective, and ranks given
         # other parameters (a model built otherwise on one) would own, reduce and broadcast

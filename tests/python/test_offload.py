@@ -1483,6 +1483,37 @@ def test_zero_ranks_given_other_parameters_are_refused_by_every_rank(tmp_path):
         assert lines[5] == f"rank {r} same: ok", out
 
 
+NCCL_GROUP_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, outcome
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    rank, store, swap = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=1)
+    m = mlp()
+    gloo = dist.get_backend
+    for name in ("nccl", "cpu:gloo,cuda:nccl"):  # as NCCL alone, and as torch 2's default group
+        dist.get_backend = lambda group=None: name
+        print(name + ":", outcome(lambda: ZeroOffloadedOptimizer(m.parameters(), OffloadedAdamW, swap_dirs=[swap])))
+    dist.get_backend = gloo
+    dist.destroy_process_group()
+""")
+
+
+def test_a_zero_optimizer_on_an_nccl_only_group_is_refused_before_any_collective(tmp_path):
+    # NCCL moves CUDA tensors only: the optimizer's CPU parameters, gradients and counts would
+    # fail in the first collective with NCCL's own error. (No GPU here: the group is gloo,
+    # its backend's name as NCCL would give it.)
+    procs, outs = run_ranks(tmp_path, NCCL_GROUP_SCRIPT, 1,
+                            lambda r: [str(r), str(tmp_path / "store"), str(tmp_path / "swap")], timeout=120)
+    assert procs[0].returncode == 0, outs
+    lines = outs[0][0].splitlines()
+    assert lines == ["nccl: ValueError: ZeroOffloadedOptimizer exchanges CPU tensors (the parameters it offloads, their "
+                     "gradients, its counts), which NCCL does not move: give it a gloo group, "
+                     "group=torch.distributed.new_group(backend=\"gloo\")",
+                     "cpu:gloo,cuda:nccl: ok"], outs
+
+
 SEPARATE_DISKS_SCRIPT = textwrap.dedent("""
     import ctypes, os, sys
     rank, store, swap, ck = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
