@@ -1337,30 +1337,36 @@ TEST_F(offload_checkpoint, a_replaced_checkpoint_keeps_the_mode_of_the_file_it_r
   offloaded_optimizer back(numels, small_options(dir));
   back.load(ck);
   EXPECT_EQ(all_records(back), all_records(o));
-  // The mode cannot be set (fchmod fails, a seccomp filter in a child): the save fails
-  // naming it, removes its temporary file, and the checkpoint keeps its bytes.
+  // The mode cannot be set (fchmod fails, a seccomp filter in a child), or the whole new file
+  // cannot be given a name (linkat fails): the save fails naming the step, removes its new
+  // file, and the checkpoint keeps its bytes.
   const std::vector<char> before = file_bytes(ck);
-  const int status = swap::testing::with_failing_syscall(SYS_fchmod, EPERM, [&] {
-    try {
-      offloaded_optimizer child(numels, small_options(dir));  // (an optimizer is its process's own)
-      child.load(ck);
+  struct refusal {
+    long nr;
+    std::string message;
+  };
+  for (const refusal& r : {refusal{SYS_fchmod, "cannot set the mode of " + ck + " (its new file, not yet named)"},
+                           refusal{SYS_linkat, "cannot give its new file a name beside it"}}) {
+    const int status = swap::testing::with_failing_syscall(r.nr, EPERM, [&] {
       try {
-        child.save(ck);
+        offloaded_optimizer child(numels, small_options(dir));  // (an optimizer is its process's own)
+        child.load(ck);
+        try {
+          child.save(ck);
+          return false;
+        } catch (const std::system_error& e) {
+          return e.code().value() == EPERM &&
+                 std::string(e.what()).rfind("cannot save checkpoint " + ck + ": " + r.message, 0) == 0 &&
+                 file_bytes(ck) == before && temporary_files_in(dir.path).empty();
+        }
+      } catch (...) {
         return false;
-      } catch (const std::system_error& e) {
-        return e.code().value() == EPERM &&
-               std::string(e.what()).rfind("cannot save checkpoint " + ck + ": cannot set the mode of " + ck +
-                                               " (its new file, not yet named)",
-                                           0) == 0 &&
-               file_bytes(ck) == before && temporary_files_in(dir.path).empty();
       }
-    } catch (...) {
-      return false;
-    }
-  });
-  if (status == 77) GTEST_SKIP() << "no seccomp filter here";
-  EXPECT_EQ(status, 0);
-  EXPECT_EQ(file_bytes(ck), before);
+    });
+    if (status == 77) GTEST_SKIP() << "no seccomp filter here";
+    EXPECT_EQ(status, 0) << r.message;
+    EXPECT_EQ(file_bytes(ck), before);
+  }
 }
 
 // Two optimizers of other states saving to one path at once (ranks that all save, threads

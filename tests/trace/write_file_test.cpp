@@ -365,7 +365,7 @@ TEST(write_file, a_failed_step_of_the_replacement_keeps_the_old_file) {
     int error;
   };
   for (const step s : {step{SYS_openat, EEXIST}, step{SYS_fsync, EIO}, step{SYS_rename, EXDEV}, step{SYS_close, EIO},
-                       step{SYS_fchmod, EPERM}}) {
+                       step{SYS_fchmod, EPERM}, step{SYS_linkat, EPERM}}) {
     const int status = swap::testing::with_failing_syscall(s.nr, s.error, [&] {
       const auto [error, message] = write_error([&] { write_trace(path, buffers(9)); });
       return error == s.error && message.rfind("cannot write " + path + ": ", 0) == 0;
