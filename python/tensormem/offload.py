@@ -677,18 +677,23 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         """Loads a checkpoint written by ``save_checkpoint`` (collective: every rank of the
         group, the same ``path``), on every rank or on none. Every rank reads ``path`` and
         checks that it was saved by a group of this size with the same owner for every
-        parameter and that each rank's file is there; then each rank reads and checks its file
+        parameter and that each rank's file is there, and the ranks check that they read one
+        save (``ValueError`` on every rank where a rank was given another path, to another
+        save); then each rank reads and checks its file
         into the generation of its state not in use, its optimizer unchanged. Only once every
         rank has done so does each make it its state (no I/O). Where any rank fails (a missing
         or damaged file: its checksum does not match), every rank raises (that rank's own
         error, or ``RuntimeError`` on the others) and keeps the state it had. The groups'
         hyperparameters (``param_groups``) are set to those saved with it."""
+        import torch.distributed as dist
         path = os.fsdecode(path)  # str, bytes or path-like: a str, as os.listdir gives names
         mine: List[str] = []  # this rank's file, once checked
         groups: List[dict] = []  # the groups' hyperparameters, as saved
+        saves: List[str] = []  # the save's number
 
         def check():
             manifest = self._read_manifest(path)
+            saves.append(manifest.get("save"))
             saved = manifest.get("param_groups", [])  # (none in a checkpoint saved before groups were kept)
             if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
                 raise ValueError(f"{path} is not a checkpoint of ZeroOffloadedOptimizer.save_checkpoint")
@@ -707,6 +712,15 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
                 mine.append(file)
 
         self._on_every_rank("loaded", check)
+        # One checkpoint on every rank: ranks given other paths (each its own copy, or
+        # another save) would each load their own, and go on from states that do not belong
+        # together. A save's number tells it (ranks may name one file by other paths).
+        every: List[Optional[str]] = [None] * self.world
+        dist.all_gather_object(every, str(saves[0]), group=self.group)
+        if len(set(every)) > 1:
+            raise ValueError(f"ZeroOffloadedOptimizer: the ranks were given the files of different saves to load "
+                             f"({', '.join(f'rank {r}: save {n}' for r, n in enumerate(every))}); every rank loads "
+                             f"one checkpoint, by the same path")
         commits = []  # this rank's second half, once its file is staged
 
         def drop():

@@ -1391,6 +1391,13 @@ ZERO_CHECKPOINT_SCRIPT = textwrap.dedent("""
     dist.barrier()
     beside = sorted(f for f in os.listdir(os.fsencode(os.path.dirname(ck))) if f.startswith(b"ck\\xff"))
     print("rank", rank, "bytes path:", same(state(), saved), len(beside))
+    # Each rank given the path of another save: refused on every rank, nothing loaded.
+    other = os.path.join(os.path.dirname(ck), "ck-other")
+    opt.save_checkpoint(other)
+    train(1)
+    before = state()
+    print("rank", rank, "other saves:", outcome(lambda: opt.load_checkpoint(ck if rank == 0 else other)),
+          same(state(), before))
     dist.destroy_process_group()
 """)
 
@@ -1430,6 +1437,9 @@ def test_a_zero_checkpoint_is_saved_by_every_rank_and_committed_once(tmp_path):
                   "optimizer could not be committed on 1 other rank(s)")
         assert lines[9].startswith(f"rank {r} commit: {commit}") and lines[9].endswith(" True"), out
         assert lines[10] == f"rank {r} bytes path: True 3", out  # the manifest and a file per rank
+        assert re.fullmatch(f"rank {r} other saves: ValueError: ZeroOffloadedOptimizer: the ranks were given the "
+                            f"files of different saves to load \\(rank 0: save [0-9a-f]{{16}}, rank 1: save "
+                            f"[0-9a-f]{{16}}\\); every rank loads one checkpoint, by the same path True", lines[11]), out
     manifest = json.loads(ck.read_text())
     assert manifest["world"] == 2 and sorted(manifest["files"]) == ["0", "1"]
 
