@@ -647,8 +647,8 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
                 theirs = self._checkpoint_file(path, save, r)
                 if r != self.rank and not os.path.isfile(theirs):
                     raise FileNotFoundError(errno.ENOENT, f"checkpoint {path}: rank {self.rank} does not see the file "
-                                            f"rank {r} saved beside it; every rank must save to a folder on a file "
-                                            f"system the whole group reaches", theirs)
+                                            f"rank {r} saved beside it; every rank saves by the same path, to a "
+                                            f"folder on a file system the whole group reaches", theirs)
 
         self._on_every_rank("saved", all_seen, remove_mine)
         # The commit: rank 0 replaces the file at `path`; every rank learns whether it could.

@@ -1563,8 +1563,8 @@ def test_a_zero_checkpoint_in_folders_the_ranks_do_not_share_is_refused_by_every
     for r, (out, _) in enumerate(outs):
         lines = out.splitlines()
         assert lines[0].startswith(f"rank {r} save: FileNotFoundError: [Errno 2] checkpoint {ck}: rank {r} does not "
-                                   f"see the file rank {1 - r} saved beside it; every rank must save to a folder on a "
-                                   f"file system the whole group reaches: '{ck}."), out
+                                   f"see the file rank {1 - r} saved beside it; every rank saves by the same path, to a "
+                                   f"folder on a file system the whole group reaches: '{ck}."), out
         assert lines[0].endswith(f".rank{1 - r}'"), out
         assert lines[1] == f"rank {r} left: []", out  # its own file removed, no commit written
 
