@@ -177,9 +177,9 @@ class offloaded_optimizer {
   /// made at once, with O_EXCL, under that name. Either way the name is one no file has:
   /// nothing beside `path` is opened or changed, and saves to one path from several processes
   /// at once each write a whole file of their own (the last rename wins). A failed save
-  /// removes its new file (a process killed while saving leaves a named one). A new
-  /// checkpoint is readable by its owner only (0600); one that replaces a regular file keeps
-  /// that file's permission bits.
+  /// removes its new file; a process killed while saving leaves it only where it was named
+  /// from the start. A new checkpoint is readable by its owner only (0600); one that replaces
+  /// a regular file keeps that file's permission bits.
   /// `path` must be a regular file, a symbolic link (replaced itself, not followed) or
   /// nothing: anything else there is std::system_error EINVAL (EISDIR for a folder) before
   /// anything is written, and stays as it was.
