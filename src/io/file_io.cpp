@@ -12,6 +12,8 @@
 #include <atomic>
 #include <climits>
 #include <filesystem>
+#include <memory>
+#include <new>
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
@@ -111,6 +113,72 @@ std::string temporary_name(const std::string& target) {
                                                  : (where.parent_path() / ("." + suffix.substr(1))).string();
 }
 
+// Copies all of `from` (from its start) to `to`, continuing short and interrupted transfers:
+// copy_file_range where the file system can, pread and pwrite through a buffer where it
+// cannot. Returns 0, or -1 with errno.
+int copy_whole_file(int from, int to) noexcept {
+  loff_t in = 0;
+  loff_t out = 0;
+  for (;;) {
+    const ssize_t n = detail::repeat_interrupted([&] { return ::copy_file_range(from, &in, to, &out, 1 << 30, 0); });
+    if (n == 0) return 0;
+    if (n > 0) continue;
+    if (in != 0 || (errno != EXDEV && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)) return -1;
+    break;  // none copied, and the file system cannot: through a buffer
+  }
+  constexpr std::size_t chunk = std::size_t{1} << 20;
+  const std::unique_ptr<char[]> buffer(new (std::nothrow) char[chunk]);
+  if (!buffer) {
+    errno = ENOMEM;
+    return -1;
+  }
+  for (std::uint64_t at = 0;; at += chunk) {
+    const detail::transferred got = detail::pread_fully(from, buffer.get(), chunk, at);
+    if (got.error != 0) {
+      errno = got.error;
+      return -1;
+    }
+    const detail::transferred put = detail::pwrite_fully(to, buffer.get(), got.bytes, at);
+    if (put.bytes != got.bytes) {
+      errno = put.error != 0 ? put.error : EIO;
+      return -1;
+    }
+    if (got.bytes < chunk) return 0;
+  }
+}
+
+// An unnamed file that cannot be linked (a file system with unnamed files but no hard links)
+// copied into a new named file with its permission bits (and owner where they can be set),
+// synced. Returns 0 and sets `temp`, or -1 with errno, nothing left behind.
+int copy_to_named(int fd, const std::string& target, std::string& temp) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return -1;
+  std::string name;
+  int copy = -1;
+  for (int attempt = 0; attempt < 100 && copy < 0; ++attempt) {
+    name = temporary_name(target);
+    copy = detail::repeat_interrupted([&] {
+      return ::open(name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, st.st_mode & 07777);
+    });
+    if (copy < 0 && errno != EEXIST) return -1;
+  }
+  if (copy < 0) return -1;  // errno EEXIST: a hundred names taken
+  if (st.st_uid != ::geteuid() || st.st_gid != ::getegid()) {
+    static_cast<void>(::fchown(copy, st.st_uid, st.st_gid));  // refused: the copy is the writer's
+  }
+  int error = ::fchmod(copy, st.st_mode & 07777) != 0 ? errno : 0;  // (not narrowed by the umask)
+  if (error == 0 && copy_whole_file(fd, copy) != 0) error = errno;
+  if (error == 0 && detail::repeat_interrupted([&] { return ::fsync(copy); }) != 0) error = errno;
+  if (::close(copy) != 0 && error == 0 && errno != EINTR) error = errno;
+  if (error != 0) {
+    ::unlink(name.c_str());
+    errno = error;
+    return -1;
+  }
+  temp = std::move(name);
+  return 0;
+}
+
 }  // namespace
 
 namespace detail {
@@ -121,7 +189,8 @@ int create_temporary_beside(const std::string& target, std::string& temp, unsign
   temp.clear();
   if (unnamed_temporaries.load() && ::access("/proc/self/fd", X_OK) == 0) {
     const int fd = detail::repeat_interrupted([&] {
-      return ::open(folder_of(target).c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, static_cast<mode_t>(mode));
+      // (read too: where it cannot be linked, it is copied)
+      return ::open(folder_of(target).c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, static_cast<mode_t>(mode));
     });
     // Any failure (no O_TMPFILE there: EOPNOTSUPP, EISDIR; or the folder's own, which the
     // named file meets again and reports by its name) tries a named file.
@@ -146,7 +215,7 @@ int name_temporary(int fd, const std::string& target, std::string& temp) {
       temp = std::move(name);
       return 0;
     }
-    if (errno != EEXIST) return -1;
+    if (errno != EEXIST) return copy_to_named(fd, target, temp);  // (no hard links there)
   }
   return -1;  // errno EEXIST: a hundred names taken
 }

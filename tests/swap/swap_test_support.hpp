@@ -34,6 +34,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "tensormem/io/io_engine.hpp"
@@ -288,6 +289,27 @@ int with_failing_syscall(long nr, int error, Body body) {
       BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | static_cast<std::uint32_t>(error)),
       BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
   };
+  return under_seccomp_filter(program, [] { return true; }, body);
+}
+
+/// Runs `body` in a child process where each system call of `failing` (number, errno) fails
+/// with its errno (a seccomp filter), in its every thread started after the filter. Returns
+/// as `with_failing_syscall` does.
+template <class Body>
+int with_failing_syscalls(const std::vector<std::pair<long, int>>& failing, Body body) {
+  constexpr std::uint32_t arch = native_audit_arch;
+  if (arch == 0) return 77;
+  std::vector<sock_filter> program = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, arch, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+  };
+  for (const auto& [nr, error] : failing) {
+    program.push_back(BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<std::uint32_t>(nr), 0, 1));
+    program.push_back(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | static_cast<std::uint32_t>(error)));
+  }
+  program.push_back(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
   return under_seccomp_filter(program, [] { return true; }, body);
 }
 

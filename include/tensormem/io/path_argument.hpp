@@ -26,8 +26,10 @@ void check_path_argument(std::string_view who, std::string_view path);
 int create_temporary_beside(const std::string& target, std::string& temp, unsigned mode);
 /// Gives the file `create_temporary_beside` made a name (a hard link, under the names above,
 /// passing over those taken: nothing there is opened or changed), once it is written and
-/// synced, to be renamed onto `target`; does nothing where `temp` names it already. Returns 0
-/// and sets `temp`, or -1 with errno.
+/// synced, to be renamed onto `target`; does nothing where `temp` names it already. Where the
+/// file system cannot link it (unnamed files but no hard links), its bytes are copied into a
+/// new file of that name, with its permission bits, and synced. Returns 0 and sets `temp`, or
+/// -1 with errno (nothing named left behind).
 int name_temporary(int fd, const std::string& target, std::string& temp);
 /// The temporary file in messages: its name, or "<target> (its new file, not yet named)".
 std::string temporary_in_messages(const std::string& target, const std::string& temp);
