@@ -272,29 +272,10 @@ int under_seccomp_filter(std::span<sock_filter> program, Works works, Body body)
   return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
 }
 
-/// Runs `body` in a child process where the system call `nr` fails with `error` (a seccomp
-/// filter), in its every thread started after the filter (a swapper's, made in `body`).
-/// Returns 0 when `body` returned true, 1 when false, 77 when no filter could be installed
-/// here (the caller skips).
-template <class Body>
-int with_failing_syscall(long nr, int error, Body body) {
-  constexpr std::uint32_t arch = native_audit_arch;
-  if (arch == 0) return 77;
-  sock_filter program[] = {
-      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
-      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, arch, 1, 0),
-      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
-      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
-      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, static_cast<std::uint32_t>(nr), 0, 1),
-      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | static_cast<std::uint32_t>(error)),
-      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
-  };
-  return under_seccomp_filter(program, [] { return true; }, body);
-}
-
 /// Runs `body` in a child process where each system call of `failing` (number, errno) fails
-/// with its errno (a seccomp filter), in its every thread started after the filter. Returns
-/// as `with_failing_syscall` does.
+/// with its errno (a seccomp filter), in its every thread started after the filter (a
+/// swapper's, made in `body`). Returns 0 when `body` returned true, 1 when false, 77 when no
+/// filter could be installed here (the caller skips).
 template <class Body>
 int with_failing_syscalls(const std::vector<std::pair<long, int>>& failing, Body body) {
   constexpr std::uint32_t arch = native_audit_arch;
@@ -311,6 +292,12 @@ int with_failing_syscalls(const std::vector<std::pair<long, int>>& failing, Body
   }
   program.push_back(BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
   return under_seccomp_filter(program, [] { return true; }, body);
+}
+
+/// `with_failing_syscalls` for the one system call `nr`, failing with `error`.
+template <class Body>
+int with_failing_syscall(long nr, int error, Body body) {
+  return with_failing_syscalls({{nr, error}}, body);
 }
 
 /// Runs `body` in a child process where every open with O_TMPFILE fails with `refusal`:
