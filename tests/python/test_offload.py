@@ -660,7 +660,8 @@ def test_swap_folders_and_checkpoints_may_be_named_by_bytes_that_are_not_utf8(tm
     now = fresh.state_dict()["state"][0]
     assert all(torch.equal(now[k], v) for k, v in state.items())
     # A damaged one: the message names the file, its bytes written \xNN.
-    damaged = bytearray(open(ck, "rb").read())
+    with open(ck, "rb") as f:
+        damaged = bytearray(f.read())
     damaged[5000] ^= 1
     with open(folder + b"/bad\xff", "wb") as f:
         f.write(bytes(damaged))
