@@ -113,6 +113,19 @@ std::string temporary_name(const std::string& target) {
                                                  : (where.parent_path() / ("." + suffix.substr(1))).string();
 }
 
+// A new file beside `target` under a name no file has (O_EXCL, passing over names taken):
+// the descriptor, `temp` its name; or -1 with errno (EEXIST after a hundred names taken),
+// `temp` the last name tried.
+int create_named_beside(const std::string& target, std::string& temp, mode_t mode) {
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    temp = temporary_name(target);
+    const int fd = detail::repeat_interrupted(
+        [&] { return ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode); });
+    if (fd >= 0 || errno != EEXIST) return fd;
+  }
+  return -1;  // errno EEXIST: a hundred names taken
+}
+
 // Copies all of `from` (from its start) to `to`, continuing short and interrupted transfers:
 // copy_file_range where the file system can, pread and pwrite through a buffer where it
 // cannot. Returns 0, or -1 with errno.
@@ -154,15 +167,8 @@ int copy_to_named(int fd, const std::string& target, std::string& temp) {
   struct stat st {};
   if (::fstat(fd, &st) != 0) return -1;
   std::string name;
-  int copy = -1;
-  for (int attempt = 0; attempt < 100 && copy < 0; ++attempt) {
-    name = temporary_name(target);
-    copy = detail::repeat_interrupted([&] {
-      return ::open(name.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, st.st_mode & 07777);
-    });
-    if (copy < 0 && errno != EEXIST) return -1;
-  }
-  if (copy < 0) return -1;  // errno EEXIST: a hundred names taken
+  const int copy = create_named_beside(target, name, st.st_mode & 07777);
+  if (copy < 0) return -1;
   if (st.st_uid != ::geteuid() || st.st_gid != ::getegid()) {
     static_cast<void>(::fchown(copy, st.st_uid, st.st_gid));  // refused: the copy is the writer's
   }
@@ -196,14 +202,7 @@ int create_temporary_beside(const std::string& target, std::string& temp, unsign
     // named file meets again and reports by its name) tries a named file.
     if (fd >= 0) return fd;
   }
-  for (int attempt = 0; attempt < 100; ++attempt) {
-    temp = temporary_name(target);
-    const int fd = detail::repeat_interrupted([&] {
-      return ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, static_cast<mode_t>(mode));
-    });
-    if (fd >= 0 || errno != EEXIST) return fd;
-  }
-  return -1;  // errno EEXIST: a hundred names taken
+  return create_named_beside(target, temp, static_cast<mode_t>(mode));
 }
 
 int name_temporary(int fd, const std::string& target, std::string& temp) {
