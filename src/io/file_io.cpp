@@ -189,6 +189,7 @@ int copy_to_named(int fd, const std::string& target, std::string& temp) {
 
 namespace detail {
 bool allow_unnamed_temporaries(bool allowed) noexcept { return unnamed_temporaries.exchange(allowed); }
+bool unnamed_temporaries_allowed() noexcept { return unnamed_temporaries.load(); }
 }  // namespace detail
 
 int create_temporary_beside(const std::string& target, std::string& temp, unsigned mode) {

@@ -146,6 +146,9 @@ struct tensor_swapper::job {
   std::string key;        // identity recorded in (swap-out) or expected of (swap-in) the file
   std::string temp_path;  // swap-out writes here, then renames onto `path` (packed: the spare's name)
   bool own_temp = false;  // temp_path is a name of this job's (not the path's spare)
+  std::string folder;     // swap-out: the path's folder, where a file of its own is made
+  bool unnamed = false;   // its own file has no name yet (O_TMPFILE): temp_path is the one it will take
+  bool link_refused = false;  // the file system could not link its unnamed file (no hard links)
   tensor_ref tensor;
   bool out = true;
   int fd = -1;
@@ -223,6 +226,7 @@ tensor_swapper::tensor_swapper(memory::pinned_pool& pool, swap_options options,
   stats_.fallback = reason;
   stats_.checksums = options_.checksums;
   stats_.direct = options_.direct;
+  unnamed_files_ = access("/proc/self/fd", X_OK) == 0;
   // One of the budget is the committer's: it holds a duplicate of a swap-out's descriptor
   // while it closes the file and commits it.
   max_open_files_ = open_file_budget() - 1;
@@ -419,6 +423,50 @@ int tensor_swapper::open_file(const std::string& path, bool out, bool truncate, 
   }, direct, refused);
 }
 
+// A swap-out's file of its own (without reuse, or where the spare is another's), in the
+// path's folder. Where the file system can (O_TMPFILE, and /proc/self/fd to link it by), it
+// has no name until its commit links it as `temp_path`: a process killed while it writes
+// leaves nothing behind. Elsewhere (NFS: EOPNOTSUPP; an old kernel: EISDIR; any failure, which
+// the named file meets again and reports by its name) it is `temp_path` from the start.
+int tensor_swapper::open_own_file(job& j, bool unnamed, const char*& refused) const noexcept {
+  j.unnamed = false;
+  if (unnamed && io::detail::unnamed_temporaries_allowed()) {
+    j.direct = options_.direct;
+    const int fd = io::open_regular_file(j.folder.c_str(), [&](int extra) {
+      return open(j.folder.c_str(), O_TMPFILE | O_WRONLY | extra | O_CLOEXEC, 0644);
+    }, j.direct, refused);
+    if (fd >= 0) {
+      j.unnamed = true;
+      return fd;
+    }
+  }
+  return open_file(j.temp_path, true, true, j.direct, refused);
+}
+
+// Gives a swap-out's unnamed file its name, `temp_path`, once every byte is written (the
+// exchange with the path needs one). A file left at that name (by an earlier process of this
+// pid) is replaced, as the named file would have been; anything else there is left as it is
+// and fails the swap-out. Allocates nothing but a failure's message.
+void tensor_swapper::name_own_file(job& j) noexcept {
+  char by[48];
+  std::snprintf(by, sizeof by, "/proc/self/fd/%d", j.fd);
+  const auto link = [&] { return linkat(AT_FDCWD, by, AT_FDCWD, j.temp_path.c_str(), AT_SYMLINK_FOLLOW); };
+  int rc = link();
+  if (rc != 0 && errno == EEXIST && other_than_a_file(j.temp_path) == nullptr &&
+      (unlink(j.temp_path.c_str()) == 0 || errno == ENOENT)) {
+    rc = link();
+  }
+  if (rc == 0) {
+    j.unnamed = false;
+    return;
+  }
+  j.error = errno;
+  j.link_refused = j.error == EPERM || j.error == EOPNOTSUPP;
+  set_message(j.message, [&] {
+    return "swap-out of " + j.path + ": cannot name its new file " + j.temp_path + ": " + std::strerror(j.error);
+  });
+}
+
 // ---------------------------------------------------------------- the worker
 
 namespace {
@@ -553,6 +601,7 @@ void tensor_swapper::start_job(std::unique_lock<std::mutex>& lock, std::uint64_t
                  std::to_string(id);
       j.own_temp = !options_.reuse_files;
       j.temp_path = j.own_temp ? std::move(own_name) : spare_path(j.path);
+      j.folder = io::folder_of(j.path);
     } else {
       j.block_crc.assign((j.tensor.bytes + options_.block_bytes - 1) / options_.block_bytes, 0);
     }
@@ -573,9 +622,10 @@ void tensor_swapper::open_job_file(std::unique_lock<std::mutex>& lock, job& j, s
   off_t size = -1;  // of a file to read
   std::string short_file;  // why a file to read is too short for its tensor
   int short_error = 0;
+  const bool unnamed = unnamed_files_;
   // With the lock released: creating a file can take the file system a millisecond or more.
   outside(lock, [&] {
-    j.fd = open_file(file, j.out, j.own_temp, j.direct, refused);
+    j.fd = j.own_temp ? open_own_file(j, unnamed, refused) : open_file(file, j.out, false, j.direct, refused);
     e = errno;
     // A spare is reused by one swap-out at a time: another swapper (in this process or
     // another) writing the same path holds it locked until its version is committed, and so
@@ -586,7 +636,7 @@ void tensor_swapper::open_job_file(std::unique_lock<std::mutex>& lock, job& j, s
       close(j.fd);
       j.own_temp = true;
       j.temp_path.swap(own_name);
-      j.fd = open_file(j.temp_path, true, true, j.direct, refused);
+      j.fd = open_own_file(j, unnamed, refused);
       e = errno;
     }
     // A swap-in holds its file under a shared lock until it is closed: when another swapper
@@ -1015,6 +1065,15 @@ void tensor_swapper::run_committer() {
 void tensor_swapper::commit_locked(job& j) {
   if (!j.packed) {
     --open_files_;
+    if (j.link_refused && unnamed_files_) {  // later swap-outs name their files from the start
+      unnamed_files_ = false;
+      try {
+        io::detail::append_reason(stats_.fallback, "the file system of " + j.folder +
+                                                       " cannot link a file made without a name; swap-outs' own "
+                                                       "files are named from the start");
+      } catch (...) {  // std::bad_alloc: the swap-out's own message says why it failed
+      }
+    }
     if (j.out && j.error == 0) {  // a file at the path now: a packed version is stale
       if (const auto it = packed_->find(j.path); it != packed_->end()) {
         it->second.pack->space.free(it->second.offset, it->second.slot_bytes);
@@ -1060,6 +1119,7 @@ void tensor_swapper::close_and_commit(job& j) {
       set_message(j.message, [&] { return "cannot set the length of " + j.temp_path + ": " + std::strerror(j.error); });
     }
   }
+  if (j.out && j.error == 0 && j.unnamed) name_own_file(j);
   // The file stays locked until it is committed: another swap-out of the path must not take
   // it between this close and the exchange (a duplicate descriptor keeps the lock; without
   // one, EMFILE, only that short window is open).
@@ -1103,7 +1163,8 @@ void tensor_swapper::close_and_commit(job& j) {
       });
     }
   }
-  if (j.error != 0 && !j.temp_path.empty()) unlink(j.temp_path.c_str());  // partial: gone before wait() reports
+  // A partial file is gone before wait() reports (an unnamed one, with its descriptor).
+  if (j.error != 0 && !j.temp_path.empty() && !j.unnamed) unlink(j.temp_path.c_str());
   if (held >= 0) close(held);
   if (displaced && j.own_temp) {  // else: the next spare
     try {

@@ -6,12 +6,14 @@
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -993,6 +995,191 @@ TEST_P(integrity, a_directory_that_appears_during_a_swap_out_is_put_back) {
     expect_untouched_directory(path);
     fs::remove_all(path);
   }
+}
+
+// The files in `dir`, by name.
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A process killed while it swaps out (without reuse: a file of the swap-out's own each time)
+// leaves nothing beside the path: the new file has no name until it is whole (O_TMPFILE). The
+// child swaps out again and again; once one of its open files is in the folder under another
+// name than the path's and holds 8 MiB, it is killed. The path holds a whole version.
+TEST_P(integrity, a_process_killed_while_it_swaps_out_leaves_nothing_beside_the_path) {
+  const std::string path = dir_.file("t");
+  const std::size_t bytes = std::size_t{32} << 20;
+  const io::engine_kind kind = GetParam();
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(ready[0]);
+    try {
+      memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+      tensor_swapper s(pool, {.engine = kind, .staging_buffers = 2, .reuse_files = false});
+      auto first = pattern(bytes, 1);
+      if (swap_out_one(s, first, path) != 0) _exit(2);
+      if (write(ready[1], "r", 1) != 1) _exit(2);
+      auto later = pattern(bytes, 2);
+      for (;;) {
+        if (swap_out_one(s, later, path) != 0) _exit(3);
+      }
+    } catch (...) {
+      _exit(4);
+    }
+  }
+  close(ready[1]);
+  char byte = 0;
+  const bool swapped_once = read(ready[0], &byte, 1) == 1;
+  close(ready[0]);
+  std::string seen;  // the link of the child's file being written
+  const std::string fds = "/proc/" + std::to_string(child) + "/fd";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (swapped_once && seen.empty() && std::chrono::steady_clock::now() < deadline) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(fds, ec)) {
+      std::error_code gone;
+      const std::string to = fs::read_symlink(e.path(), gone).string();
+      struct stat st {};
+      if (!gone && to.rfind(dir_.path.string() + "/", 0) == 0 && to != path && stat(e.path().c_str(), &st) == 0 &&
+          st.st_size >= (8 << 20)) {
+        seen = to;
+      }
+    }
+  }
+  kill(child, SIGKILL);
+  int status = 0;
+  waitpid(child, &status, 0);
+  ASSERT_TRUE(swapped_once) << "the child failed before its first swap-out, status " << status;
+  ASSERT_FALSE(seen.empty()) << "no file of the child's seen being written";
+  EXPECT_NE(seen.find(" (deleted)"), std::string::npos) << seen;  // unnamed: "<folder>/#<inode> (deleted)"
+  EXPECT_EQ(names_in(dir_.path), std::vector<std::string>{"t"});
+  tensor_swapper s(pool_, {.engine = kind, .staging_buffers = 2});
+  std::vector<std::byte> back(bytes);
+  ASSERT_EQ(swap_in_one(s, back, path).error, 0);
+  EXPECT_TRUE(back == pattern(bytes, 1) || back == pattern(bytes, 2));
+}
+
+// Versions swapped out without reuse, each from a file of its own, read back exact and leave
+// nothing but the path: with unnamed files, and where the file system has none (O_TMPFILE
+// refused as NFS refuses it, EOPNOTSUPP, or as a kernel without the flag does, EISDIR), from
+// files named at once.
+TEST_P(integrity, without_unnamed_files_own_files_are_named_at_once_and_nothing_is_left) {
+  const std::string path = dir_.file("t");
+  const auto versions = [&] {  // (its own pool: it runs in a forked child too)
+    memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+    tensor_swapper s(pool, {.engine = GetParam(), .staging_buffers = 2, .reuse_files = false});
+    for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+      auto v = pattern((std::size_t{3} << 20) + 100, seed);
+      std::vector<std::byte> back(v.size());
+      if (swap_out_one(s, v, path) != 0 || swap_in_one(s, back, path).error != 0 || back != v) return false;
+    }
+    s.synchronize();
+    return true;
+  };
+  ASSERT_TRUE(versions());
+  {
+    const testing::named_temporaries named;
+    EXPECT_TRUE(versions());
+  }
+  for (const int refusal : {EOPNOTSUPP, EISDIR}) {
+    const int status = testing::without_unnamed_files(dir_.path, versions, refusal);
+    if (status == 77) GTEST_SKIP() << "no seccomp filter here";
+    EXPECT_EQ(status, 0) << refusal;
+  }
+  fs::remove(path);
+  // The reaper removes what each commit displaced by the time the swapper is gone.
+  EXPECT_TRUE(names_in(dir_.path).empty()) << names_in(dir_.path).front();
+}
+
+// A file system with unnamed files that cannot link one (no hard links): the swap-out whose
+// link is refused fails with its reason and leaves nothing; the swapper says so in its
+// fallback and names its later files from the start, which succeed.
+TEST_P(integrity, a_file_system_that_cannot_link_an_unnamed_file_fails_one_swap_out_then_names_files) {
+  const std::string path = dir_.file("t");
+  const io::engine_kind kind = GetParam();
+  const int status = testing::with_failing_syscall(SYS_linkat, EPERM, [&] {
+    memory::pinned_pool pool({.slab_bytes = std::size_t{8} << 20});
+    tensor_swapper s(pool, {.engine = kind, .staging_buffers = 2, .reuse_files = false});
+    auto v = pattern(std::size_t{1} << 20, 1);
+    const tensor_ref refs[] = {{v.data(), v.size()}};
+    const std::string paths[] = {path};
+    const swap_result r = s.wait(s.swap_out(refs, paths))[0];
+    bool ok = r.error == EPERM && r.message.find("cannot name its new file " + path + ".tensormem-tmp.") !=
+                                        std::string::npos;
+    if (!ok) std::fprintf(stderr, "first swap-out: %d %s\n", r.error, r.message.c_str());
+    ok = ok && names_in(dir_.path).empty();
+    ok = ok && s.stats().fallback.find("cannot link a file made without a name") != std::string::npos;
+    for (std::uint64_t seed = 2; ok && seed <= 3; ++seed) {
+      auto w = pattern(std::size_t{1} << 20, seed);
+      std::vector<std::byte> back(w.size());
+      ok = swap_out_one(s, w, path) == 0 && swap_in_one(s, back, path).error == 0 && back == w;
+    }
+    s.synchronize();
+    return ok;
+  });
+  if (status == 77) GTEST_SKIP() << "no seccomp filter here";
+  EXPECT_EQ(status, 0);
+  EXPECT_EQ(names_in(dir_.path), std::vector<std::string>{"t"});
+}
+
+// The name an unnamed file takes at its commit is the job's own
+// (`path.tensormem-tmp.<pid>.<swapper>.<job>`). A file left there (by an earlier process of
+// this pid) is replaced, as a file named from the start would have been; a symbolic link
+// there is left as it is and fails the swap-out (EEXIST), the path keeping its version.
+TEST_P(integrity, a_file_at_the_name_an_unnamed_file_takes_is_replaced_and_a_link_fails_the_swap_out) {
+  const std::string path = dir_.file("t");
+  auto arrived = std::make_shared<testing::gate>();
+  auto go = std::make_shared<testing::gate>();
+  std::string why;
+  tensor_swapper s(pool_, {.staging_buffers = 2, .reuse_files = false},
+                   std::make_unique<testing::held_submit_engine>(io::make_engine(GetParam(), 32, why), arrived, go));
+  // The first job's file, named at once and held at the engine, tells the names of the next.
+  auto v1 = pattern(std::size_t{1} << 20, 1);
+  std::string own;
+  {
+    const testing::named_temporaries named;
+    const tensor_ref refs[] = {{v1.data(), v1.size()}};
+    const std::string paths[] = {path};
+    const std::uint64_t ticket = s.swap_out(refs, paths);
+    arrived->pass();
+    const std::vector<std::string> temporaries = testing::temporary_files_in(dir_.path);
+    go->open();
+    ASSERT_EQ(s.wait(ticket)[0].error, 0);
+    ASSERT_EQ(temporaries.size(), 1U);
+    own = dir_.file(temporaries[0]);
+    ASSERT_EQ(own.substr(own.size() - 2), ".1");
+  }
+  const std::string second = own.substr(0, own.size() - 1) + "2";
+  const std::string third = own.substr(0, own.size() - 1) + "3";
+  { std::ofstream(second) << "left by an earlier process"; }
+  auto v2 = pattern(std::size_t{1} << 20, 2);
+  const swap_result r2 = [&] {
+    const tensor_ref refs[] = {{v2.data(), v2.size()}};
+    const std::string paths[] = {path};
+    return s.wait(s.swap_out(refs, paths))[0];
+  }();
+  EXPECT_EQ(r2.error, 0) << r2.message;
+  fs::create_symlink(dir_.file("elsewhere"), third);
+  auto v3 = pattern(std::size_t{1} << 20, 3);
+  const tensor_ref refs[] = {{v3.data(), v3.size()}};
+  const std::string paths[] = {path};
+  const swap_result r3 = s.wait(s.swap_out(refs, paths))[0];
+  EXPECT_EQ(r3.error, EEXIST);
+  EXPECT_NE(r3.message.find("cannot name its new file " + third + ": File exists"), std::string::npos) << r3.message;
+  EXPECT_TRUE(fs::is_symlink(third));
+  EXPECT_FALSE(fs::exists(dir_.file("elsewhere")));
+  std::vector<std::byte> back(v2.size());
+  ASSERT_EQ(swap_in_one(s, back, path).error, 0);
+  EXPECT_EQ(back, v2);
+  s.synchronize();
+  fs::remove(third);
+  EXPECT_EQ(names_in(dir_.path), std::vector<std::string>{"t"});
 }
 
 INSTANTIATE_TEST_SUITE_P(engines, integrity,

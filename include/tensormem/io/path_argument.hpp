@@ -49,6 +49,8 @@ namespace detail {
 /// names every file at once, as where the file system has no O_TMPFILE. Returns the setting
 /// it replaces. For tests of that path.
 bool allow_unnamed_temporaries(bool allowed) noexcept;
+/// The setting itself (the tensor swapper's own files follow it too).
+bool unnamed_temporaries_allowed() noexcept;
 }  // namespace detail
 
 }  // namespace tensormem::io

@@ -273,6 +273,8 @@ class tensor_swapper {
   void start_job(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   bool queue_more(std::unique_lock<std::mutex>& lock, std::uint64_t id, job& j);
   int open_file(const std::string& path, bool out, bool truncate, bool& direct, const char*& refused) const;
+  int open_own_file(job& j, bool unnamed, const char*& refused) const noexcept;
+  static void name_own_file(job& j) noexcept;
   std::string why_short(const job& j, std::uint64_t file_bytes, int& error) const;
   void note_buffered(const std::string& where) noexcept;
   std::size_t take_staging();
@@ -307,6 +309,9 @@ class tensor_swapper {
   std::vector<std::byte*> staging_;
   unless_forked<std::vector<std::size_t>> free_staging_;
   bool buffered_noted_ = false;         // O_DIRECT's refusal is in stats_.fallback
+  // Swap-outs' own files are made without a name (O_TMPFILE) and linked at their commit;
+  // false where there is no /proc/self/fd to link them by, or once a link was refused.
+  bool unnamed_files_ = false;
   std::size_t data_staging_ = 0;        // staging_[0, data_staging_): block buffers; then header pages
   std::byte* header_slab_ = nullptr;
   unless_forked<std::vector<std::size_t>> free_headers_;
