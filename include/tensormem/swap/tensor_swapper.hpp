@@ -100,10 +100,15 @@ struct swap_stats {
 /// File format: a 4096-byte header (magic, tensor bytes, CRC-32C of the bytes, flags, the
 /// tensor's identity key, and a CRC-32C of the header itself) then the bytes, padded to 4096.
 /// Swap-out writes a file beside `path` (its spare `path.tensormem-spare` with `reuse_files`,
-/// else `path.tensormem-tmp.<pid>.<swapper>.<n>`) and exchanges it with `path` (renameat2
-/// RENAME_EXCHANGE; a plain rename for a new path) once every byte is on disk: the path
-/// holds its old contents or the new ones, never a mix, and a failed swap-out removes its
-/// partial file and never reads back as success. The displaced old version becomes the
+/// else a new file of its own) and exchanges it with `path` (renameat2 RENAME_EXCHANGE; a
+/// plain rename for a new path) once every byte is on disk: the path holds its old contents
+/// or the new ones, never a mix, and a failed swap-out removes its partial file and never
+/// reads back as success. A file of its own has no name while it is written (O_TMPFILE in
+/// the path's folder): it is linked as `path.tensormem-tmp.<pid>.<swapper>.<n>` at its
+/// commit, so a process killed mid-write leaves nothing beside the path. Where the file
+/// system has no unnamed files or there is no /proc/self/fd, it is named from the start;
+/// where one cannot be linked, that swap-out fails and later ones name theirs from the
+/// start (`stats().fallback` says so). The displaced old version becomes the
 /// spare, or, without reuse, is unlinked by a reaper thread, off the I/O path.
 ///
 /// Asynchronous for real: a worker thread of the swapper's own opens files, queues the
