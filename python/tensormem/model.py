@@ -805,7 +805,9 @@ class ModulePlan:
         offset; returns the graph's outputs, copied out so the arena can be reused: each
         buffer they lie in is copied once, and outputs that share memory in an eager call (a
         tensor returned twice, a view of another output) share their copy the same way. An
-        input or a parameter returned comes back as a copy of its own.
+        input, a parameter or a module buffer returned is the caller's tensor itself, and a
+        view of one is the same view of it, as in an eager call (a part of an input given
+        with other strides than the traced one comes back as a copy).
 
         Takes the inputs as ``plan_module`` took them: tensors of the traced shapes and
         dtypes, nested in the same tuples, lists and dicts. An input that is not a tensor is a
@@ -989,12 +991,17 @@ def _planned_run(plan: ModulePlan, inputs):
             placed += 1
 
     copies: Dict[int, torch.Tensor] = {}  # buffer -> its bytes copied out of the arena
+    given: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # an input's buffer -> (caller's tensor, its slot)
+    state_storages = {_storage_address(t) for t in module_state if t.numel()}
+    state_of = {id(d): t for d, (_, t) in zip(module_state, named_state)}
 
     def out_copy(arg, v):
         """The graph's outputs out of the arena: each activation buffer they lie in copied once,
         every output a view of its buffer's copy as it was of the slot, so outputs that share
         memory in an eager call (a tensor returned twice, a view of another output) share it
-        here; anything else (an input's slot, a parameter, a constant) as a tensor of its own."""
+        here. An input returned (or a view of it) is the caller's tensor (a view of it), and a
+        parameter or module buffer returned (or a view of it) is a view of the module's own,
+        as in an eager call; anything else (a constant of the graph) a tensor of its own."""
         if isinstance(v, (list, tuple)) and isinstance(arg, (list, tuple)):
             return type(v)(out_copy(a, x) for a, x in zip(arg, v))
         if not isinstance(v, torch.Tensor):
@@ -1002,6 +1009,13 @@ def _planned_run(plan: ModulePlan, inputs):
         bids = g.node_buffers.get(arg.name, []) if isinstance(arg, torch.fx.Node) else []
         bid = bids[0] if len(bids) == 1 else None
         element = v.element_size()
+        if bid in given:
+            shared = _same_view_of(v, *given[bid])
+            return v.clone() if shared is None else shared
+        if v.numel() and _storage_address(v) in state_storages:
+            # the module's own tensor where returned whole; else a view of it (module_state's
+            # tensors are the module's, detached)
+            return state_of.get(id(v), v)
         if bid is None or g.buffers[bid].kind == "input" or not v.numel() or \
                 v.data_ptr() - v.storage_offset() * element != arena.data_ptr():  # (not a view of the arena)
             return v.clone()
@@ -1043,6 +1057,7 @@ def _planned_run(plan: ModulePlan, inputs):
                                          f"{tuple(meta.shape)} {meta.dtype}")
                     dst = slot(g.node_buffers[node.name][0], meta)
                     dst.copy_(x.detach())
+                    given[g.node_buffers[node.name][0]] = (x, dst)
                     env[node.name] = dst
                     check_placed(node.name)
                     if k in g.written_inputs:
@@ -1142,6 +1157,31 @@ def _misaligned_buffer(plan: ModulePlan) -> Optional[Tuple[Buffer, int, int]]:
             if first is None and g.buffers[bid].nbytes and int(plan.offsets[bid]) % element:
                 first = (g.buffers[bid], element)
     return None if first is None else (*first, widest)
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).data_ptr()
+
+
+def _same_view_of(v: torch.Tensor, caller: torch.Tensor, slot: torch.Tensor) -> Optional[torch.Tensor]:
+    """``v``, a view of ``slot`` (the copy of the caller's input in the arena), as the same
+    view of the caller's tensor: the caller's tensor itself where ``v`` is the whole slot.
+    None where that view cannot be made: a part of the slot where the caller's tensor is
+    strided otherwise than the slot (laid out as the traced input), no elements, or a view
+    into another dtype that the caller's layout does not allow."""
+    if v.data_ptr() == slot.data_ptr() and v.dtype == slot.dtype and tuple(v.shape) == tuple(slot.shape) \
+            and tuple(v.stride()) == tuple(slot.stride()):
+        return caller
+    if not v.numel() or caller.dtype != slot.dtype or tuple(caller.stride()) != tuple(slot.stride()):
+        return None
+    distance, element = v.data_ptr() - slot.data_ptr(), v.element_size()
+    if distance % element:  # (torch's dtype views keep whole elements; kept against a wrong as_strided)
+        return None
+    try:
+        base = caller.detach() if v.dtype == caller.dtype else caller.detach().view(v.dtype)
+        return base.as_strided(tuple(v.shape), tuple(v.stride()), base.storage_offset() + distance // element)
+    except RuntimeError:  # (a dtype view the layout refuses, or past the caller's storage)
+        return None
 
 
 def _graph_constant(gm: torch.fx.GraphModule, target: str):

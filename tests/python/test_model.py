@@ -1359,6 +1359,55 @@ def test_outputs_share_memory_in_a_run_exactly_where_they_do_in_an_eager_call():
     assert torch.equal(got[2], torch.full((3, 4), 7.0)) and bool((got[4] == torch.full((4, 4), 7.0).view(torch.int32)).all())
 
 
+class _ReturnsItsInputsAndState(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.register_buffer("count", torch.zeros(4))
+
+    def forward(self, x, y):
+        y.add_(1.0)
+        self.count.add_(1.0)
+        return (x, x[1:], x.t(), {"bits": x.view(torch.int32), "w": self.weight, "wt": self.weight.t()},
+                y, y[0], self.count, self.count[2:], x @ self.weight)
+
+
+def test_inputs_and_module_state_returned_by_a_run_are_the_callers_tensors_as_in_an_eager_call():
+    # An input, a parameter or a module buffer returned, or a view of one, is that tensor (or
+    # that view of it) in an eager call; a planned run returned a copy of each, so a write
+    # through the output, or to the input after the call, was not seen through the other.
+    import copy
+    model, x, y = _ReturnsItsInputsAndState(), torch.randn(5, 4)[1:], torch.randn(4, 4)  # (x not at its storage's start)
+    eager_model, eager_x, eager_y = copy.deepcopy(model), x.clone(), y.clone()
+    plan = plan_module(model, x, y, time_limit=0.2)
+    flat = lambda out: torch.utils._pytree.tree_flatten(out)[0]  # noqa: E731
+    with torch.no_grad():
+        expected = flat(eager_model(eager_x, eager_y))
+    got = flat(plan.run(x, y))
+    assert len(got) == len(expected) == 11
+    for e, o in zip(expected, got):
+        assert torch.equal(o, e) and o.stride() == e.stride() and o.dtype == e.dtype
+    sources = lambda m, a, b: (a, b, m.weight, m.count)  # noqa: E731
+    relation = lambda outs, ts: [[storage_of(o) == storage_of(t) for t in ts] for o in outs]  # noqa: E731
+    identity = lambda outs, ts: [[o is t for t in ts] for o in outs]  # noqa: E731
+    assert relation(got, sources(model, x, y)) == relation(expected, sources(eager_model, eager_x, eager_y))
+    assert identity(got, sources(model, x, y)) == identity(expected, sources(eager_model, eager_x, eager_y))
+    assert sum(map(any, identity(got, sources(model, x, y)))) == 4  # x, weight, y and count returned whole
+    assert not any(relation(got[-1:], sources(model, x, y))[0])  # x @ weight: memory of its own
+    # Views at their places: written through the caller's tensors, seen through the outputs.
+    with torch.no_grad():
+        x[1, 2] = 5.0
+        model.count[3] = 9.0
+        model.weight[0, 1] = 3.0
+    assert got[1][0, 2] == 5.0 and got[2][2, 1] == 5.0 and got[3][1, 2] == torch.tensor(5.0).view(torch.int32)
+    assert got[9][1] == 9.0 and got[5][1, 0] == 3.0
+    # A caller's input laid out otherwise than the traced one is returned itself; its parts,
+    # which cannot be cut from it as from the slot, come back as copies with the right values.
+    x_t = torch.randn(4, 4).t()
+    got = flat(plan.run(x_t, torch.randn(4, 4)))
+    assert got[0] is x_t and torch.equal(got[1], x_t[1:]) and storage_of(got[1]) != storage_of(x_t)
+
+
 class _AddToSecondInput(torch.nn.Module):
     def forward(self, x, y):
         y.add_(1.0)
