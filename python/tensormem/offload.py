@@ -47,6 +47,7 @@ import operator
 import os
 import sys
 import time
+import zlib
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -433,6 +434,26 @@ def _global_rank(dist, group, rank: int) -> int:
 _ZERO_CHECKPOINT_FORMAT = "tensormem ZeroOffloadedOptimizer checkpoint 1"
 
 
+# What a step reads of a parameter group (``_hyper`` and its flags), compared across ranks.
+_STEP_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad",
+                         "maximize")
+_ABSENT = "(not set)"
+
+
+def _as_stepped(value):
+    """A hyperparameter as a step reads it: a number (anything with ``__float__``: a bool, a
+    0-d tensor, a numpy number) as its float, a tuple or list item by item, anything else by
+    its type alone (the step refuses it on its owner; its repr may hold an address)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_as_stepped(v) for v in value)
+    if value is _ABSENT or isinstance(value, (str, bytes)):
+        return value if value is _ABSENT else f"<{type(value).__name__}>"
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of more than one element)
+        return f"<{type(value).__name__}>"
+
+
 def _remove_if_there(path: str) -> None:
     try:
         os.unlink(path)
@@ -464,7 +485,9 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
     ``params`` takes parameter groups as ``torch.optim`` does (dicts with ``"params"`` and
     their own hyperparameters). ``param_groups`` holds every group on every rank, and a change
     to a group's hyperparameters (an ``lr_scheduler``'s, made alike on every rank) applies
-    from the next step: each owner steps its parameters with their group's values. Groups
+    from the next step: each owner steps its parameters with their group's values (compared
+    across the ranks at each step: ``ValueError`` on every rank where they differ, before
+    anything changes). Groups
     cannot be added after construction (the owners are set then). The state is on the owners'
     disks: ``state_dict()`` raises; ``save_checkpoint`` / ``load_checkpoint`` save and load it,
     with the groups' hyperparameters."""
@@ -560,6 +583,28 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         for local, i in zip(self.local.param_groups, self._local_groups):
             local.update({k: v for k, v in self.param_groups[i].items() if k != "params"})
 
+    def _hyperparameter_fingerprints(self) -> List[float]:
+        """One number per group and hyperparameter a step reads: the CRC-32 of the value as
+        the step reads it (a number as its float), the same on every rank exactly where the
+        values are (but for a CRC collision, 1 in 2^32)."""
+        return [float(zlib.crc32(repr(_as_stepped(g.get(key, _ABSENT))).encode()))
+                for g in self.param_groups for key in _STEP_HYPERPARAMETERS]
+
+    def _refuse_other_hyperparameters(self, dist, differ: List[int]) -> None:
+        """ValueError on every rank (each calls it: the maxima are the same everywhere), naming
+        each group and hyperparameter that differ and every rank's value, before the step
+        changes anything."""
+        keys = len(_STEP_HYPERPARAMETERS)
+        mine = [repr(_as_stepped(self.param_groups[i // keys].get(_STEP_HYPERPARAMETERS[i % keys], _ABSENT)))
+                for i in differ]
+        every: List[Optional[List[str]]] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        named = "; ".join(f"group {i // keys} {_STEP_HYPERPARAMETERS[i % keys]!r}: " +
+                          ", ".join(f"rank {r} {values[j]}" for r, values in enumerate(every))
+                          for j, i in enumerate(differ))
+        raise ValueError(f"ZeroOffloadedOptimizer: the ranks would step with other hyperparameters ({named}); "
+                         f"every rank sets them alike (a scheduler stepped on every rank); nothing was stepped")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             if p.grad is not None:
@@ -578,8 +623,19 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         # A parameter with no gradient on any rank (frozen, or not used this step) is left
         # alone, as torch.optim leaves one whose gradient is None: a zero gradient would
         # still move it (weight decay, the moments of earlier steps).
-        has_grad = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int64)
-        dist.all_reduce(has_grad, group=self.group)
+        # In the same collective, the hyperparameters each rank would step with: an owner steps
+        # with its own rank's values, so ranks that differ (a scheduler stepped on one rank)
+        # would train their parameters apart. Every rank sees the same maxima and refuses alike.
+        fingerprints = self._hyperparameter_fingerprints()
+        flags = [1.0 if p.grad is not None else 0.0 for p in self.params]
+        both = torch.tensor(flags + fingerprints + [-f for f in fingerprints], dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        n, k = len(flags), len(fingerprints)
+        differ = [i for i, (high, low) in enumerate(zip(both[n:n + k].tolist(), both[n + k:].tolist()))
+                  if high != -low]
+        if differ:
+            self._refuse_other_hyperparameters(dist, differ)
+        has_grad = both[:n] > 0
         for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()):
             if not anywhere:
                 continue

@@ -1258,6 +1258,57 @@ def test_zero_parameter_groups_follow_their_own_hyperparameters_and_a_scheduler(
     assert opt.param_groups[0]["lr"] == 2e-3 / 8 and opt.param_groups[1]["lr"] == 1e-3 / 8
 
 
+ZERO_HYPERPARAMETERS_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, torch, torch.distributed as dist
+    sys.path.insert(0, {here!r})
+    from test_offload import mlp, outcome, zero_groups
+    from tensormem.torch import OffloadedAdamW, ZeroOffloadedOptimizer
+    rank, store, swap = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = mlp()
+    opt = ZeroOffloadedOptimizer(zero_groups(m), OffloadedAdamW, lr=1e-3, swap_dirs=[swap])
+
+    def step():
+        opt.zero_grad()
+        m(torch.ones(8, 37) * (rank + 1)).sum().backward()
+        opt.step()
+
+    def same(before):
+        return all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+
+    before = [p.detach().clone() for p in m.parameters()]
+    if rank == 1:  # a scheduler stepped on this rank alone, and other betas here
+        opt.param_groups[0]["lr"] = 1e-3
+        opt.param_groups[1]["betas"] = (0.9, 0.99)
+    print("rank", rank, "other:", outcome(step))
+    print("rank", rank, "unchanged:", same(before))
+    # The same numbers given as other types, as the step reads them: alike.
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float64) if rank == 0 else 1e-3
+    opt.param_groups[1]["betas"] = [np.float64(0.9), 0.99] if rank == 0 else (0.9, 0.99)
+    opt.param_groups[1]["weight_decay"] = 0 if rank == 0 else 0.0
+    print("rank", rank, "alike:", outcome(step))
+    print("rank", rank, "unchanged:", same(before))
+    dist.destroy_process_group()
+""")
+
+
+def test_zero_ranks_that_would_step_with_other_hyperparameters_are_refused_by_every_rank(tmp_path):
+    # Each owner steps its parameters with its own rank's hyperparameters: a scheduler stepped
+    # on one rank alone trained that rank's parameters at another rate, silently.
+    procs, outs = run_ranks(tmp_path, ZERO_HYPERPARAMETERS_SCRIPT, 2,
+                            lambda r: [str(r), str(tmp_path / "store"), str(tmp_path / "swap")], timeout=180)
+    assert all(p.returncode == 0 for p in procs), outs
+    for r, (out, _) in enumerate(outs):
+        assert out.splitlines() == [
+            f"rank {r} other: ValueError: ZeroOffloadedOptimizer: the ranks would step with other hyperparameters "
+            "(group 0 'lr': rank 0 0.002, rank 1 0.001; group 1 'betas': rank 0 (0.9, 0.999), rank 1 (0.9, 0.99)); "
+            "every rank sets them alike (a scheduler stepped on every rank); nothing was stepped",
+            f"rank {r} unchanged: True",
+            f"rank {r} alike: ok",
+            f"rank {r} unchanged: False"], out
+
+
 ZERO_FAILURE_SCRIPT = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     sys.path.insert(0, {here!r})
