@@ -437,7 +437,14 @@ _ZERO_CHECKPOINT_FORMAT = "tensormem ZeroOffloadedOptimizer checkpoint 1"
 # What a step reads of a parameter group (``_hyper`` and its flags), compared across ranks.
 _STEP_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad",
                          "maximize")
-_ABSENT = "(not set)"
+class _NotSet:
+    """A hyperparameter a group does not hold."""
+
+    def __repr__(self) -> str:
+        return "(not set)"
+
+
+_ABSENT = _NotSet()
 
 
 def _as_stepped(value):
@@ -446,8 +453,10 @@ def _as_stepped(value):
     its type alone (the step refuses it on its owner; its repr may hold an address)."""
     if isinstance(value, (tuple, list)):
         return tuple(_as_stepped(v) for v in value)
-    if value is _ABSENT or isinstance(value, (str, bytes)):
-        return value if value is _ABSENT else f"<{type(value).__name__}>"
+    if value is _ABSENT:
+        return value
+    if isinstance(value, (str, bytes)):
+        return f"<{type(value).__name__}>"
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of more than one element)

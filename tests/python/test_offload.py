@@ -1278,15 +1278,17 @@ ZERO_HYPERPARAMETERS_SCRIPT = textwrap.dedent("""
         return all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
 
     before = [p.detach().clone() for p in m.parameters()]
-    if rank == 1:  # a scheduler stepped on this rank alone, and other betas here
+    if rank == 1:  # a scheduler stepped on this rank alone, other betas, a value set here alone
         opt.param_groups[0]["lr"] = 1e-3
         opt.param_groups[1]["betas"] = (0.9, 0.99)
+        opt.param_groups[1]["momentum"] = 0.9
     print("rank", rank, "other:", outcome(step))
     print("rank", rank, "unchanged:", same(before))
     # The same numbers given as other types, as the step reads them: alike.
     opt.param_groups[0]["lr"] = torch.tensor(1e-3, dtype=torch.float64) if rank == 0 else 1e-3
     opt.param_groups[1]["betas"] = [np.float64(0.9), 0.99] if rank == 0 else (0.9, 0.99)
     opt.param_groups[1]["weight_decay"] = 0 if rank == 0 else 0.0
+    opt.param_groups[1].pop("momentum", None)
     print("rank", rank, "alike:", outcome(step))
     print("rank", rank, "unchanged:", same(before))
     dist.destroy_process_group()
@@ -1302,7 +1304,8 @@ def test_zero_ranks_that_would_step_with_other_hyperparameters_are_refused_by_ev
     for r, (out, _) in enumerate(outs):
         assert out.splitlines() == [
             f"rank {r} other: ValueError: ZeroOffloadedOptimizer: the ranks would step with other hyperparameters "
-            "(group 0 'lr': rank 0 0.002, rank 1 0.001; group 1 'betas': rank 0 (0.9, 0.999), rank 1 (0.9, 0.99)); "
+            "(group 0 'lr': rank 0 0.002, rank 1 0.001; group 1 'betas': rank 0 (0.9, 0.999), rank 1 (0.9, 0.99); "
+            "group 1 'momentum': rank 0 (not set), rank 1 0.9); "
             "every rank sets them alike (a scheduler stepped on every rank); nothing was stepped",
             f"rank {r} unchanged: True",
             f"rank {r} alike: ok",
