@@ -45,6 +45,11 @@ def _resolve() -> str:
     return _problem
 
 
+def storage_of(tensor):
+    """The tensor's storage (PyTorch 2.x deprecates the typed storage() that 1.x alone has)."""
+    return tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
+
+
 def hold(storage):
     """What keeps ``storage`` alive until it is dropped, and holds its size meanwhile: a
     StorageSizeHold, or the storage itself where none can be taken (said as a RuntimeWarning,

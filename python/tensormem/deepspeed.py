@@ -67,16 +67,11 @@ class AIOError(OSError):
 
 # ----------------------------------------------------------------------------- pinned tensors
 
-def _storage(tensor: torch.Tensor):
-    """The tensor's storage (PyTorch 2.x deprecates the typed storage() that 1.x alone has)."""
-    return tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else tensor.storage()
-
-
 def _address(tensor: torch.Tensor) -> int:
     """Where a tensor's bytes start (an empty tensor's data_ptr() is 0: its storage's)."""
     if tensor.numel():
         return tensor.data_ptr()
-    return _storage(tensor).data_ptr() + tensor.storage_offset() * tensor.element_size()
+    return _storage_hold.storage_of(tensor).data_ptr() + tensor.storage_offset() * tensor.element_size()
 
 
 class _PinnedTensors:
@@ -316,7 +311,7 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         # The storage is held with the tensor from before the I/O starts: a tensor given other
         # memory before the wait (`t.set_(...)`, `p.data = ...`) would otherwise free the memory
         # the I/O uses; and its size, so that a resize_ that would free it raises instead.
-        held = _storage_hold.hold(_storage(staged))
+        held = _storage_hold.hold(_storage_hold.storage_of(staged))
         if read:
             ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), validate)
         else:

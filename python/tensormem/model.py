@@ -43,6 +43,7 @@ from torch.nn.utils import stateless
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _tensormem
+from ._storage_hold import storage_of
 
 # torch.func.functional_call from PyTorch 2.0 on (where the stateless one is deprecated).
 _functional_call = getattr(getattr(torch, "func", None), "functional_call", None) or stateless.functional_call
@@ -992,7 +993,7 @@ def _planned_run(plan: ModulePlan, inputs):
 
     copies: Dict[int, torch.Tensor] = {}  # buffer -> its bytes copied out of the arena
     given: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # an input's buffer -> (caller's tensor, its slot)
-    state_storages = {_storage_address(t) for t in module_state if t.numel()}
+    state_storages = {storage_of(t).data_ptr() for t in module_state if t.numel()}
     state_of = {id(d): t for d, (_, t) in zip(module_state, named_state)}
 
     def out_copy(arg, v):
@@ -1012,7 +1013,7 @@ def _planned_run(plan: ModulePlan, inputs):
         if bid in given:
             shared = _same_view_of(v, *given[bid])
             return v.clone() if shared is None else shared
-        if v.numel() and _storage_address(v) in state_storages:
+        if v.numel() and storage_of(v).data_ptr() in state_storages:
             # the module's own tensor where returned whole; else a view of it (module_state's
             # tensors are the module's, detached)
             return state_of.get(id(v), v)
@@ -1157,10 +1158,6 @@ def _misaligned_buffer(plan: ModulePlan) -> Optional[Tuple[Buffer, int, int]]:
             if first is None and g.buffers[bid].nbytes and int(plan.offsets[bid]) % element:
                 first = (g.buffers[bid], element)
     return None if first is None else (*first, widest)
-
-
-def _storage_address(t: torch.Tensor) -> int:
-    return (t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()).data_ptr()
 
 
 def _same_view_of(v: torch.Tensor, caller: torch.Tensor, slot: torch.Tensor) -> Optional[torch.Tensor]:

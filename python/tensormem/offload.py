@@ -77,6 +77,13 @@ def torch_arithmetic(version: Optional[str] = None) -> str:
     return "torch2" if int(major) >= 2 else "torch1"
 
 
+# What a step reads of a parameter group: the values it steps with, and the flags it refuses
+# (compared across ranks by ZeroOffloadedOptimizer, all of them).
+_STEPPED_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
+_REFUSED_FLAGS = ("amsgrad", "maximize")
+_STEP_HYPERPARAMETERS = _STEPPED_KEYS + _REFUSED_FLAGS
+
+
 class _OffloadedOptimizer(torch.optim.Optimizer):
     _kind = "adamw"
 
@@ -137,11 +144,10 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
 
     # -- torch.optim.Optimizer ---------------------------------------------------------------
     def _hyper(self, group) -> dict:
-        for flag in ("amsgrad", "maximize"):  # set in a group (or a state dict's) after construction
+        for flag in _REFUSED_FLAGS:  # set in a group (or a state dict's) after construction
             if group.get(flag):
                 raise ValueError(f"param_groups: {flag}={group[flag]!r} is not supported by the offloaded optimizers")
-        return {k: group[k] for k in ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
-                if k in group}
+        return {k: group[k] for k in _STEPPED_KEYS if k in group}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -434,9 +440,6 @@ def _global_rank(dist, group, rank: int) -> int:
 _ZERO_CHECKPOINT_FORMAT = "tensormem ZeroOffloadedOptimizer checkpoint 1"
 
 
-# What a step reads of a parameter group (``_hyper`` and its flags), compared across ranks.
-_STEP_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov", "amsgrad",
-                         "maximize")
 class _NotSet:
     """A hyperparameter a group does not hold."""
 
@@ -592,20 +595,17 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         for local, i in zip(self.local.param_groups, self._local_groups):
             local.update({k: v for k, v in self.param_groups[i].items() if k != "params"})
 
-    def _hyperparameter_fingerprints(self) -> List[float]:
-        """One number per group and hyperparameter a step reads: the CRC-32 of the value as
-        the step reads it (a number as its float), the same on every rank exactly where the
-        values are (but for a CRC collision, 1 in 2^32)."""
-        return [float(zlib.crc32(repr(_as_stepped(g.get(key, _ABSENT))).encode()))
-                for g in self.param_groups for key in _STEP_HYPERPARAMETERS]
+    def _stepped_values(self) -> List[str]:
+        """Per group and hyperparameter a step reads, the value as the step reads it (a number
+        as its float), written out: the same text on every rank exactly where the values are."""
+        return [repr(_as_stepped(g.get(key, _ABSENT))) for g in self.param_groups for key in _STEP_HYPERPARAMETERS]
 
-    def _refuse_other_hyperparameters(self, dist, differ: List[int]) -> None:
+    def _refuse_other_hyperparameters(self, dist, values: List[str], differ: List[int]) -> None:
         """ValueError on every rank (each calls it: the maxima are the same everywhere), naming
         each group and hyperparameter that differ and every rank's value, before the step
         changes anything."""
         keys = len(_STEP_HYPERPARAMETERS)
-        mine = [repr(_as_stepped(self.param_groups[i // keys].get(_STEP_HYPERPARAMETERS[i % keys], _ABSENT)))
-                for i in differ]
+        mine = [values[i] for i in differ]
         every: List[Optional[List[str]]] = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
         named = "; ".join(f"group {i // keys} {_STEP_HYPERPARAMETERS[i % keys]!r}: " +
@@ -635,7 +635,10 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         # In the same collective, the hyperparameters each rank would step with: an owner steps
         # with its own rank's values, so ranks that differ (a scheduler stepped on one rank)
         # would train their parameters apart. Every rank sees the same maxima and refuses alike.
-        fingerprints = self._hyperparameter_fingerprints()
+        # Each value goes as the CRC-32 of its text (the same on every rank exactly where the
+        # values are, but for a collision, 1 in 2^32), its maximum and its least both taken.
+        values = self._stepped_values()
+        fingerprints = [float(zlib.crc32(v.encode())) for v in values]
         flags = [1.0 if p.grad is not None else 0.0 for p in self.params]
         both = torch.tensor(flags + fingerprints + [-f for f in fingerprints], dtype=torch.float64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
@@ -643,7 +646,7 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
         differ = [i for i, (high, low) in enumerate(zip(both[n:n + k].tolist(), both[n + k:].tolist()))
                   if high != -low]
         if differ:
-            self._refuse_other_hyperparameters(dist, differ)
+            self._refuse_other_hyperparameters(dist, values, differ)
         has_grad = both[:n] > 0
         for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()):
             if not anywhere:
