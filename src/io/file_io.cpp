@@ -126,9 +126,37 @@ int create_named_beside(const std::string& target, std::string& temp, mode_t mod
   return -1;  // errno EEXIST: a hundred names taken
 }
 
-// Copies all of `from` (from its start) to `to`, continuing short and interrupted transfers:
-// copy_file_range where the file system can, pread and pwrite through a buffer where it
-// cannot. Returns 0, or -1 with errno.
+// An unnamed file that cannot be linked (a file system with unnamed files but no hard links)
+// copied into a new named file with its permission bits (and owner where they can be set),
+// synced. Returns 0 and sets `temp`, or -1 with errno, nothing left behind.
+int copy_to_named(int fd, const std::string& target, std::string& temp) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return -1;
+  std::string name;
+  const int copy = create_named_beside(target, name, st.st_mode & 07777);
+  if (copy < 0) return -1;
+  if (st.st_uid != ::geteuid() || st.st_gid != ::getegid()) {
+    static_cast<void>(::fchown(copy, st.st_uid, st.st_gid));  // refused: the copy is the writer's
+  }
+  int error = ::fchmod(copy, st.st_mode & 07777) != 0 ? errno : 0;  // (not narrowed by the umask)
+  if (error == 0 && detail::copy_whole_file(fd, copy) != 0) error = errno;
+  if (error == 0 && detail::repeat_interrupted([&] { return ::fsync(copy); }) != 0) error = errno;
+  if (::close(copy) != 0 && error == 0 && errno != EINTR) error = errno;
+  if (error != 0) {
+    ::unlink(name.c_str());
+    errno = error;
+    return -1;
+  }
+  temp = std::move(name);
+  return 0;
+}
+
+}  // namespace
+
+namespace detail {
+bool allow_unnamed_temporaries(bool allowed) noexcept { return unnamed_temporaries.exchange(allowed); }
+bool unnamed_temporaries_allowed() noexcept { return unnamed_temporaries.load(); }
+
 int copy_whole_file(int from, int to) noexcept {
   loff_t in = 0;
   loff_t out = 0;
@@ -159,37 +187,6 @@ int copy_whole_file(int from, int to) noexcept {
     if (got.bytes < chunk) return 0;
   }
 }
-
-// An unnamed file that cannot be linked (a file system with unnamed files but no hard links)
-// copied into a new named file with its permission bits (and owner where they can be set),
-// synced. Returns 0 and sets `temp`, or -1 with errno, nothing left behind.
-int copy_to_named(int fd, const std::string& target, std::string& temp) {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return -1;
-  std::string name;
-  const int copy = create_named_beside(target, name, st.st_mode & 07777);
-  if (copy < 0) return -1;
-  if (st.st_uid != ::geteuid() || st.st_gid != ::getegid()) {
-    static_cast<void>(::fchown(copy, st.st_uid, st.st_gid));  // refused: the copy is the writer's
-  }
-  int error = ::fchmod(copy, st.st_mode & 07777) != 0 ? errno : 0;  // (not narrowed by the umask)
-  if (error == 0 && copy_whole_file(fd, copy) != 0) error = errno;
-  if (error == 0 && detail::repeat_interrupted([&] { return ::fsync(copy); }) != 0) error = errno;
-  if (::close(copy) != 0 && error == 0 && errno != EINTR) error = errno;
-  if (error != 0) {
-    ::unlink(name.c_str());
-    errno = error;
-    return -1;
-  }
-  temp = std::move(name);
-  return 0;
-}
-
-}  // namespace
-
-namespace detail {
-bool allow_unnamed_temporaries(bool allowed) noexcept { return unnamed_temporaries.exchange(allowed); }
-bool unnamed_temporaries_allowed() noexcept { return unnamed_temporaries.load(); }
 }  // namespace detail
 
 int create_temporary_beside(const std::string& target, std::string& temp, unsigned mode) {

@@ -446,24 +446,56 @@ int tensor_swapper::open_own_file(job& j, bool unnamed, const char*& refused) co
 // Gives a swap-out's unnamed file its name, `temp_path`, once every byte is written (the
 // exchange with the path needs one). A file left at that name (by an earlier process of this
 // pid) is replaced, as the named file would have been; anything else there is left as it is
-// and fails the swap-out. Allocates nothing but a failure's message.
+// and fails the swap-out. Where the file system cannot link it (unnamed files but no hard
+// links: EPERM, EOPNOTSUPP), its bytes are copied into a new file of that name, which takes
+// its place; the commit then switches later swap-outs to files named from the start.
+// Allocates nothing but a failure's message (and the copy's buffer, where copy_file_range is
+// refused).
 void tensor_swapper::name_own_file(job& j) noexcept {
   char by[48];
   std::snprintf(by, sizeof by, "/proc/self/fd/%d", j.fd);
-  const auto link = [&] { return linkat(AT_FDCWD, by, AT_FDCWD, j.temp_path.c_str(), AT_SYMLINK_FOLLOW); };
-  int rc = link();
-  if (rc != 0 && errno == EEXIST && other_than_a_file(j.temp_path) == nullptr &&
-      (unlink(j.temp_path.c_str()) == 0 || errno == ENOENT)) {
-    rc = link();
-  }
-  if (rc == 0) {
+  // A regular file at the name is stale (the job's name is unique in the process): replaced.
+  const auto replacing = [&](auto make) {
+    int rc = make();
+    if (rc < 0 && errno == EEXIST && other_than_a_file(j.temp_path) == nullptr &&
+        (unlink(j.temp_path.c_str()) == 0 || errno == ENOENT)) {
+      rc = make();
+    }
+    return rc;
+  };
+  if (replacing([&] { return linkat(AT_FDCWD, by, AT_FDCWD, j.temp_path.c_str(), AT_SYMLINK_FOLLOW); }) == 0) {
     j.unnamed = false;
     return;
   }
   j.error = errno;
   j.link_refused = j.error == EPERM || j.error == EOPNOTSUPP;
+  if (!j.link_refused) {
+    set_message(j.message, [&] {
+      return "swap-out of " + j.path + ": cannot name its new file " + j.temp_path + ": " + std::strerror(j.error);
+    });
+    return;
+  }
+  const int refusal = j.error;
+  const int from = open(by, O_RDONLY | O_CLOEXEC);
+  const int to = from < 0 ? -1 : replacing([&] {
+    return open(j.temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  });
+  const bool copied = to >= 0 && io::detail::copy_whole_file(from, to) == 0;
+  j.error = copied ? 0 : errno;
+  if (from >= 0) close(from);
+  if (copied) {
+    close(j.fd);  // (its bytes are read back whole)
+    j.fd = to;
+    j.unnamed = false;
+    return;
+  }
+  if (to >= 0) {
+    close(to);
+    unlink(j.temp_path.c_str());
+  }
   set_message(j.message, [&] {
-    return "swap-out of " + j.path + ": cannot name its new file " + j.temp_path + ": " + std::strerror(j.error);
+    return "swap-out of " + j.path + ": the file system cannot link its new file (" + std::strerror(refusal) +
+           ") and copying it to " + j.temp_path + " failed: " + std::strerror(j.error);
   });
 }
 

@@ -51,6 +51,10 @@ namespace detail {
 bool allow_unnamed_temporaries(bool allowed) noexcept;
 /// The setting itself (the tensor swapper's own files follow it too).
 bool unnamed_temporaries_allowed() noexcept;
+/// Copies all of `from` (from its start; open for reading) to `to` (empty, open for writing),
+/// continuing short and interrupted transfers: copy_file_range where the file system can,
+/// pread and pwrite through a 1 MiB buffer where it cannot. Returns 0, or -1 with errno.
+int copy_whole_file(int from, int to) noexcept;
 }  // namespace detail
 
 }  // namespace tensormem::io

@@ -107,8 +107,8 @@ struct swap_stats {
 /// the path's folder): it is linked as `path.tensormem-tmp.<pid>.<swapper>.<n>` at its
 /// commit, so a process killed mid-write leaves nothing beside the path. Where the file
 /// system has no unnamed files or there is no /proc/self/fd, it is named from the start;
-/// where one cannot be linked, that swap-out fails and later ones name theirs from the
-/// start (`stats().fallback` says so). The displaced old version becomes the
+/// where one cannot be linked (no hard links), that swap-out copies its file into a new one
+/// of that name, and later ones name theirs from the start (`stats().fallback` says so). The displaced old version becomes the
 /// spare, or, without reuse, is unlinked by a reaper thread, off the I/O path.
 ///
 /// Asynchronous for real: a worker thread of the swapper's own opens files, queues the
