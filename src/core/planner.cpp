@@ -480,13 +480,32 @@ class planner_run {
 
   // Calls the progress callback (under offer_mutex_ wherever other threads may offer). Once it
   // has thrown, it is not called again: the exception ends the planning (see guarded).
+  // At most ten a second, but any that reaches the bound; a best arena held back by that limit
+  // is reported when the planning ends (report_held_back).
   void report(const char* phase) {
     if (!o_.progress || failed_.load()) return;
     const double now = seconds_since(start_);
-    if (now - last_report_ < 0.1 && best_.arena != p_.lower_bound) return;
+    if (now - last_report_ < 0.1 && best_.arena != p_.lower_bound) {
+      if (best_.arena != reported_arena_) held_back_ = phase;
+      return;
+    }
     last_report_ = now;
+    reported_arena_ = best_.arena;
+    held_back_ = nullptr;
     guarded([&] { o_.progress({now, best_.arena, p_.lower_bound, phase}); });
   }
+
+ public:
+  // Once every planner thread has ended: the report of a best arena that the rate limit held
+  // back, so that the last report gives the plan returned.
+  void report_held_back() {
+    const char* phase = std::exchange(held_back_, nullptr);
+    if (phase == nullptr || !o_.progress || failed_.load()) return;
+    reported_arena_ = best_.arena;
+    guarded([&] { o_.progress({seconds_since(start_), best_.arena, p_.lower_bound, phase}); });
+  }
+
+ private:
 
   // Canonical DFS at a target capacity: first the lower bound itself, then halfway between
   // the lowest capacity not yet given up and the best arena. At each target, preorder
@@ -652,6 +671,8 @@ class planner_run {
   std::mt19937_64 rng_;
   candidate_plan best_;
   double last_report_ = -1;
+  std::uint64_t reported_arena_ = 0;  // the best arena of the last report (0: none yet)
+  const char* held_back_ = nullptr;   // the phase of a better arena not yet reported
   double first_plan_seconds_ = 0;
   double best_plan_seconds_ = 0;
   clock::duration setup_cost_{};
@@ -692,6 +713,7 @@ plan_result plan_problem_from(const plan_problem& p, const plan_options& options
     r.greedy_seconds = seconds_since(start);
     if (options.search && !run.done()) run.search();
   }
+  run.report_held_back();
   run.rethrow_failure();
   const candidate_plan& best = run.best();
   r.offsets = best.offsets;

@@ -1108,6 +1108,39 @@ TEST(planner, canonical_search_beside_the_guided_rounds_reports_one_at_a_time) {
   ADD_FAILURE() << "the canonical search never reported";
 }
 
+// The progress callback is called at most ten times a second (more often only to say the
+// bound is reached), and a better plan that this limit held back is reported when the
+// planning ends: the last report gives the arena plan() returns, and the reports' arenas
+// never grow. Random inputs of 2,000 to 11,000 buffers, on one thread and two: on several,
+// without that last report, the only one was the first plan's, at 1 ms, while the greedy
+// orders after it found arenas up to 6 % smaller.
+TEST(planner, the_last_report_gives_the_arena_returned) {
+  std::mt19937_64 rng(9);
+  int held_back = 0;  // runs whose last report came within 0.1 s of the one before
+  for (int run = 0; run < 12; ++run) {
+    const std::size_t n = 2000 + 3000 * static_cast<std::size_t>(run % 4);
+    const auto b = random_buffers(rng, n, 5 * n, 2000, [&] { return 1 + rng() % (1 << 20); });
+    std::vector<plan_progress> reports;
+    plan_options o;
+    o.threads = 1 + static_cast<unsigned>(run % 2);
+    o.time_limit_seconds = 0.35;
+    o.progress = [&](const plan_progress& p) { reports.push_back(p); };  // (one call at a time)
+    const plan_result r = checked_plan(b, o);
+    const std::string where = "run " + std::to_string(run) + ", " + std::to_string(n) + " buffers";
+    ASSERT_FALSE(reports.empty()) << where;
+    EXPECT_EQ(reports.back().best_arena_bytes, r.arena_bytes) << where;
+    for (std::size_t i = 1; i < reports.size(); ++i) {
+      EXPECT_LE(reports[i].best_arena_bytes, reports[i - 1].best_arena_bytes) << where << ", report " << i;
+      EXPECT_GE(reports[i].seconds, reports[i - 1].seconds) << where << ", report " << i;
+      if (i + 1 < reports.size() && reports[i].best_arena_bytes != r.lower_bound) {
+        EXPECT_GE(reports[i].seconds - reports[i - 1].seconds, 0.1 - 1e-9) << where << ", report " << i;
+      }
+    }
+    if (reports.size() >= 2 && reports.back().seconds - reports[reports.size() - 2].seconds < 0.1) ++held_back;
+  }
+  std::printf("runs whose last report was held back by the rate limit: %d of 12\n", held_back);
+}
+
 // An exception from the progress callback ends the planning and comes out of plan(), from
 // whichever thread made the call: the first plan's, a skyline's, a lane of rounds', or the
 // guided rounds' beside the classic variants (20,000 buffers, split). The callback is not

@@ -45,8 +45,10 @@ struct plan_options {
   /// and the capacities above it are searched at once, and the plan kept is the one that
   /// reached the bound first (or the best found by the limit).
   unsigned threads = 0;
-  /// Optional progress callback, called at most about ten times a second, from one of the
-  /// planner's threads, never from two at once. An exception it throws ends the planning
+  /// Optional progress callback, called as the planning goes on, at most about ten times a
+  /// second (a plan at the lower bound at once), from one of the planner's threads, never
+  /// from two at once. A better plan that this limit held back is reported as the planning
+  /// ends: the last call gives the plan returned. An exception it throws ends the planning
   /// (a way to cancel it): no phase starts after it, the callback is not called again, and
   /// plan() rethrows it on the caller's thread once every planner thread has ended (a
   /// placement already running ends first, by the time limit at the latest).
