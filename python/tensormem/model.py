@@ -451,7 +451,16 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
     finally:
         for h in hooks:
             h.remove()
-    g = _analyse(gm, len(state), param_bytes, training)
+    try:
+        g = _analyse(gm, len(state), param_bytes, training)
+    except UnsupportedGraph:
+        raise
+    except Exception as e:
+        if tracing_mode != "fake":
+            raise
+        # PyTorch 2 traces data-dependent sizes on fake tensors as symbols, which cannot be
+        # read as numbers: no usable trace, as where PyTorch 1 stopped the trace itself.
+        raise UnsupportedGraph(f"cannot trace {type(module).__name__}: {type(e).__name__}: {e}") from e
     g.reassigned_buffers = sorted(reassigned)
     g.out_spec = structure[-1]
     leaves, g.in_spec = tree_flatten(list(example_inputs))
@@ -691,12 +700,27 @@ def _eager_peak(module, inputs, training: bool, loss_fn) -> Tuple[int, str]:
 
 def _profiler_peak(events) -> int:
     """Highest sum of the CPU ``[memory]`` events' bytes (positive: an allocation, negative: a
-    free), taken in time order; events of the same microsecond keep the profiler's order,
-    which is the order they were recorded in."""
-    deltas = sorted(((e.start_us(), e.nbytes()) for e in events
+    free), taken in time order; events of the same time keep the profiler's order, which is
+    the order they were recorded in. An event's time is ``start_ns()`` where the profiler
+    gives it (PyTorch 2), else ``start_us()`` (PyTorch 1, which has no other)."""
+    deltas = sorted(((_event_start_ns(e), e.nbytes()) for e in events
                      if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
                     key=lambda d: d[0])
     return _highest_running_sum(delta for _time, delta in deltas)
+
+
+def _children(spec) -> int:
+    """How many children a pytree spec has: ``num_children`` where PyTorch has it (2.x, where
+    ``children_specs`` is deprecated), else ``len(children_specs)`` (1.13)."""
+    count = getattr(spec, "num_children", None)
+    if callable(count):
+        count = count()
+    return count if isinstance(count, int) else len(spec.children_specs)
+
+
+def _event_start_ns(event) -> int:
+    start_ns = getattr(event, "start_ns", None)
+    return start_ns() if start_ns is not None else event.start_us() * 1000
 
 
 def _highest_running_sum(deltas) -> int:
@@ -943,7 +967,7 @@ def _planned_run(plan: ModulePlan, inputs):
         if meta is not None and (tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype):
             raise ValueError(f"ModulePlan.run: the module's {name} is now {tuple(t.shape)} {t.dtype}; the plan "
                              f"was made for {tuple(meta.shape)} {meta.dtype}; plan it again")
-    traced_inputs = len(g.in_spec.children_specs) if g.in_spec is not None else len(placeholders) - g.n_state
+    traced_inputs = _children(g.in_spec) if g.in_spec is not None else len(placeholders) - g.n_state
     if len(inputs) != traced_inputs:
         raise ValueError(f"ModulePlan.run: {len(inputs)} inputs given, the traced call had {traced_inputs}")
     # The graph takes the inputs' leaves: tuples, lists and dicts are taken apart as the trace did.
@@ -1358,7 +1382,9 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: {args.model}: {e}{hint}", file=sys.stderr)
         return 1
     except MemoryError as e:  # refused before the model ran
-        print(f"{parser.prog}: {args.model} at batch {args.batch}: {e}; try a smaller --batch", file=sys.stderr)
+        smaller = (["--batch"] if args.batch > 1 else []) + (["--sequence", "--layers"] if args.model == "gpt" else [])
+        hint = f"; try a smaller {' or '.join(smaller)}" if smaller else ""
+        print(f"{parser.prog}: {args.model} at batch {args.batch}: {e}{hint}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - t0
     print(f"{args.model}, batch {args.batch}: traced, measured and planned in {seconds:.1f} s")
