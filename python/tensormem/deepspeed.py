@@ -113,6 +113,11 @@ class _PinnedTensors:
         if num_elem < 0:
             raise ValueError(f"new_cpu_locked_tensor: num_elem must be >= 0, not {num_elem}")
         nbytes = num_elem * torch.empty((), dtype=dtype).element_size()
+        register = torch.cuda.is_available()
+        if register and torch.cuda._is_in_bad_fork():
+            raise RuntimeError("new_cpu_locked_tensor: this process was forked from one that had initialised CUDA, "
+                               "which a forked child cannot use, so its memory cannot be pinned for CUDA (as "
+                               "torch's pin_memory cannot here); start it with the 'spawn' method instead")
         with self._lock:
             if self._pool is None or self._pool_pid != os.getpid() or \
                     self._pool_allows_unlocked != self.allow_unlocked:
@@ -137,8 +142,14 @@ class _PinnedTensors:
                           f"({unlocked} unlocked slab(s) so far)", RuntimeWarning, stacklevel=3)
         tensor = torch.utils.dlpack.from_dlpack(buffer)[:nbytes].view(dtype)
         assert _address(tensor) == start
-        if torch.cuda.is_available():  # let torch know the memory is pinned
-            error = int(torch.cuda.cudart().cudaHostRegister(start, max(nbytes, 1), 0))
+        if register:  # let torch know the memory is pinned
+            try:
+                error = int(torch.cuda.cudart().cudaHostRegister(start, max(nbytes, 1), 0))
+            except BaseException:  # (CUDA that cannot start, Ctrl-C): the bytes go back to the pool
+                with self._lock:
+                    del self._regions[start]
+                del tensor, buffer  # (not held by the traceback's frame)
+                raise
             if error != 0:
                 with self._lock:
                     del self._regions[start]
@@ -150,7 +161,9 @@ class _PinnedTensors:
     def free(self, tensor: torch.Tensor) -> bool:
         with self._lock:
             entry = self._regions.pop(_address(tensor), None)
-        if entry is not None and torch.cuda.is_available():
+        # In a child forked after CUDA started, the registration is the parent's CUDA's, which
+        # the child cannot reach: it is forgotten here, as the child's copy of the memory is.
+        if entry is not None and torch.cuda.is_available() and not torch.cuda._is_in_bad_fork():
             torch.cuda.cudart().cudaHostUnregister(_address(tensor))
         return entry is not None
 
@@ -182,7 +195,9 @@ def allow_unlocked(allowed: bool = True) -> None:
 
 def new_cpu_locked_tensor(num_elem: int, example_tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D page-locked CPU tensor of ``num_elem`` elements of ``example_tensor``'s dtype,
-    4096-aligned (uninitialised, as DeepSpeed's is). MemoryError when it cannot be locked."""
+    4096-aligned (uninitialised, as DeepSpeed's is), registered with CUDA where CUDA is
+    available. MemoryError when it cannot be locked; RuntimeError, before anything is taken,
+    in a child forked from a process that had initialised CUDA (as torch's pin_memory)."""
     return _PINNED.alloc(num_elem, example_tensor.dtype)
 
 

@@ -7,6 +7,7 @@ pinned tensors; the op builder and patch()."""
 import ctypes
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -457,6 +458,42 @@ def test_a_refused_cuda_registration_is_an_error(monkeypatch):
     assert ds._PINNED.stats()["in_use_bytes"] == before
     assert not ds._PINNED._regions or all(
         limit - start != 4000 for start, (limit, _b) in ds._PINNED._regions.items())
+
+
+def test_cuda_that_cannot_be_reached_takes_nothing(monkeypatch):
+    """In a child forked from a process that had initialised CUDA (which torch will not start
+    again there), new_cpu_locked_tensor raises RuntimeError saying so before anything is
+    taken, and free_cpu_locked_tensor forgets a tensor without calling CUDA (the registration
+    is the parent's); a registration that raises instead of returning an error (a driver that
+    cannot start) gives every byte back to the pool."""
+    def stats():
+        s = ds._PINNED.stats()
+        return s.get("in_use_bytes", 0), s.get("allocations", 0), dict(ds._PINNED._regions)
+
+    def no_cuda_call():
+        raise AssertionError("CUDA was called")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    kept = ds.new_cpu_locked_tensor(1000, torch.zeros(1))  # (registered nowhere)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda_call)
+    before = stats()
+    with pytest.raises(RuntimeError, match=r"forked from one that had initialised CUDA.*'spawn'"):
+        ds.new_cpu_locked_tensor(1000, torch.zeros(1))
+    assert stats() == before
+    assert ds.free_cpu_locked_tensor(kept) and not ds.is_pinned(kept)
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+
+    def driver_that_cannot_start():
+        raise RuntimeError("the CUDA driver cannot start (test)")
+
+    monkeypatch.setattr(torch.cuda, "cudart", driver_that_cannot_start)
+    before = stats()
+    with pytest.raises(RuntimeError, match=re.escape("the CUDA driver cannot start (test)")) as caught:
+        ds.new_cpu_locked_tensor(1000, torch.zeros(1))
+    assert caught.tb is not None and stats() == before  # (also while the error and its frames are kept)
 
 
 @needs_cuda
