@@ -1093,7 +1093,7 @@ def test_progress_comes_on_the_calling_thread_and_an_exception_from_it_stops_the
         calls.append((threading.get_ident(), dict(p)))
 
     plan = tensormem.plan(lower, upper, size, time_limit=3, progress=progress)
-    assert len(calls) >= 2  # the first plan's report, then later ones
+    assert calls  # the first plan's report, then one for each better plan (ten a second at most)
     assert {ident for ident, _ in calls} == {caller}
     reports = [p for _, p in calls]
     assert set(reports[0]) == {"seconds", "best_arena_bytes", "lower_bound", "phase"}
@@ -1103,7 +1103,7 @@ def test_progress_comes_on_the_calling_thread_and_an_exception_from_it_stops_the
     assert seconds == sorted(seconds) and seconds[-1] <= plan["seconds"]
     best = [p["best_arena_bytes"] for p in reports]
     assert best == sorted(best, reverse=True)  # never worse than an earlier report
-    assert best[-1] >= plan["arena_bytes"] >= plan["lower_bound"]
+    assert best[-1] == plan["arena_bytes"] >= plan["lower_bound"]  # the last report is the plan returned
     # The times of the plan, as `tensormem plan --json` gives them.
     assert 0 < plan["first_plan_seconds"] <= plan["best_plan_seconds"] <= plan["seconds"]
     assert 0 < plan["greedy_seconds"] <= plan["seconds"]
@@ -1130,16 +1130,25 @@ _SLOW_BYTES = 128 << 20
 
 
 def _interrupted(call, after=0.05):
-    """Runs call() with Ctrl-C `after` seconds in; returns the seconds until KeyboardInterrupt."""
+    """Runs call() with Ctrl-C `after` seconds in; returns the seconds until KeyboardInterrupt.
+    Where the call returns first, the test fails here: a Ctrl-C sent as it returned comes out
+    inside this function, never later in the test's own code or pytest's (which it would end)."""
     timer = threading.Timer(after, _thread.interrupt_main)
     start = time.monotonic()
-    timer.start()
+    returned = False
     try:
-        with pytest.raises(KeyboardInterrupt):
-            call()
+        timer.start()
+        call()
+        returned = True
+        timer.cancel()
+        timer.join()
+        time.sleep(0.01)  # (a Ctrl-C sent before the cancel comes out here)
+    except KeyboardInterrupt:
+        if not returned:
+            return time.monotonic() - start
     finally:
         timer.cancel()
-    return time.monotonic() - start
+    pytest.fail(f"the call returned before Ctrl-C, {after} s in")
 
 
 def test_ctrl_c_interrupts_a_swapper_wait_and_the_ticket_is_waited_for_again(tmp_path):
@@ -1530,7 +1539,9 @@ def test_a_forked_child_frees_what_a_pinned_pool_gave_before_and_is_refused_new_
 def test_deepspeeds_locked_tensors_work_in_a_forked_child():
     # DeepSpeed's pinned tensors are per process: a child forked from a process that made some
     # gets locked memory of its own (a new pool), even while a parent thread held the
-    # manager's lock at the fork, and can free what it inherited.
+    # manager's lock at the fork, and can free what it inherited. Where the parent's tensors
+    # started CUDA (registered with it), the child cannot use CUDA: a new one is refused with
+    # RuntimeError saying so (as torch's pin_memory is there), and the inherited one is freed.
     script = HELD_BY_A_THREAD + textwrap.dedent("""
         import os, signal
         import torch
@@ -1542,7 +1553,12 @@ def test_deepspeeds_locked_tensors_work_in_a_forked_child():
         pid = os.fork()
         if pid == 0:
             signal.alarm(10)  # a hang ends the child by SIGALRM
-            mine = ds.new_cpu_locked_tensor(1 << 20, example)
+            try:
+                mine = ds.new_cpu_locked_tensor(1 << 20, example)
+            except RuntimeError as e:
+                print("child refused", "initialised CUDA" in str(e), ds.free_cpu_locked_tensor(inherited),
+                      flush=True)
+                os._exit(0)
             mine.fill_(1)
             s = ds._PINNED.stats()
             print("child", float(inherited.sum()), ds.free_cpu_locked_tensor(inherited),
@@ -1556,7 +1572,8 @@ def test_deepspeeds_locked_tensors_work_in_a_forked_child():
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "child 3072.0 True True True 1" in lines, r.stdout
+    child = "child refused True True" if torch.cuda.is_available() else "child 3072.0 True True True 1"
+    assert child in lines, r.stdout + r.stderr
     assert "child status 0" in lines, r.stdout  # 14 (SIGALRM) when the child waited on the lock
     assert "parent 3072.0 True 1" in lines, r.stdout
 
