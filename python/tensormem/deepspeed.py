@@ -145,17 +145,14 @@ class _PinnedTensors:
         if register:  # let torch know the memory is pinned
             try:
                 error = int(torch.cuda.cudart().cudaHostRegister(start, max(nbytes, 1), 0))
-            except BaseException:  # (CUDA that cannot start, Ctrl-C): the bytes go back to the pool
+                if error != 0:
+                    raise MemoryError(f"new_cpu_locked_tensor: cudaHostRegister of {nbytes} bytes failed "
+                                      f"with CUDA error {error}")
+            except BaseException:  # (also CUDA that cannot start, Ctrl-C): the bytes go back to the pool
                 with self._lock:
                     del self._regions[start]
                 del tensor, buffer  # (not held by the traceback's frame)
                 raise
-            if error != 0:
-                with self._lock:
-                    del self._regions[start]
-                del tensor, buffer  # the bytes go back to the pool
-                raise MemoryError(f"new_cpu_locked_tensor: cudaHostRegister of {nbytes} bytes failed "
-                                  f"with CUDA error {error}")
         return tensor
 
     def free(self, tensor: torch.Tensor) -> bool:
