@@ -62,3 +62,18 @@ def hold(storage):
             warnings.warn(why, RuntimeWarning, stacklevel=3)
         return storage
     return _factory(storage)
+
+
+def write_marker(tensor):
+    """What counts one in-place change of ``tensor``'s values, as PyTorch's in-place operations
+    count theirs: a call that adds one to its version counter (``tensor._version``, shared with
+    its views and ``detach()``), after which autograd refuses a backward that would read the
+    values it saved before ("one of the variables needed for gradient computation has been
+    modified by an inplace operation") instead of computing with the new ones. Made before
+    the change (a zero-element view copied onto itself: no memory is read or written), so
+    that counting it after cannot fail for the tensor's sake; None for an inference tensor,
+    which keeps no counter."""
+    if tensor.is_inference():
+        return None
+    view = tensor.detach().as_strided((0,), (1,))
+    return lambda: view.copy_(view)

@@ -325,7 +325,12 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         # the I/O uses; and its size, so that a resize_ that would free it raises instead.
         held = _storage_hold.hold(_storage_hold.storage_of(staged))
         if read:
+            # A read into the tensor itself changes its values in place: counted in its version
+            # once queued, as an in-place operation's (a staged read's copy_ counts its own).
+            marker = _storage_hold.write_marker(staged) if destination is None else None
             ticket = io.read(staged.data_ptr(), nbytes, path, operator.index(file_offset), validate)
+            if marker is not None:
+                marker()
         else:
             ticket = io.write(staged.data_ptr(), nbytes, path, operator.index(file_offset), validate)
         return ticket, staged, destination, held

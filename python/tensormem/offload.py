@@ -38,6 +38,7 @@ and broadcasts the new values (ZeRO stage 2 at parameter granularity).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -52,7 +53,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from . import _tensormem
+from . import _storage_hold, _tensormem
 
 OffloadError = _tensormem.OffloadError
 simd_level = _tensormem.simd_level
@@ -82,6 +83,21 @@ def torch_arithmetic(version: Optional[str] = None) -> str:
 _STEPPED_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "dampening", "nesterov")
 _REFUSED_FLAGS = ("amsgrad", "maximize")
 _STEP_HYPERPARAMETERS = _STEPPED_KEYS + _REFUSED_FLAGS
+
+
+@contextlib.contextmanager
+def _counted_as_written(params: List[torch.Tensor]):
+    """Counts a write of each parameter's values in its version, as torch.optim's in-place
+    updates do, once the block ends, raising or not (a failed step's parameters may have been
+    written and put back): autograd then refuses a backward through values saved before the
+    step ("modified by an inplace operation") instead of computing with the new ones. The
+    counts are made ready before the block, so that taking them cannot fail after it."""
+    markers = [m for m in map(_storage_hold.write_marker, params) if m is not None]
+    try:
+        yield
+    finally:
+        for mark in markers:
+            mark()
 
 
 class _OffloadedOptimizer(torch.optim.Optimizer):
@@ -174,7 +190,8 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
                     p.grad.to(torch.float32).contiguous()
                 keep.append(g)
                 grads.append(g.data_ptr())
-        stats = self._core.step([p.data_ptr() for p in held], grads, hyper)
+        with _counted_as_written([p for p, g in zip(self._params, grads) if g]):  # (those without grad not stepped)
+            stats = self._core.step([p.data_ptr() for p in held], grads, hyper)
         self.last_stats = stats
         self.totals["steps"] += 1
         for k in ("seconds", "io_wait_seconds", "bytes_read", "bytes_written"):
@@ -190,7 +207,8 @@ class _OffloadedOptimizer(torch.optim.Optimizer):
         ``OffloadError`` whose ``not_undone`` lists parameters: a failed step whose undoing
         failed too. Needs ``offload_master=True``; a failure may be retried."""
         held = self._check_params()
-        self._core.restore_parameters([p.data_ptr() for p in held])
+        with _counted_as_written(self._params):
+            self._core.restore_parameters([p.data_ptr() for p in held])
 
     def progress_line(self) -> str:
         s = self.last_stats
@@ -664,9 +682,12 @@ class ZeroOffloadedOptimizer(torch.optim.Optimizer):
                 self.local.step()
 
         self._on_every_rank("stepped", local_step)
-        # Only what was stepped: a parameter no rank had a gradient for kept its value.
-        for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()):
-            if anywhere:
+        # Only what was stepped: a parameter no rank had a gradient for kept its value. The
+        # others' new values are counted in their versions as the owner's step counts its own
+        # (broadcast into p.data, whose version is its own, would count nothing).
+        stepped = [(p, r) for p, r, anywhere in zip(self.params, self.owner, has_grad.tolist()) if anywhere]
+        with _counted_as_written([p for p, r in stepped if r != self.rank]):
+            for p, r in stepped:
                 dist.broadcast(p.data, src=self._global[r], group=self.group)
         return loss
 

@@ -355,6 +355,18 @@ class py_swapper {
     for (const auto& t : tensors) views.push_back(hold(t, !out));
     std::vector<swap::tensor_ref> refs;
     for (const auto& v : views) refs.push_back(v.ref);
+    // A swap-in changes a torch tensor's values in place: counted in its version, as an
+    // in-place operation's, so that autograd refuses a backward through values saved before
+    // it. The counts are made ready first and taken once the transfers are queued, so that a
+    // refused batch counts nothing.
+    std::vector<py::object> markers;
+    if (!out) {
+      const py::object marker_of = py::module_::import("tensormem._storage_hold").attr("write_marker");
+      for (const auto& v : views) {
+        if (!v.tensor) continue;
+        if (py::object m = marker_of(v.tensor); !m.is_none()) markers.push_back(std::move(m));
+      }
+    }
     std::uint64_t ticket = 0;
     {
       py::gil_scoped_release release;
@@ -362,6 +374,7 @@ class py_swapper {
     }
     held_[ticket] = std::move(views);
     if (!out) swap_ins_.insert(ticket);
+    for (const auto& m : markers) m();  // (a zero-element copy: allocates nothing)
     return ticket;
   }
   std::vector<swap::swap_result> wait(std::uint64_t ticket) {
@@ -1085,7 +1098,10 @@ PYBIND11_MODULE(_tensormem, m) {
       .def("swap_in", [](py_swapper& s, const std::vector<file_name>& paths,
                          const std::vector<py::object>& tensors, const std::vector<python::name_text>& keys) {
              return s.start(tensors, paths, keys, false);
-           }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<python::name_text>{})
+           }, py::arg("paths"), py::arg("tensors"), py::arg("keys") = std::vector<python::name_text>{},
+           "Queues the reads; returns a ticket. tensors as for swap_out, writable. A torch tensor's version "
+           "(t._version) counts the swap-in as an in-place change once queued, as copy_ would: autograd refuses "
+           "a backward through values saved before it.")
       .def("wait", [](py_swapper& s, u64 ticket) { return results_to_python(s.wait(ticket)); },
            py::arg("ticket"), "One dict per tensor: path, bytes, error (errno or 0), message. Ctrl-C raises "
            "KeyboardInterrupt; the ticket stays outstanding, its buffers held, to be waited for again.")

@@ -81,6 +81,16 @@ def pathlib_bytes(path):
         return f.read()
 
 
+def read_methods(h, path):
+    """Each way of ``aio_handle`` ``h`` to read the file at ``path`` into a tensor, whole."""
+    return {
+        "read": lambda b: h.read(b, path, False),
+        "pread": lambda b: h.pread(b, path, True, False),
+        "sync_pread": lambda b: h.sync_pread(b, path),
+        "async_pread": lambda b: (h.async_pread(b, path), h.wait())[1],
+    }
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_read_method_returns_the_file(tmp_path, dtype):
     h = ds.aio_handle(block_size=65536, queue_depth=8)
@@ -88,16 +98,37 @@ def test_every_read_method_returns_the_file(tmp_path, dtype):
     path = str(tmp_path / "f")
     with open(path, "wb") as f:
         f.write(raw_bytes(tensor))
-    reads = {
-        "read": lambda b: h.read(b, path, False),
-        "pread": lambda b: h.pread(b, path, True, False),
-        "sync_pread": lambda b: h.sync_pread(b, path),
-        "async_pread": lambda b: (h.async_pread(b, path), h.wait())[1],
-    }
-    for name, read in reads.items():
+    for name, read in read_methods(h, path).items():
         back = torch.zeros_like(tensor)
         read(back)
         assert torch.equal(back, tensor), name
+
+
+def test_a_read_counts_as_an_in_place_change_for_autograd(tmp_path):
+    """A read into a tensor changes its values in place: its version counts it (a read into
+    the tensor's own memory once queued, a staged one by its copy_), so that a backward
+    through values saved before it is refused instead of computing with the file's values.
+    A write, and a read refused before any I/O, count nothing."""
+    h = ds.aio_handle(block_size=65536, queue_depth=8)
+    path = str(tmp_path / "f")
+    saved = torch.arange(1000, dtype=torch.float32)
+    assert h.sync_pwrite(saved, path) == 1 and saved._version == 0
+    for name, read in read_methods(h, path).items():
+        for target in (torch.zeros(1000), torch.zeros(2000)[::2]):  # its own memory; staged
+            w = torch.ones(1000, requires_grad=True)
+            loss = (w * target).sum()  # saves the zeros for w's gradient
+            read(target)
+            assert torch.equal(target, saved) and target._version == 1, (name, target.is_contiguous())
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+    queued = torch.zeros(1000)
+    assert h.async_pread(queued, path) == 0
+    assert queued._version == 1  # counted once queued, before the wait
+    assert h.wait() == 1 and torch.equal(queued, saved)
+    meta = torch.zeros(1000, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        h.sync_pread(meta, path)
+    assert meta._version == 0
 
 
 def test_offsets_keep_the_rest_of_the_file(tmp_path):

@@ -295,6 +295,7 @@ def test_param_groups_lr_changes_and_missing_grads(tmp_path):
                           pinned_budget=BUDGET)
     sched_ref = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
     sched_ours = torch.optim.lr_scheduler.StepLR(ours, step_size=2, gamma=0.5)
+    changed = {}
     for step in range(6):
         x = torch.randn(8, 37)
         for m, o, s in ((a, ref, sched_ref), (b, ours, sched_ours)):
@@ -302,15 +303,44 @@ def test_param_groups_lr_changes_and_missing_grads(tmp_path):
             m(x).sum().backward()
             if step % 2 == 1:
                 m[0].bias.grad = None  # skipped: no state change, no step count
+            versions = [p._version for p in m.parameters()]
             o.step()
             s.step()
+            # which parameters count a change of their values (autograd's version): as torch's
+            changed.setdefault(step, []).append([p._version > v for p, v in zip(m.parameters(), versions)])
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(ref_changed == ours_changed for ref_changed, ours_changed in changed.values()), changed
+    assert changed[1][1] == [True, False, True, True] and changed[0][1] == [True] * 4
     sd = ours.state_dict()
     ref_sd = ref.state_dict()
     for i, st in ref_sd["state"].items():
         assert float(st["step"]) == float(sd["state"][i]["step"])
         assert torch.equal(st["exp_avg"], sd["state"][i]["exp_avg"])
         assert torch.equal(st["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
+
+
+def test_a_backward_through_values_saved_before_a_step_is_refused_as_torchs(tmp_path):
+    """A step changes the parameters in place: as after torch's own step, a backward that
+    would read the values saved before it is refused ("modified by an inplace operation")
+    rather than computing with the new ones (a GAN's second loss after the first step). The
+    same for restore_parameters, which writes them too."""
+    torch.manual_seed(0)
+    a = mlp()
+    b = copy.deepcopy(a)
+    ref = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    ours = OffloadedAdamW(b.parameters(), lr=1e-3, swap_dirs=[str(tmp_path)], group_bytes=8 << 10,
+                          pinned_budget=BUDGET)
+    x = torch.randn(8, 37)
+    for m, o in ((a, ref), (b, ours)):
+        m(x).sum().backward()
+        later = m(x).pow(2).sum()  # saves the weights as they are now
+        o.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            later.backward()
+    later = b(x).pow(2).sum()
+    ours.restore_parameters()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        later.backward()
 
 
 def step_side_by_side(pairs, steps):
@@ -699,6 +729,7 @@ FULL_SCRIPT = textwrap.dedent("""
     os.truncate(filler, os.path.getsize(filler) - 64 * 1024)
     x = torch.randn(8, 37)
     m(x).sum().backward()
+    versions = [p._version for p in m.parameters()]
     try:
         o.step()
         print("NO-ERROR")
@@ -707,6 +738,8 @@ FULL_SCRIPT = textwrap.dedent("""
         print("REPORTED" if ok else "WRONG %r %r %r" % (e, e.errno, e.tensor))
     same = all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
     print("PARAMS-RESTORED" if same else "PARAMS-CHANGED")
+    # written and put back: counted as a change, as a step that raised after writing
+    print("VERSIONS-COUNTED" if all(p._version > v for p, v in zip(m.parameters(), versions)) else "VERSIONS-KEPT")
     sd = o.state_dict()
     print("STATE-PREVIOUS" if sd["state"] == {{}} else "STATE-CHANGED")
     os.remove(filler)
@@ -731,7 +764,7 @@ def test_a_full_folder_mid_step_names_the_tensor_and_keeps_the_state(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if r.returncode != 0 and "mount" in r.stderr and "REPORTED" not in r.stdout:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    for word in ("REPORTED", "PARAMS-RESTORED", "STATE-PREVIOUS") + (("RETRY-EQUAL",) if EXACT_SQRT else ()):
+    for word in ("REPORTED", "PARAMS-RESTORED", "VERSIONS-COUNTED", "STATE-PREVIOUS") + (("RETRY-EQUAL",) if EXACT_SQRT else ()):
         assert word in r.stdout, (r.stdout, r.stderr)
 
 
@@ -1061,7 +1094,12 @@ ZERO_SCRIPT = textwrap.dedent("""
         for xs in zero_batches(4, 2 if group is not None else world):
             opt.zero_grad()
             m(xs[member]).pow(2).mean().backward()
+            versions = [p._version for p in m.parameters()]
             opt.step()
+            # every parameter stepped (by this rank or its owner) counts a change in its
+            # version, as after torch's own step; a frozen one does not
+            changed = [p._version > v for p, v in zip(m.parameters(), versions)]
+            assert changed == [p.requires_grad for p in m.parameters()], (changed, opt.owner, member)
         dist.broadcast = broadcast
         # Each member owns parameters here: its last step's figures are its own optimizer's.
         assert opt.local is not None and opt.last_stats == opt.local.last_stats and opt.last_stats["groups"] > 0

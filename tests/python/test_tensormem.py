@@ -478,6 +478,39 @@ def test_swapper_round_trip_numpy_and_torch(tmp_path):
     assert s["tensors_out"] == 2 and s["checksums"] is True
 
 
+def test_a_swap_in_counts_as_an_in_place_change_for_autograd(tmp_path):
+    """A swap-in into a torch tensor changes its values in place: its version counts it, as
+    copy_'s would, so that a backward through values saved before it is refused instead of
+    computing with the file's values. A swap-out, a refused swap-in and a numpy array's
+    swap-in count nothing; an inference tensor (no version) is swapped into all the same."""
+    swapper = tensormem.TensorSwapper(tensormem.PinnedPool(slab_bytes=16 << 20), queue_depth=8, staging_buffers=4)
+    path = str(tmp_path / "x")
+    saved = torch.arange(1000, dtype=torch.float32)
+    assert swapper.wait(swapper.swap_out([saved], [path]))[0]["error"] == 0
+    assert saved._version == 0
+    w = torch.ones(1000, requires_grad=True)
+    x = torch.zeros(1000)
+    loss = (w * x).sum()  # saves x (zeros) for w's gradient
+    with pytest.raises(ValueError, match="appears twice"):
+        swapper.swap_in([path, path], [x, torch.zeros(1000)])
+    assert x._version == 0  # refused: nothing counted
+    ticket = swapper.swap_in([path], [x])
+    assert x._version == 1  # counted once queued, before the wait
+    assert swapper.wait(ticket)[0]["error"] == 0 and torch.equal(x, saved)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    # A leaf that requires grad (a parameter swapped back in) and a view: counted on the
+    # tensor they share it with, as an in-place operation under no_grad is.
+    p = torch.nn.Parameter(torch.zeros(2000))
+    assert swapper.wait(swapper.swap_in([path], [p[1000:]]))[0]["error"] == 0
+    assert p._version == 1 and torch.equal(p[1000:].detach(), saved)
+    with torch.inference_mode():
+        frozen = torch.zeros(1000)
+    assert swapper.wait(swapper.swap_in([path], [frozen]))[0]["error"] == 0 and torch.equal(frozen, saved)
+    array = np.zeros(1000, dtype=np.float32)
+    assert swapper.wait(swapper.swap_in([path], [array]))[0]["error"] == 0 and np.array_equal(array, saved.numpy())
+
+
 def test_packed_small_tensors_round_trip_without_files(tmp_path):
     pool = tensormem.PinnedPool(slab_bytes=16 << 20)
     swapper = tensormem.TensorSwapper(pool, queue_depth=8, staging_buffers=4, pack_below=1 << 16)
