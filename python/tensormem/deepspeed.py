@@ -350,7 +350,8 @@ class aio_handle:  # noqa: N801 (DeepSpeed's name)
         for ticket, staged, destination, _ in queued:
             if destination is not None and ticket not in failed:
                 try:  # a tensor resized since its read was queued: the others still get their bytes
-                    destination.copy_(staged)
+                    with torch.no_grad():  # (into a parameter too, as a read into one's own memory)
+                        destination.copy_(staged)
                 except Exception as e:  # noqa: BLE001 - raised below, after every copy
                     copy_failure = copy_failure or e
         if errors:
@@ -447,11 +448,13 @@ def aio_write(buffer: torch.Tensor, filename: str, block_size: int, queue_depth:
 
 
 def deepspeed_memcpy(dest: torch.Tensor, src: torch.Tensor) -> int:
-    """dest <- src (same number of bytes); 0."""
+    """dest <- src (same number of bytes); 0. A copy of the bytes, as DeepSpeed's: into a
+    tensor that requires grad too (a parameter), counted in dest's version as copy_ counts it."""
     if dest.numel() * dest.element_size() != src.numel() * src.element_size():
         raise ValueError(f"deepspeed_memcpy: {dest.numel() * dest.element_size()} bytes in dest, "
                          f"{src.numel() * src.element_size()} in src")
-    dest.copy_(src.reshape(dest.shape) if dest.dtype == src.dtype else src.view(dest.dtype).reshape(dest.shape))
+    with torch.no_grad():
+        dest.copy_(src.reshape(dest.shape) if dest.dtype == src.dtype else src.view(dest.dtype).reshape(dest.shape))
     return 0
 
 

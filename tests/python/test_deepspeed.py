@@ -114,7 +114,10 @@ def test_a_read_counts_as_an_in_place_change_for_autograd(tmp_path):
     saved = torch.arange(1000, dtype=torch.float32)
     assert h.sync_pwrite(saved, path) == 1 and saved._version == 0
     for name, read in read_methods(h, path).items():
-        for target in (torch.zeros(1000), torch.zeros(2000)[::2]):  # its own memory; staged
+        # its own memory, staged; a parameter (a leaf that requires grad) either way, which
+        # DeepSpeed's reads fill as any tensor
+        for target in (torch.zeros(1000), torch.zeros(2000)[::2], torch.nn.Parameter(torch.zeros(1000)),
+                       torch.nn.Parameter(torch.zeros(2000)[::2])):
             w = torch.ones(1000, requires_grad=True)
             loss = (w * target).sum()  # saves the zeros for w's gradient
             read(target)
@@ -606,7 +609,9 @@ def test_builder_and_module_functions(tmp_path):
     assert ops.aio_read(back, path, 1 << 20, 32, False, False, False) == 0
     assert torch.equal(back, t)
     dest = torch.zeros_like(t)
-    assert ops.deepspeed_memcpy(dest, t) == 0 and torch.equal(dest, t)
+    assert ops.deepspeed_memcpy(dest, t) == 0 and torch.equal(dest, t) and dest._version == 1
+    param = torch.nn.Parameter(torch.zeros(10_000))  # bytes into a parameter, as DeepSpeed's memcpy
+    assert ops.deepspeed_memcpy(param, t) == 0 and torch.equal(param.detach(), t) and param._version == 1
     with pytest.raises(ValueError):
         ops.deepspeed_memcpy(torch.zeros(3), t)
 
