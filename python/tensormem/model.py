@@ -831,8 +831,11 @@ class ModulePlan:
         buffer they lie in is copied once, and outputs that share memory in an eager call (a
         tensor returned twice, a view of another output) share their copy the same way. An
         input, a parameter or a module buffer returned is the caller's tensor itself, and a
-        view of one is the same view of it, as in an eager call (a part of an input given
-        with other strides than the traced one comes back as a copy).
+        view of one is the same view of it, as in an eager call, also of an input given with
+        other strides than the traced one (transposed, sliced); a view that cannot follow
+        such an input's strides (one that flattens dimensions its layout does not keep
+        together) comes back as a copy. A plan traced with an input whose elements share
+        memory (``expand``) refuses an input whose values differ there (``ValueError``).
 
         Takes the inputs as ``plan_module`` took them: tensors of the traced shapes and
         dtypes, nested in the same tuples, lists and dicts. An input that is not a tensor is a
@@ -1081,7 +1084,7 @@ def _planned_run(plan: ModulePlan, inputs):
                         raise ValueError(f"ModulePlan.run: input {name} is {got}; the plan was made for "
                                          f"{tuple(meta.shape)} {meta.dtype}")
                     dst = slot(g.node_buffers[node.name][0], meta)
-                    dst.copy_(x.detach())
+                    _copy_into_slot(dst, x.detach(), name)
                     given[g.node_buffers[node.name][0]] = (x, dst)
                     env[node.name] = dst
                     check_placed(node.name)
@@ -1184,17 +1187,43 @@ def _misaligned_buffer(plan: ModulePlan) -> Optional[Tuple[Buffer, int, int]]:
     return None if first is None else (*first, widest)
 
 
+def _copy_into_slot(slot: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    """``slot`` <- ``x``, an input of the slot's shape and dtype. A slot laid out as an input
+    traced with elements that share memory (``expand``, an overlapping ``as_strided``) holds
+    fewer numbers than it has elements: ``x`` goes in element by element (copy_ refuses such
+    a destination), and an ``x`` whose elements differ where the slot's share memory is
+    refused (``ValueError``), where the run would otherwise compute with other values than
+    ``x``'s."""
+    if torch._debug_has_internal_overlap(slot) == 0:  # (0: no overlap; 1: overlap; 2: cannot tell)
+        slot.copy_(x)
+        return
+    if not slot.numel():
+        return
+    span = 1 + sum((n - 1) * st for n, st in zip(slot.shape, slot.stride()))
+    memory = slot.as_strided((span,), (1,), slot.storage_offset())
+    where = torch.arange(span).as_strided(tuple(slot.shape), tuple(slot.stride()), 0)
+    memory[where.reshape(-1)] = x.reshape(-1)  # (elements that share memory: one of them written, checked below)
+    if not torch.equal(slot, x):
+        raise ValueError(f"ModulePlan.run: input {name} has different values in elements that share memory in the "
+                         f"input the plan was traced with (strides {tuple(slot.stride())}: expanded or overlapping), "
+                         f"which cannot hold them: plan again with a tensor of its own (x.contiguous()) or give an "
+                         f"input laid out as that one")
+
+
 def _same_view_of(v: torch.Tensor, caller: torch.Tensor, slot: torch.Tensor) -> Optional[torch.Tensor]:
     """``v``, a view of ``slot`` (the copy of the caller's input in the arena), as the same
     view of the caller's tensor: the caller's tensor itself where ``v`` is the whole slot.
-    None where that view cannot be made: a part of the slot where the caller's tensor is
-    strided otherwise than the slot (laid out as the traced input), no elements, or a view
-    into another dtype that the caller's layout does not allow."""
+    None where that view cannot be made: no elements, a view into another dtype that the
+    caller's layout does not allow, or, where the caller's tensor is strided otherwise than
+    the slot (laid out as the traced input), a view that walks across the slot's dimensions
+    in a way the caller's strides cannot follow (``_restrided_view_of``)."""
     if v.data_ptr() == slot.data_ptr() and v.dtype == slot.dtype and tuple(v.shape) == tuple(slot.shape) \
             and tuple(v.stride()) == tuple(slot.stride()):
         return caller
-    if not v.numel() or caller.dtype != slot.dtype or tuple(caller.stride()) != tuple(slot.stride()):
+    if not v.numel() or caller.dtype != slot.dtype:
         return None
+    if tuple(caller.stride()) != tuple(slot.stride()):
+        return _restrided_view_of(v, caller, slot)
     distance, element = v.data_ptr() - slot.data_ptr(), v.element_size()
     if distance % element:  # (torch's dtype views keep whole elements; kept against a wrong as_strided)
         return None
@@ -1202,6 +1231,74 @@ def _same_view_of(v: torch.Tensor, caller: torch.Tensor, slot: torch.Tensor) -> 
         base = caller.detach() if v.dtype == caller.dtype else caller.detach().view(v.dtype)
         return base.as_strided(tuple(v.shape), tuple(v.stride()), base.storage_offset() + distance // element)
     except RuntimeError:  # (a dtype view the layout refuses, or past the caller's storage)
+        return None
+
+
+def _restrided_view_of(v: torch.Tensor, caller: torch.Tensor, slot: torch.Tensor) -> Optional[torch.Tensor]:
+    """``v``, a view of ``slot``, as the same view of ``caller``, a tensor of the slot's shape
+    and dtype laid out with other strides (a transposed or sliced input where the trace had
+    another layout). The slot's elements do not overlap (its strides, from the largest, each
+    at least the next one's span), so an element's distance from the slot's first is a
+    number whose digits, in the slot's dimensions from the outermost, are that element's
+    index. Dimensions that both tensors keep together (a stride is the next one's times that
+    one's size) are one digit, as PyTorch merges them for a ``view``. Where ``v``'s first
+    element and each of its strides are such digits, and walking ``v`` to its last element
+    along every dimension adds them without a carry, ``v`` takes the same steps in the
+    caller's tensor: its strides there are the digits weighed by the caller's strides. A
+    view that carries (one that flattens dimensions the caller's layout does not keep
+    together) has no such form: None, and the run returns a copy, as a reshape of that
+    tensor does. Only dtypes of the slot's element size (an eager call's ``view(dtype)``
+    keeps the strides there); a dimension of one element keeps ``v``'s stride."""
+    if v.element_size() != slot.element_size():
+        return None
+    dims = sorted((k for k in range(slot.dim()) if slot.shape[k] > 1), key=lambda k: -slot.stride(k))
+    # digits: [the slot's stride, size, the caller's stride] of each, from the outermost
+    groups: List[List[int]] = []
+    for k in dims:
+        stride, size, theirs = slot.stride(k), slot.shape[k], caller.stride(k)
+        if groups and groups[-1][0] < stride * size:  # (overlapping elements: no digits)
+            return None
+        if groups and groups[-1][0] == stride * size and groups[-1][2] == theirs * size:
+            groups[-1] = [stride, groups[-1][1] * size, theirs]
+        else:
+            groups.append([stride, size, theirs])
+    if groups and groups[-1][0] < 1:
+        return None
+
+    def digits(n: int) -> Optional[List[int]]:
+        if n < 0:
+            return None
+        out = []
+        for stride, _, _ in groups:
+            d, n = divmod(n, stride)
+            out.append(d)
+        return out if n == 0 else None
+
+    def caller_steps(ds: List[int]) -> int:
+        return sum(d * g[2] for d, g in zip(ds, groups))
+
+    element = v.element_size()
+    distance = v.data_ptr() - slot.data_ptr()
+    first = digits(distance // element) if distance % element == 0 else None
+    if first is None:
+        return None
+    reach = list(first)  # the digits of v's last element, with no carry
+    strides = []
+    for size, stride in zip(v.shape, v.stride()):
+        step = digits(stride) if stride else [0] * len(groups)
+        if size == 1 or step is None:
+            if size > 1:
+                return None
+            strides.append(stride)  # (never stepped)
+            continue
+        reach = [r + (size - 1) * d for r, d in zip(reach, step)]
+        strides.append(caller_steps(step))
+    if any(r >= g[1] for r, g in zip(reach, groups)):
+        return None
+    try:
+        base = caller.detach() if v.dtype == caller.dtype else caller.detach().view(v.dtype)
+        return base.as_strided(tuple(v.shape), tuple(strides), caller.storage_offset() + caller_steps(first))
+    except RuntimeError:  # (a dtype view the layout refuses)
         return None
 
 

@@ -1413,11 +1413,12 @@ def test_inputs_and_module_state_returned_by_a_run_are_the_callers_tensors_as_in
         model.weight[0, 1] = 3.0
     assert got[1][0, 2] == 5.0 and got[2][2, 1] == 5.0 and got[3][1, 2] == torch.tensor(5.0).view(torch.int32)
     assert got[9][1] == 9.0 and got[5][1, 0] == 3.0
-    # A caller's input laid out otherwise than the traced one is returned itself; its parts,
-    # which cannot be cut from it as from the slot, come back as copies with the right values.
+    # A caller's input laid out otherwise than the traced one is returned itself, and its
+    # parts are the same parts of it (the views of any layout: the test below).
     x_t = torch.randn(4, 4).t()
     got = flat(plan.run(x_t, torch.randn(4, 4)))
-    assert got[0] is x_t and torch.equal(got[1], x_t[1:]) and storage_of(got[1]) != storage_of(x_t)
+    assert got[0] is x_t and torch.equal(got[1], x_t[1:]) and storage_of(got[1]) == storage_of(x_t)
+    assert got[1].stride() == x_t[1:].stride() and got[1].data_ptr() == x_t[1:].data_ptr()
 
 
 class _AddToSecondInput(torch.nn.Module):
@@ -1907,3 +1908,71 @@ def test_a_planned_run_counts_only_the_ops_whose_results_it_had_to_move():
                           (torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)), 1)):
         plan = planned_equals_eager(module.eval(), x, training=False)
         assert plan.moved_ops == moved, (plan.graph.ops, plan.moved_ops)
+
+
+class _ReturnsViewsOfItsInput(torch.nn.Module):
+    def forward(self, x):
+        return (x.permute(2, 0, 1), x[:, 1], x[..., ::2], x.transpose(0, 2)[1:], x.unsqueeze(1), x[0].t(),
+                x.diagonal(dim1=1, dim2=2), x.narrow(2, 1, 2), x.reshape(-1), x.view(torch.int32),
+                *x.chunk(2, dim=2), x.unsqueeze(0).expand(3, 2, 3, 4), x[1, 2, 3], x + 1)
+
+
+_LAYOUTS = {"contiguous": lambda: torch.randn(2, 3, 4), "permuted": lambda: torch.randn(4, 2, 3).permute(1, 2, 0),
+            "stepped": lambda: torch.randn(2, 3, 8)[..., ::2], "offset": lambda: torch.randn(3, 3, 4)[1:],
+            "expanded": lambda: torch.randn(3, 4).expand(2, 3, 4),
+            "permuted part": lambda: torch.randn(4, 2, 3, 2)[..., 1].permute(1, 2, 0),
+            "window": lambda: torch.randn(2, 10, 10)[:, 3:6, 2:6],
+            "overlapping": lambda: torch.randn(20).as_strided((2, 3, 4), (6, 2, 1))}
+
+
+@pytest.mark.parametrize("traced", ["contiguous", "permuted", "stepped", "window", "expanded", "overlapping"])
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_views_of_an_input_laid_out_otherwise_than_traced_are_its_views_as_in_an_eager_call(traced, layout):
+    # Traced with one layout, run with another: each output that is a view of the input both
+    # in an eager call with it and in the traced call (where the trace copied, as a reshape
+    # of a permuted tensor does, the graph copies) is the same view of the caller's tensor
+    # (the same memory, strides and values); any other output is memory of its own. Before,
+    # every part of an input laid out otherwise than traced came back as a copy.
+    model, example = _ReturnsViewsOfItsInput(), _LAYOUTS[traced]()
+    plan = plan_module(model, example, time_limit=0.2)
+    x = _LAYOUTS[layout]()
+    if traced in ("expanded", "overlapping") and layout != traced:
+        # The plan's slot holds fewer numbers than the input has: refused, where the run
+        # computed with other values than the input's (overlapping) or raised PyTorch's
+        # error for a copy into such memory (expanded).
+        with pytest.raises(ValueError, match=r"input 0 has different values in elements that share memory"):
+            plan.run(x)
+        return
+    got = plan.run(x)
+    with torch.no_grad():
+        expected = model(x)
+        when_traced = model(example)
+    assert len(got) == len(expected) == 15
+    aliased = 0
+    for i, (o, e, t) in enumerate(zip(got, expected, when_traced)):
+        assert torch.equal(o, e) and o.dtype == e.dtype, i
+        shares = storage_of(e) == storage_of(x) and storage_of(t) == storage_of(example)
+        assert (storage_of(o) == storage_of(x)) == shares, (i, traced, layout)
+        if shares:
+            aliased += 1
+            # (the stride of a dimension of one element walks nothing: an eager op's choice)
+            steps = lambda u: [st for n, st in zip(u.shape, u.stride()) if n > 1]  # noqa: E731
+            assert (o.data_ptr(), steps(o)) == (e.data_ptr(), steps(e)), (i, traced, layout)
+    # every output but x + 1 and, where either layout keeps no dimensions together, the reshape
+    viewed = traced in ("contiguous", "stepped") and layout in ("contiguous", "offset", "stepped")
+    assert aliased == 13 + viewed
+
+
+@pytest.mark.parametrize("traced", ["expanded", "overlapping"])
+def test_an_input_that_fits_a_trace_with_shared_elements_runs_with_parts_of_its_own(traced):
+    # Values equal wherever the traced input's elements share memory (that input made
+    # contiguous, laid out otherwise): taken, and the run computes with them. Its parts come
+    # back as copies: in the slot a part cannot be told from another over the same memory.
+    model, example = _ReturnsViewsOfItsInput(), _LAYOUTS[traced]()
+    plan = plan_module(model, example, time_limit=0.2)
+    x = example.contiguous()
+    got = plan.run(x)
+    with torch.no_grad():
+        expected = model(x)
+    assert all(torch.equal(o, e) for o, e in zip(got, expected))
+    assert not any(storage_of(o) == storage_of(x) for o in got)
