@@ -94,6 +94,10 @@ class Graph:
     # parameters and module buffers (by position: parameters, then buffers, as traced) that
     # the graph writes in place, directly or through a view (``.data``, ``detach``)
     written_state: List[int] = field(default_factory=list)
+    # pairs (i, j) of input leaves that were one tensor in the traced call (the graph reads
+    # both from one placeholder), and pairs of other input leaves whose memory overlapped
+    same_inputs: List[Tuple[int, int]] = field(default_factory=list)
+    shared_inputs: List[Tuple[int, int]] = field(default_factory=list)
 
     @property
     def activation_bytes(self) -> int:
@@ -467,7 +471,33 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
     g.input_names = _leaf_names(list(example_inputs), len(leaves))
     g.constant_inputs = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in enumerate(leaves)
                          if not isinstance(v, torch.Tensor)}
+    g.same_inputs, g.shared_inputs = _input_sharing(leaves)
     return g
+
+
+def _input_sharing(leaves: list) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """Pairs (i, j), i < j, of the tensors among ``leaves`` that are one tensor (the same
+    memory, dtype, shape and strides: make_fx gives one placeholder to one tensor object
+    given twice), and pairs of other tensors whose bytes in one storage intersect (a
+    conservative test: interleaved views count as sharing)."""
+    spans = []
+    for k, v in enumerate(leaves):
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided or not v.numel():
+            continue
+        address = storage_of(v).data_ptr()
+        if not address:  # (no memory: a meta tensor)
+            continue
+        element = v.element_size()
+        first = v.storage_offset() * element
+        span = (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))) * element
+        spans.append((k, address, first, first + span, (v.dtype, tuple(v.shape), tuple(v.stride()))))
+    same, shared = [], []
+    for a, (i, address, first, end, form) in enumerate(spans):
+        for j, address_j, first_j, end_j, form_j in spans[a + 1:]:
+            if address != address_j or end <= first_j or end_j <= first:
+                continue
+            (same if (first, form) == (first_j, form_j) else shared).append((i, j))
+    return same, shared
 
 
 def _leaf_names(inputs: list, count: int) -> List[str]:
@@ -980,6 +1010,7 @@ def _planned_run(plan: ModulePlan, inputs):
                          f"dicts and their keys): given {', '.join(_leaf_names(list(inputs), len(leaves)))}; "
                          f"the plan was made for {', '.join(g.input_names)}")
     inputs = leaves
+    _check_input_sharing(g, inputs)
     misplaced = _misaligned_buffer(plan)
     if misplaced is not None:
         b, element, widest = misplaced
@@ -1185,6 +1216,36 @@ def _misaligned_buffer(plan: ModulePlan) -> Optional[Tuple[Buffer, int, int]]:
             if first is None and g.buffers[bid].nbytes and int(plan.offsets[bid]) % element:
                 first = (g.buffers[bid], element)
     return None if first is None else (*first, widest)
+
+
+def _check_input_sharing(g: Graph, inputs: list) -> None:
+    """Refuses (``ValueError``) inputs whose sharing of memory the traced graph cannot
+    replay: inputs that were one tensor when traced and are not now (the graph reads both
+    from one of them), and, where the graph writes an input in place, inputs that share
+    memory in the traced call or now (the graph reads each input from a copy of its own, so
+    a write through one is not seen through the other, as it is in an eager call)."""
+    same_now, shared_now = _input_sharing(inputs)
+    names = g.input_names
+
+    def name(k: int) -> str:
+        return names[k] if k < len(names) else str(k)
+    for i, j in g.same_inputs:
+        if (i, j) not in same_now:
+            raise ValueError(f"ModulePlan.run: inputs {name(i)} and {name(j)} were one tensor in the traced call, "
+                             f"and the graph reads both from one of them: give one tensor for both, as then, or "
+                             f"plan with tensors of their own")
+    if not g.written_inputs:
+        return
+    for when, pairs, remedy in (
+            ("in the traced call", g.shared_inputs, "plan with tensors of their own (clone)"),
+            ("here", shared_now + [p for p in same_now if p not in g.same_inputs],
+             "give tensors of their own (clone), or plan with one tensor given for both")):
+        if pairs:
+            i, j = pairs[0]
+            raise ValueError(f"ModulePlan.run: inputs {name(i)} and {name(j)} share memory {when}, and the forward "
+                             f"writes input {name(g.written_inputs[0])} in place: the graph reads each input from a "
+                             f"copy of its own, so a write through one would not be seen through the other as in an "
+                             f"eager call; {remedy}")
 
 
 def _copy_into_slot(slot: torch.Tensor, x: torch.Tensor, name: str) -> None:

@@ -1976,3 +1976,83 @@ def test_an_input_that_fits_a_trace_with_shared_elements_runs_with_parts_of_its_
         expected = model(x)
     assert all(torch.equal(o, e) for o, e in zip(got, expected))
     assert not any(storage_of(o) == storage_of(x) for o in got)
+
+
+class _WritesFirstReadsSecond(torch.nn.Module):
+    def forward(self, x, y):
+        x.add_(1.0)
+        return y * 2
+
+
+class _ReadsBoth(torch.nn.Module):
+    def forward(self, x, y):
+        return x * 2 + y
+
+
+def _run_or_refusal(plan, *inputs):
+    try:
+        return plan.run(*inputs)
+    except ValueError as e:
+        return str(e)
+
+
+def test_inputs_that_share_memory_run_as_in_an_eager_call_or_are_refused():
+    # The graph reads each input from a copy of its own, and make_fx gives one tensor given
+    # twice one placeholder: a planned run gave other results than the eager call, silently,
+    # where the inputs shared memory otherwise than when traced.
+    def fresh():
+        return torch.zeros(4), torch.zeros(4)
+    writes, reads = _WritesFirstReadsSecond(), _ReadsBoth()
+    z = torch.zeros(8)
+    separate = {m: plan_module(m, *fresh(), time_limit=0.2) for m in (writes, reads)}
+    one = torch.zeros(4)
+    once = {m: plan_module(m, one, one, time_limit=0.2) for m in (writes, reads)}
+    overlapped = {m: plan_module(m, z[:4], z[2:6], time_limit=0.2) for m in (writes, reads)}
+    cases = {  # plan, inputs -> the refusal's words, or None where the run must equal the eager call
+        ("separate", "separate"): None, ("separate", "one"): "share memory here",
+        ("separate", "overlapping"): "share memory here", ("one", "one"): None,
+        ("one", "separate"): "were one tensor in the traced call", ("one", "overlapping"): "were one tensor",
+        ("overlapped", "separate"): "share memory in the traced call",
+        ("overlapped", "overlapping"): "share memory in the traced call",
+        ("separate", "adjacent"): None, ("one", "adjacent"): "were one tensor",  # (touching, not sharing)
+        ("separate", "same start"): "share memory here", ("one", "same start"): "were one tensor",
+    }
+    plans = {"separate": separate, "one": once, "overlapped": overlapped}
+    for (planned, given), refusal in cases.items():
+        for m in (writes, reads):
+            def inputs():
+                if given == "separate":
+                    return [torch.arange(4.0), torch.arange(4.0) + 10]
+                base = torch.arange(8.0)
+                return {"one": [base[:4], base[:4]], "overlapping": [base[:4], base[2:6]],
+                        "adjacent": [base[:4], base[4:]], "same start": [base[:4], base[::2]]}[given]
+            got_inputs, eager_inputs = inputs(), inputs()
+            got = _run_or_refusal(plans[planned][m], *got_inputs)
+            # a refusal where the graph writes an input (or reads two as one); the same
+            # inputs without a write run, since each copy holds the values read
+            must_refuse = refusal is not None and (m is writes or planned == "one")
+            if must_refuse:
+                assert isinstance(got, str) and refusal in got, (planned, given, type(m).__name__, got)
+                assert torch.equal(got_inputs[0], eager_inputs[0])  # nothing written before the refusal
+                continue
+            with torch.no_grad():
+                expected = m(*eager_inputs)
+            assert not isinstance(got, str), (planned, given, type(m).__name__, got)
+            assert torch.equal(got, expected), (planned, given, type(m).__name__)
+            assert all(torch.equal(a, b) for a, b in zip(got_inputs, eager_inputs)), (planned, given)
+
+
+def test_self_attention_planned_with_one_tensor_runs_self_attention_only():
+    # nn.MultiheadAttention called as self-attention (query, key and value one tensor) and
+    # planned so: run so it equals the eager call; given three tensors (cross-attention),
+    # refused rather than computed from the query alone.
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    plan = plan_module(attention, x, x, x, time_limit=0.2)
+    with torch.no_grad():
+        expected = attention(x, x, x)
+    got = plan.run(x, x, x)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
+    with pytest.raises(ValueError, match=r"inputs 0 and 1 were one tensor in the traced call"):
+        plan.run(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
