@@ -94,6 +94,9 @@ class Graph:
     # parameters and module buffers (by position: parameters, then buffers, as traced) that
     # the graph writes in place, directly or through a view (``.data``, ``detach``)
     written_state: List[int] = field(default_factory=list)
+    # what the traced call was specialized on (``_modes_of``): submodules' training modes,
+    # the parameters a training step differentiates, CPU autocast
+    modes: list = field(default_factory=list)
     # pairs (i, j) of input leaves that were one tensor in the traced call (the graph reads
     # both from one placeholder), and pairs of other input leaves whose memory overlapped
     same_inputs: List[Tuple[int, int]] = field(default_factory=list)
@@ -472,7 +475,45 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
     g.constant_inputs = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in enumerate(leaves)
                          if not isinstance(v, torch.Tensor)}
     g.same_inputs, g.shared_inputs = _input_sharing(leaves)
+    g.modes = _modes_of(module, training)
     return g
+
+
+def _modes_of(module: torch.nn.Module, training: bool) -> list:
+    """What a traced graph holds besides shapes, as (kind, name, value): each submodule's
+    training mode (dropout, batch norm's statistics), for a training step which parameters
+    require a gradient (those it differentiates), and CPU autocast (the casts it made)."""
+    modes = [("mode", name, m.training) for name, m in module.named_modules()]
+    if training:
+        modes += [("requires_grad", name, p.requires_grad) for name, p in module.named_parameters()]
+    cast = torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return modes + [("autocast", "cpu", cast)]
+
+
+def _check_modes(plan: "ModulePlan") -> None:
+    """Refuses (``ValueError``) a run where the module or CPU autocast is not as when the
+    graph was traced: the graph would compute the traced call, not the one asked for."""
+    then, now = plan.graph.modes, plan.modes()
+    if then == now:
+        return
+    if [(k, n) for k, n, _ in then] != [(k, n) for k, n, _ in now]:
+        raise ValueError("ModulePlan.run: the module's submodules or parameters are not those it was traced with; "
+                         "plan it again")
+    kind, name, was = next((k, n, a) for (k, n, a), (_, _, b) in zip(then, now) if a != b)
+    what = name or "the module"
+    if kind == "mode":
+        raise ValueError(f"ModulePlan.run: {what} is in {'eval' if was else 'training'} mode now; the plan was "
+                         f"traced in {'training' if was else 'eval'} mode and its graph computes that call (dropout, "
+                         f"batch norm's statistics): call .{'train' if was else 'eval'}() first, or plan again")
+    if kind == "requires_grad":
+        raise ValueError(f"ModulePlan.run: parameter {name} {'does not require' if was else 'requires'} a gradient "
+                         f"now; the training step was traced {'with' if was else 'without'} its gradient: "
+                         f"plan again")
+    cast = "off" if was is None else f"on ({was})"
+    current = dict(((k, n), b) for k, n, b in now)[(kind, name)]
+    raise ValueError(f"ModulePlan.run: CPU autocast is {'off' if current is None else f'on ({current})'} here; the "
+                     f"plan was traced with it {cast}, and its graph holds the casts of that call: run it as traced, "
+                     f"or plan again")
 
 
 def _input_sharing(leaves: list) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
@@ -833,6 +874,8 @@ class ModulePlan:
     # devices other than the CPU that the traced call's tensors were on ("cuda:0", "meta"):
     # the plan holds, but the eager peak was not measured and ``run`` is refused
     elsewhere: List[str] = field(default_factory=list)
+    # what the module's call is specialized on now (``_modes_of``), read by ``run``
+    modes: Optional[Callable[[], list]] = field(default=None, repr=False)
 
     def report(self) -> str:
         """A readable table: eager peak, planned arena, lower bound, online best fit."""
@@ -956,7 +999,7 @@ def _plan_traced(module: torch.nn.Module, inputs: tuple, training: bool, time_li
                       eager_peak, eager_method, _online_best_fit(g.buffers, alignment),
                       seconds, alignment, r["strategy"],
                       state=lambda: [*dict(module.named_parameters()).items(), *dict(module.named_buffers()).items()],
-                      elsewhere=elsewhere)
+                      elsewhere=elsewhere, modes=lambda: _modes_of(module, training))
 
 
 # ----------------------------------------------------------------------------- planned execution
@@ -986,6 +1029,8 @@ def _planned_run(plan: ModulePlan, inputs):
                                f"(self.{name.rpartition('.')[2]} = ...), which the traced graph does not do, so a "
                                "planned run would leave the module behind an eager call; change the buffer in place "
                                "(add_, copy_) and plan again")
+    if plan.modes is not None:
+        _check_modes(plan)
     # Detached: the graph holds the backward ops itself, so nothing is to be recorded.
     named_state = plan.state()
     module_state = [t.detach() for _, t in named_state]

@@ -2056,3 +2056,48 @@ def test_self_attention_planned_with_one_tensor_runs_self_attention_only():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
     with pytest.raises(ValueError, match=r"inputs 0 and 1 were one tensor in the traced call"):
         plan.run(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
+
+
+def test_a_run_in_another_mode_than_traced_is_refused():
+    # The graph holds what the traced call did in its modes: a run after .train() or
+    # .eval(), with other parameters frozen for a training step, or under another CPU
+    # autocast gave that call's results, not the eager call's, silently.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 4))
+    x = torch.randn(4, 8)
+    m.eval()
+    plan = plan_module(m, x, time_limit=0.2)
+    m.train()
+    with pytest.raises(ValueError, match=r"the module is in training mode now; the plan was traced in eval mode"):
+        plan.run(x)
+    m.eval()
+    m[2].train()
+    with pytest.raises(ValueError, match=r"^ModulePlan.run: 2 is in training mode now.*call .eval\(\) first"):
+        plan.run(x)
+    m.eval()
+    with torch.no_grad():
+        assert torch.equal(plan.run(x), m(x))
+    # a training step: the parameters it differentiates
+    step = plan_module(m, x, training=True, time_limit=0.2)
+    m[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"parameter 0.weight does not require a gradient now; the training step "
+                                         r"was traced with its gradient"):
+        step.run(x)
+    m[0].weight.requires_grad_(True)
+    step.run(x)
+    m.add_module("extra", torch.nn.Identity())
+    with pytest.raises(ValueError, match=r"submodules or parameters are not those it was traced with"):
+        step.run(x)
+    del m.extra
+    # CPU autocast: the graph holds the traced call's casts
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = plan_module(m, x, time_limit=0.2)
+        got = cast.run(x)
+        with torch.no_grad():
+            expected = m(x)
+    assert got.dtype == expected.dtype == torch.bfloat16 and torch.equal(got, expected)
+    with pytest.raises(ValueError, match=r"CPU autocast is off here; the plan was traced with it on \(torch.bfloat16\)"):
+        cast.run(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(ValueError, match=r"CPU autocast is on \(torch.bfloat16\) here; the plan was traced with it off"):
+        plan.run(x)
