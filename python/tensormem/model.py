@@ -918,7 +918,11 @@ class ModulePlan:
         with ``==``; what changes inside them after the trace is not seen.
 
         Buffers the module changes in place (batch norm's running statistics) change as in an
-        eager call. A forward that replaces a buffer by a new tensor (``self.n = self.n + 1``)
+        eager call. The graph is the traced call's: a run in other training modes, with
+        other parameters requiring a gradient (a training step) or under another CPU
+        autocast is refused (``ValueError``); numbers the forward reads from Python
+        attributes (a dropout's ``p``, a batch norm's ``momentum``) are the traced values, so
+        a change to one needs a new plan. A forward that replaces a buffer by a new tensor (``self.n = self.n + 1``)
         is refused (``UnsupportedGraph``): the traced graph computes the value but does not
         store it in the module."""
         return _planned_run(self, inputs)
