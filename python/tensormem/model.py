@@ -486,8 +486,15 @@ def _modes_of(module: torch.nn.Module, training: bool) -> list:
     modes = [("mode", name, m.training) for name, m in module.named_modules()]
     if training:
         modes += [("requires_grad", name, p.requires_grad) for name, p in module.named_parameters()]
-    cast = torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
-    return modes + [("autocast", "cpu", cast)]
+    return modes + [("autocast", "cpu", _cpu_autocast())]
+
+
+def _cpu_autocast():
+    """CPU autocast's dtype where it is on, else None (PyTorch 2.4 and later ask by device,
+    and warn that the CPU's own functions are deprecated)."""
+    if hasattr(torch, "get_autocast_dtype"):
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
 
 
 def _check_modes(plan: "ModulePlan") -> None:

@@ -2101,3 +2101,20 @@ def test_a_run_in_another_mode_than_traced_is_refused():
     with torch.autocast("cpu", dtype=torch.bfloat16), \
             pytest.raises(ValueError, match=r"CPU autocast is on \(torch.bfloat16\) here; the plan was traced with it off"):
         plan.run(x)
+
+
+def test_cpu_autocast_is_read_as_either_pytorch_release_asks(monkeypatch):
+    # PyTorch 2.4 and later ask by device and warn that is_autocast_cpu_enabled and
+    # get_autocast_cpu_dtype are deprecated; 1.13 has only those.
+    import tensormem.model as model
+    assert model._cpu_autocast() is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model._cpu_autocast() == torch.bfloat16
+
+    def deprecated(*_args):
+        raise AssertionError("the deprecated CPU autocast function was called")
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device: {"cpu": torch.float16}[device], raising=False)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device: {"cpu": True}[device])
+    monkeypatch.setattr(torch, "get_autocast_cpu_dtype", deprecated)
+    monkeypatch.setattr(torch, "is_autocast_cpu_enabled", deprecated)
+    assert model._cpu_autocast() == torch.float16
