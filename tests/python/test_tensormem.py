@@ -499,6 +499,14 @@ def test_a_swap_in_counts_as_an_in_place_change_for_autograd(tmp_path):
     assert swapper.wait(ticket)[0]["error"] == 0 and torch.equal(x, saved)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    # Through x.data (an alias with a version of its own), as x.data.copy_ does: x's memory
+    # written without autograd's notice, for code that means to.
+    x = torch.zeros(1000)
+    loss = (w * x).sum()
+    assert swapper.wait(swapper.swap_in([path], [x.data]))[0]["error"] == 0
+    assert x._version == 0 and torch.equal(x, saved)
+    loss.backward()
+    assert torch.equal(w.grad, saved)  # (the values there when the backward ran)
     # A leaf that requires grad (a parameter swapped back in) and a view: counted on the
     # tensor they share it with, as an in-place operation under no_grad is.
     p = torch.nn.Parameter(torch.zeros(2000))
