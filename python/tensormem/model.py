@@ -474,7 +474,7 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
     g.input_names = _leaf_names(list(example_inputs), len(leaves))
     g.constant_inputs = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in enumerate(leaves)
                          if not isinstance(v, torch.Tensor)}
-    g.same_inputs, g.shared_inputs = _input_sharing(leaves)
+    g.same_inputs, g.shared_inputs = _input_sharing(leaves, list(state.values()))
     g.modes = _modes_of(module, training)
     return g
 
@@ -523,13 +523,16 @@ def _check_modes(plan: "ModulePlan") -> None:
                      f"or plan again")
 
 
-def _input_sharing(leaves: list) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
-    """Pairs (i, j), i < j, of the tensors among ``leaves`` that are one tensor (the same
-    memory, dtype, shape and strides: make_fx gives one placeholder to one tensor object
-    given twice), and pairs of other tensors whose bytes in one storage intersect (a
-    conservative test: interleaved views count as sharing)."""
+def _input_sharing(leaves: list, state: list = ()) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """Pairs (i, j), i < j, of tensors that are one tensor (the same memory, dtype, shape and
+    strides: make_fx gives one placeholder to one tensor object given twice, or given as an
+    input and held by the module), and pairs of others whose bytes in one storage intersect
+    (a conservative test: interleaved views count as sharing). Indices count the input
+    ``leaves`` first, then the module's ``state`` (its parameters and buffers); each pair
+    holds an input (how the module's own tensors share memory is the module's business)."""
     spans = []
-    for k, v in enumerate(leaves):
+    for v in list(leaves) + list(state):
+        spans.append(None)
         if not isinstance(v, torch.Tensor) or v.layout != torch.strided or not v.numel():
             continue
         address = storage_of(v).data_ptr()
@@ -537,11 +540,20 @@ def _input_sharing(leaves: list) -> Tuple[List[Tuple[int, int]], List[Tuple[int,
             continue
         element = v.element_size()
         first = v.storage_offset() * element
-        span = (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))) * element
-        spans.append((k, address, first, first + span, (v.dtype, tuple(v.shape), tuple(v.stride()))))
+        end = first + (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))) * element
+        spans[-1] = (address, first, end, (v.dtype, tuple(v.shape), tuple(v.stride())))
+    by_address: Dict[int, List[int]] = {}
+    for k in range(len(leaves), len(spans)):
+        if spans[k] is not None:
+            by_address.setdefault(spans[k][0], []).append(k)
     same, shared = [], []
-    for a, (i, address, first, end, form) in enumerate(spans):
-        for j, address_j, first_j, end_j, form_j in spans[a + 1:]:
+    for i in range(len(leaves)):
+        if spans[i] is None:
+            continue
+        address, first, end, form = spans[i]
+        others = [j for j in range(i + 1, len(leaves)) if spans[j] is not None] + by_address.get(address, [])
+        for j in others:
+            address_j, first_j, end_j, form_j = spans[j]
             if address != address_j or end <= first_j or end_j <= first:
                 continue
             (same if (first, form) == (first_j, form_j) else shared).append((i, j))
@@ -1066,7 +1078,7 @@ def _planned_run(plan: ModulePlan, inputs):
                          f"dicts and their keys): given {', '.join(_leaf_names(list(inputs), len(leaves)))}; "
                          f"the plan was made for {', '.join(g.input_names)}")
     inputs = leaves
-    _check_input_sharing(g, inputs)
+    _check_input_sharing(g, inputs, named_state)
     misplaced = _misaligned_buffer(plan)
     if misplaced is not None:
         b, element, widest = misplaced
@@ -1274,34 +1286,37 @@ def _misaligned_buffer(plan: ModulePlan) -> Optional[Tuple[Buffer, int, int]]:
     return None if first is None else (*first, widest)
 
 
-def _check_input_sharing(g: Graph, inputs: list) -> None:
-    """Refuses (``ValueError``) inputs whose sharing of memory the traced graph cannot
-    replay: inputs that were one tensor when traced and are not now (the graph reads both
-    from one of them), and, where the graph writes an input in place, inputs that share
-    memory in the traced call or now (the graph reads each input from a copy of its own, so
-    a write through one is not seen through the other, as it is in an eager call)."""
-    same_now, shared_now = _input_sharing(inputs)
-    names = g.input_names
+def _check_input_sharing(g: Graph, inputs: list, named_state: list) -> None:
+    """Refuses (``ValueError``) inputs whose sharing of memory, among themselves or with the
+    module's parameters and buffers, the traced graph cannot replay: tensors that were one
+    tensor when traced and are not now (the graph reads both from one of them), and, where
+    the graph writes an input or the module's state in place, inputs that share memory in
+    the traced call or now (the graph reads each input from a copy of its own, so a write
+    through one is not seen through the other, as it is in an eager call)."""
+    same_now, shared_now = _input_sharing(inputs, [t for _, t in named_state])
+    names, count = g.input_names, len(inputs)
 
     def name(k: int) -> str:
-        return names[k] if k < len(names) else str(k)
+        if k >= count:
+            return f"the module's {named_state[k - count][0]}"
+        return f"input {names[k] if k < len(names) else k}"
     for i, j in g.same_inputs:
         if (i, j) not in same_now:
-            raise ValueError(f"ModulePlan.run: inputs {name(i)} and {name(j)} were one tensor in the traced call, "
-                             f"and the graph reads both from one of them: give one tensor for both, as then, or "
-                             f"plan with tensors of their own")
-    if not g.written_inputs:
+            raise ValueError(f"ModulePlan.run: {name(i)} and {name(j)} were one tensor in the traced call, and the "
+                             f"graph reads both from one of them: give one tensor for both, as then, or plan with "
+                             f"tensors of their own")
+    if not g.written_inputs and not g.written_state:
         return
+    written = name(g.written_inputs[0]) if g.written_inputs else name(count + g.written_state[0])
     for when, pairs, remedy in (
             ("in the traced call", g.shared_inputs, "plan with tensors of their own (clone)"),
             ("here", shared_now + [p for p in same_now if p not in g.same_inputs],
              "give tensors of their own (clone), or plan with one tensor given for both")):
         if pairs:
             i, j = pairs[0]
-            raise ValueError(f"ModulePlan.run: inputs {name(i)} and {name(j)} share memory {when}, and the forward "
-                             f"writes input {name(g.written_inputs[0])} in place: the graph reads each input from a "
-                             f"copy of its own, so a write through one would not be seen through the other as in an "
-                             f"eager call; {remedy}")
+            raise ValueError(f"ModulePlan.run: {name(i)} and {name(j)} share memory {when}, and the forward "
+                             f"writes {written} in place: the graph reads each input from a copy of its own, so a "
+                             f"write through one would not be seen through the other as in an eager call; {remedy}")
 
 
 def _copy_into_slot(slot: torch.Tensor, x: torch.Tensor, name: str) -> None:

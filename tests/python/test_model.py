@@ -2054,7 +2054,7 @@ def test_self_attention_planned_with_one_tensor_runs_self_attention_only():
         expected = attention(x, x, x)
     got = plan.run(x, x, x)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected))
-    with pytest.raises(ValueError, match=r"inputs 0 and 1 were one tensor in the traced call"):
+    with pytest.raises(ValueError, match=r"input 0 and input 1 were one tensor in the traced call"):
         plan.run(x, torch.randn(2, 5, 16), torch.randn(2, 5, 16))
 
 
@@ -2118,3 +2118,58 @@ def test_cpu_autocast_is_read_as_either_pytorch_release_asks(monkeypatch):
     monkeypatch.setattr(torch, "get_autocast_cpu_dtype", deprecated)
     monkeypatch.setattr(torch, "is_autocast_cpu_enabled", deprecated)
     assert model._cpu_autocast() == torch.float16
+
+
+class _ScalesByItsWeight(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class _WritesItsInputReadsItsWeight(_ScalesByItsWeight):
+    def forward(self, x):
+        x.add_(1.0)
+        return self.w * 2
+
+
+class _CountsAndDoubles(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(4))
+
+    def forward(self, x):
+        self.count.add_(1.0)
+        return x * 2
+
+
+def test_inputs_that_share_memory_with_the_modules_own_tensors_run_as_traced_or_are_refused():
+    # make_fx gives a parameter given as the input one placeholder, the input's: traced so,
+    # a run with another input computed x * x for x * w. And a run whose input is the
+    # parameter the forward reads, of a forward that writes its input, read the parameter
+    # before the write that the eager call sees through it.
+    m = _ScalesByItsWeight()
+    plan = plan_module(m, m.w, time_limit=0.2)
+    with pytest.raises(ValueError, match=r"input 0 and the module's w were one tensor in the traced call"):
+        plan.run(torch.full((4,), 3.0))
+    with torch.no_grad():
+        assert torch.equal(plan.run(m.w), m(m.w))
+    m = _WritesItsInputReadsItsWeight()
+    plan = plan_module(m, torch.zeros(4), time_limit=0.2)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"input 0 and the module's w share memory here, and the forward "
+                                             r"writes input 0 in place"):
+            plan.run(m.w)
+        assert torch.equal(m.w, torch.ones(4))  # refused before anything was written
+        x = torch.zeros(4)
+        assert torch.equal(plan.run(x), m(torch.zeros(4))) and torch.equal(x, torch.ones(4))
+    # The module's own buffer written, the input its memory: the eager call reads it after
+    # the write.
+    m = _CountsAndDoubles()
+    plan = plan_module(m, torch.zeros(4), time_limit=0.2)
+    with pytest.raises(ValueError, match=r"input 0 and the module's count share memory here, and the forward "
+                                         r"writes the module's count in place"):
+        plan.run(m.count)
+    assert torch.equal(m.count, torch.zeros(4))
