@@ -474,7 +474,13 @@ def _trace(module: torch.nn.Module, example_inputs: tuple, training: bool, loss_
     g.input_names = _leaf_names(list(example_inputs), len(leaves))
     g.constant_inputs = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in enumerate(leaves)
                          if not isinstance(v, torch.Tensor)}
-    g.same_inputs, g.shared_inputs = _input_sharing(leaves, list(state.values()))
+    same, g.shared_inputs = _input_sharing(leaves, list(state.values()))
+    # make_fx gives one tensor object one placeholder (the other left without users): such
+    # pairs the graph reads from one; a release that keeps two placeholders reads each
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    node_of = lambda k: placeholders[len(state) + k] if k < len(leaves) else placeholders[k - len(leaves)]  # noqa: E731
+    g.same_inputs = [(i, j) for i, j in same if len(placeholders) != len(state) + len(leaves)
+                     or not node_of(i).users or not node_of(j).users]
     g.modes = _modes_of(module, training)
     return g
 

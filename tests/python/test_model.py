@@ -2173,3 +2173,14 @@ def test_inputs_that_share_memory_with_the_modules_own_tensors_run_as_traced_or_
                                          r"writes the module's count in place"):
         plan.run(m.count)
     assert torch.equal(m.count, torch.zeros(4))
+
+
+def test_two_views_alike_traced_are_two_inputs_of_the_graph():
+    # Two tensor objects over the same memory, alike (base[:4] twice): make_fx gives each a
+    # placeholder of its own, and the graph reads each, so a run with two tensors of their
+    # own is the eager call's (one tensor object given twice is one placeholder: the test above).
+    base = torch.arange(8.0)
+    plan = plan_module(_ReadsBoth(), base[:4], base[:4], time_limit=0.2)
+    x, y = torch.arange(4.0), torch.arange(4.0) + 10
+    with torch.no_grad():
+        assert torch.equal(plan.run(x, y), _ReadsBoth()(x, y))
