@@ -226,17 +226,31 @@ class ContiguousMemoryAllocator:
         return self._arena.stats()
 
     def _apply_moves(self) -> None:
+        """Points each moved tensor, and the parameter assigned to it, at its new place. The
+        old place holds other bytes now, so a view made before (one autograd saved for a
+        backward: a linear layer's ``weight.t()``) no longer holds the tensor's values: the
+        move is counted in the tensor's and the parameter's versions, as an in-place change,
+        so that such a backward is refused ("modified by an inplace operation") instead of
+        reading those bytes."""
         for arena_id, offset in self._arena.take_moves():
             tid = self._by_arena_id.get(arena_id)
             tensor = self._tensors.get(tid) if tid is not None else None
             if tensor is None or tensor.numel() == 0:
                 continue
             tensor.data = self.buffer.narrow(0, offset // self.itemsize, tensor.numel())
+            _count_move(tensor)
             for ref, shape in self._params.get(tid, []):
                 param = ref()
                 if param is not None:
                     count = int(np.prod(shape)) if len(shape) else 1
                     param.data = tensor.data.narrow(0, 0, count).view(shape)
+                    _count_move(param)
+
+
+def _count_move(tensor: torch.Tensor) -> None:
+    mark = _storage_hold.write_marker(tensor)
+    if mark is not None:
+        mark()
 
 
 class AsyncTensorSwapper:

@@ -840,6 +840,39 @@ class Timers:
         return Timer()
 
 
+def test_a_defragmentation_counts_as_a_change_of_the_moved_tensors_for_autograd():
+    """A tensor moved by a defragmentation, and the parameter assigned to it, hold their
+    values at a new place; a view made before (autograd saves a linear layer's weight.t())
+    still looks at the old place, where other bytes are now. The move counts in their
+    versions, so that backward is refused instead of computing with those bytes; tensors
+    that did not move count nothing."""
+    torch.manual_seed(0)
+    mem = ds.ContiguousMemoryAllocator(1000, torch.float32, "cpu")
+    below = mem.allocate_tensor(200)
+    layer = torch.nn.Linear(10, 10, bias=False)
+    weight = layer.weight.detach().clone()
+    t = mem.allocate_tensor(100)
+    mem.assign_to_param(t, layer.weight, 100, (10, 10))
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    x = torch.randn(3, 10, requires_grad=True)
+    y = layer(x).sum()  # saves weight.t() for x's gradient
+    still = mem.allocate_tensor(50)  # after t: moves down too
+    versions = (t._version, layer.weight._version, still._version)
+    mem.release_tensor(below)
+    big = mem.allocate_tensor(850)  # fits in no hole: t and still move down into it
+    assert torch.equal(layer.weight.detach(), weight) and mem.tensor_addresses[id(t)] == 0
+    assert t._version > versions[0] and layer.weight._version > versions[1] and still._version > versions[2]
+    big.fill_(-7.0)  # (over the weight's old place; views of the buffer share its version)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+    # Nothing moves: nothing counted.
+    versions = (t._version, layer.weight._version)
+    mem.release_tensor(big)
+    mem.allocate_tensor(10)
+    assert (t._version, layer.weight._version) == versions
+
+
 def test_swapper_driven_like_deepspeeds_optimizer(tmp_path):
     handle = RecordingHandle(ds.aio_handle(block_size=1 << 16, queue_depth=8))
     timers = Timers()
