@@ -169,13 +169,15 @@ def _storage_bytes(meta) -> int:
     """Bytes a tensor of this shape, stride and dtype spans."""
     if meta is None:
         return 0
-    numel = 1
-    for s in meta.shape:
-        numel *= int(s)
-    if numel == 0:
+    return _span_elements(meta.shape, meta.stride) * torch.empty((), dtype=meta.dtype).element_size()
+
+
+def _span_elements(shape, strides) -> int:
+    """Elements from a strided tensor's first element to its last one, both included (0 for
+    an empty one): 1 + sum((size - 1) * stride), strides not negative."""
+    if any(int(n) == 0 for n in shape):
         return 0
-    span = 1 + sum((int(s) - 1) * int(st) for s, st in zip(meta.shape, meta.stride))
-    return span * torch.empty((), dtype=meta.dtype).element_size()
+    return 1 + sum((int(n) - 1) * int(st) for n, st in zip(shape, strides))
 
 
 # Ops whose results share their input's storage although their schema carries no alias
@@ -512,7 +514,7 @@ def _check_modes(plan: "ModulePlan") -> None:
     if [(k, n) for k, n, _ in then] != [(k, n) for k, n, _ in now]:
         raise ValueError("ModulePlan.run: the module's submodules or parameters are not those it was traced with; "
                          "plan it again")
-    kind, name, was = next((k, n, a) for (k, n, a), (_, _, b) in zip(then, now) if a != b)
+    kind, name, was, current = next((k, n, a, b) for (k, n, a), (_, _, b) in zip(then, now) if a != b)
     what = name or "the module"
     if kind == "mode":
         raise ValueError(f"ModulePlan.run: {what} is in {'eval' if was else 'training'} mode now; the plan was "
@@ -523,7 +525,6 @@ def _check_modes(plan: "ModulePlan") -> None:
                          f"now; the training step was traced {'with' if was else 'without'} its gradient: "
                          f"plan again")
     cast = "off" if was is None else f"on ({was})"
-    current = dict(((k, n), b) for k, n, b in now)[(kind, name)]
     raise ValueError(f"ModulePlan.run: CPU autocast is {'off' if current is None else f'on ({current})'} here; the "
                      f"plan was traced with it {cast}, and its graph holds the casts of that call: run it as traced, "
                      f"or plan again")
@@ -546,7 +547,7 @@ def _input_sharing(leaves: list, state: list = ()) -> Tuple[List[Tuple[int, int]
             continue
         element = v.element_size()
         first = v.storage_offset() * element
-        end = first + (1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))) * element
+        end = first + _span_elements(v.shape, v.stride()) * element
         spans[-1] = (address, first, end, (v.dtype, tuple(v.shape), tuple(v.stride())))
     by_address: Dict[int, List[int]] = {}
     for k in range(len(leaves), len(spans)):
@@ -1337,7 +1338,7 @@ def _copy_into_slot(slot: torch.Tensor, x: torch.Tensor, name: str) -> None:
         return
     if not slot.numel():
         return
-    span = 1 + sum((n - 1) * st for n, st in zip(slot.shape, slot.stride()))
+    span = _span_elements(slot.shape, slot.stride())
     memory = slot.as_strided((span,), (1,), slot.storage_offset())
     where = torch.arange(span).as_strided(tuple(slot.shape), tuple(slot.stride()), 0)
     memory[where.reshape(-1)] = x.reshape(-1)  # (elements that share memory: one of them written, checked below)
