@@ -77,3 +77,11 @@ def write_marker(tensor):
         return None
     view = tensor.detach().as_strided((0,), (1,))
     return lambda: view.copy_(view)
+
+
+def mark_written(tensor) -> None:
+    """Counts one in-place change of ``tensor``'s values now (``write_marker``, made and taken
+    at once: for a write that has already happened and cannot be undone)."""
+    mark = write_marker(tensor)
+    if mark is not None:
+        mark()

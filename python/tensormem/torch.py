@@ -238,19 +238,13 @@ class ContiguousMemoryAllocator:
             if tensor is None or tensor.numel() == 0:
                 continue
             tensor.data = self.buffer.narrow(0, offset // self.itemsize, tensor.numel())
-            _count_move(tensor)
+            _storage_hold.mark_written(tensor)
             for ref, shape in self._params.get(tid, []):
                 param = ref()
                 if param is not None:
                     count = int(np.prod(shape)) if len(shape) else 1
                     param.data = tensor.data.narrow(0, 0, count).view(shape)
-                    _count_move(param)
-
-
-def _count_move(tensor: torch.Tensor) -> None:
-    mark = _storage_hold.write_marker(tensor)
-    if mark is not None:
-        mark()
+                    _storage_hold.mark_written(param)
 
 
 class AsyncTensorSwapper:
