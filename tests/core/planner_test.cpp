@@ -120,6 +120,15 @@ TEST(planner, empty_and_degenerate_inputs) {
   plan_options o;
   o.alignment = 3;
   EXPECT_THROW(plan(zero, o), std::invalid_argument);
+  // A size that does not fit in 64 bits once aligned is named, not wrapped to a small one.
+  o.alignment = 2;
+  try {
+    plan(std::vector<buffer>{{"a", 0, 2, 4, {}}, {"x", 0, 1, std::numeric_limits<std::uint64_t>::max(), {}}}, o);
+    ADD_FAILURE() << "planned";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "plan: buffer 'x' of 18446744073709551615 bytes does not fit in 64 bits once "
+                                     "aligned to 2");
+  }
 }
 
 TEST(planner, alignment_rounds_sizes_and_offsets) {

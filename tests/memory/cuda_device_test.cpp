@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -364,8 +365,21 @@ TEST(cuda_device, pinned_memory_is_registered_and_reachable_from_the_device) {
 
 #else
 
+// Without CUDA every entry point refuses with the build's reason, a copy before touching
+// either pointer (both are null here).
 TEST(cuda_device, skipped_in_a_build_without_cuda) {
   EXPECT_FALSE(cuda_built());
+  const std::string why = cuda_unavailable_reason();
+  for (const auto& call : std::vector<std::function<void()>>{
+           [] { cuda_move(nullptr, nullptr, 16); }, [] { cuda_device_resource r; },
+           [] { cuda_pinned_resource r; }}) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted";
+    } catch (const device_unavailable& e) {
+      EXPECT_EQ(std::string(e.what()).find(why), 0U) << e.what();
+    }
+  }
   GTEST_SKIP() << "CUDA device tests skipped: built without CUDA (" << cuda_unavailable_reason() << ")";
 }
 

@@ -1633,6 +1633,21 @@ TEST(offload_optimizer, bad_arguments_are_refused) {
   EXPECT_THROW(ok.restore_parameters(p), std::invalid_argument);  // a null parameter
   EXPECT_THROW(ok.restore_parameters(std::vector<float*>(numels.size() - 1)), std::invalid_argument);
   EXPECT_EQ(a.values, before);
+  // rewrite with step counts for another number of parameters: refused before any record is
+  // read or edited; the records and step counts stay.
+  const std::vector<float> records = all_records(ok);
+  const std::vector<std::uint64_t> steps = ok.steps();
+  bool edited = false;
+  try {
+    ok.rewrite([&](const auto&, float* r) { edited = true; r[0] += 1; }, std::vector<std::uint64_t>(numels.size() + 1, 7));
+    ADD_FAILURE() << "accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "offloaded_optimizer::rewrite: " + std::to_string(numels.size() + 1) +
+                                         " step counts for " + std::to_string(numels.size()) + " parameters");
+  }
+  EXPECT_FALSE(edited);
+  EXPECT_EQ(all_records(ok), records);
+  EXPECT_EQ(ok.steps(), steps);
   offloaded_optimizer fresh(numels, small_options(dir));
   EXPECT_THROW(fresh.restore_parameters(a.p()), std::logic_error);  // before initialize
   optimizer_options no_master = small_options(dir);

@@ -347,6 +347,24 @@ def test_plan_refuses_negative_float_and_multidimensional_arrays():
         tensormem.plan(lower, upper, size, time_limit=float("nan"))
 
 
+def test_arrays_of_different_lengths_are_refused_by_every_call_that_takes_them(tmp_path):
+    lower, upper, size = [0, 1], [2, 3], [10]
+    calls = [lambda: tensormem.plan(lower, upper, size), lambda: tensormem.lower_bound(lower, upper, size),
+             lambda: tensormem.validate(lower, upper, size, [0, 10], 20),
+             lambda: tensormem.write_plan_picture(tmp_path / "p.svg", lower, upper, size, [0, 10], 20, 20)]
+    for call in calls:
+        with pytest.raises(ValueError, match="^lower, upper and size must have the same length$"):
+            call()
+    assert not (tmp_path / "p.svg").exists()
+
+
+def test_an_arena_policy_that_is_neither_minimal_nor_full_is_refused():
+    for policy in ("minimal", "full"):
+        assert tensormem.ContiguousArena(1 << 16, policy=policy).stats()["capacity_bytes"] == 1 << 16
+    with pytest.raises(ValueError, match="^policy must be 'minimal' or 'full', not 'Full'$"):
+        tensormem.ContiguousArena(1 << 16, policy="Full")
+
+
 def test_lists_of_integers_that_no_numpy_integer_type_holds_are_read_one_by_one():
     # numpy turns [0, 2**64 - 6] into float64 (rounding the large value) and [2**64] into
     # objects; each element is read as the Python integer it is, or refused by name.

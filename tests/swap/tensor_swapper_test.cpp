@@ -347,6 +347,39 @@ TEST(swapper, a_batch_is_refused_only_where_a_swap_in_would_write_a_byte_twice) 
   EXPECT_TRUE(std::equal(a.begin(), a.end(), x.begin()));
 }
 
+// A batch whose tensors and paths differ in number, or whose tensor's memory would run past
+// the end of the address space, is refused before anything is queued or any file made.
+TEST(swapper, a_batch_of_other_counts_or_memory_past_the_address_space_is_refused) {
+  swap_dir dir;
+  memory::pinned_pool pool({.slab_bytes = std::size_t{4} << 20});
+  tensor_swapper s(pool, {.staging_buffers = 2});
+  std::vector<std::byte> a(8192);
+  const std::string paths[] = {dir.file("1"), dir.file("2")};
+  const tensor_ref one{a.data(), a.size()};
+  try {
+    s.swap_out({&one, 1}, paths);
+    ADD_FAILURE() << "accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "tensor_swapper: 1 tensors for 2 paths");
+  }
+  void* const near_the_end = reinterpret_cast<void*>(std::numeric_limits<std::uintptr_t>::max() - 4095);
+  const tensor_ref wrapping{near_the_end, 8192};
+  for (const bool out : {true, false}) {
+    try {
+      if (out) s.swap_out({&wrapping, 1}, {&paths[0], 1});
+      else s.swap_in({&paths[0], 1}, {&wrapping, 1});
+      ADD_FAILURE() << "accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), "tensor_swapper: the memory of the tensor for " + paths[0] +
+                                           " runs past the end of the address space");
+    }
+  }
+  EXPECT_FALSE(fs::exists(paths[0]));
+  EXPECT_FALSE(fs::exists(paths[1]));
+  EXPECT_EQ(s.stats().failed, 0U);
+  ASSERT_EQ(s.wait(s.swap_out({&one, 1}, {&paths[0], 1})).at(0).error, 0);  // still in service
+}
+
 // Options it cannot work with are refused when it is made, saying which and why, before any
 // staging buffer is taken (a queue depth of 0 ran at 1, and fewer than two staging buffers
 // were two, without a word).
