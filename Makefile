@@ -2,7 +2,7 @@
 # Each target installs missing Debian packages first (scripts/install-deps.sh).
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps build demo test test-release test-asan test-tsan fuzz bench clean
+.PHONY: all deps build demo test test-release test-asan test-tsan fuzz bench coverage clean
 
 all: build
 
@@ -52,5 +52,10 @@ bench: deps
 	cmake --preset release
 	cmake --build --preset release -j $(JOBS) --target benchmarks
 
+# Error branches no test reaches: a --coverage build, its tests, and every throwing line of the
+# library, the module and the tool that never ran (scripts/error-branch-coverage.sh).
+coverage: deps
+	bash scripts/error-branch-coverage.sh build-coverage
+
 clean:
-	rm -rf build build-debug build-asan build-tsan build-fuzz
+	rm -rf build build-debug build-asan build-tsan build-fuzz build-coverage
