@@ -1026,6 +1026,42 @@ def test_capture_inside_a_capture_is_refused():
     assert after.size == [8]
 
 
+def test_capture_under_a_cpu_allocator_of_higher_priority_is_refused_and_can_be_tried_again(tmp_path):
+    """A library that set PyTorch's CPU allocator at a higher priority keeps it: capture says
+    so, records nothing and leaves no capture running (the next one is refused the same way,
+    not as one already running). In a child: the priority cannot be taken back."""
+    hook_or_skip()
+    import shutil
+    import subprocess
+    import torch.utils.cpp_extension as ext
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ to build the library that sets the allocator")
+    source = tmp_path / "take.cpp"
+    source.write_text("#include <c10/core/CPUAllocator.h>\n"
+                      'extern "C" void take_cpu_allocator() { c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), 1); }\n')
+    library = tmp_path / "take.so"
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    subprocess.run([compiler, "-std=c++17", "-shared", "-fPIC", *(f"-I{d}" for d in ext.include_paths()), str(source),
+                    "-o", str(library), f"-L{torch_lib}", "-lc10", f"-Wl,-rpath,{torch_lib}"], check=True)
+    child = f"""
+import ctypes, torch
+from tensormem import _tensormem_torch
+from tensormem.torch import capture
+ctypes.CDLL({str(library)!r}).take_cpu_allocator()
+for attempt in range(2):
+    try:
+        capture(lambda: torch.ones(3))
+    except RuntimeError as e:
+        print("refused:", e)
+    assert not _tensormem_torch.capturing()
+assert torch.ones(4).sum().item() == 4
+"""
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["refused: PyTorch kept its CPU allocator (a higher-priority one is set)"] * 2, r.stdout
+
+
 # ----------------------------------------------------------------------------- memory check
 
 class CountedCalls(torch.nn.Module):
