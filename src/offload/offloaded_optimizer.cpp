@@ -556,7 +556,8 @@ void offloaded_optimizer::save(const std::string& path, std::string_view note) {
                               "cannot save checkpoint " + path + ": cannot give its new file a name beside it");
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      throw std::system_error(errno, std::generic_category(), "cannot rename " + tmp + " to " + path);
+      throw std::system_error(errno, std::generic_category(),
+                              "cannot save checkpoint " + path + ": cannot rename " + tmp + " onto it");
     }
   } catch (...) {
     remove_temporary(tmp);  // a failed save (a full disk) leaves no partial file behind

@@ -1339,8 +1339,8 @@ TEST_F(offload_checkpoint, a_replaced_checkpoint_keeps_the_mode_of_the_file_it_r
   EXPECT_EQ(all_records(back), all_records(o));
   // The mode cannot be set (fchmod fails, a seccomp filter in a child), or the whole new file
   // cannot be given a name (linkat refused, as on a file system without hard links, and then
-  // the copy under a name fails): the save fails naming the step, removes its new file, and
-  // the checkpoint keeps its bytes. With linkat refused alone, the copy is the checkpoint,
+  // the copy under a name fails), or the named file cannot be renamed onto the checkpoint:
+  // the save fails naming the step, removes its new file, and the checkpoint keeps its bytes. With linkat refused alone, the copy is the checkpoint,
   // with the mode of the file it replaces.
   const std::vector<char> before = file_bytes(ck);
   struct refusal {
@@ -1350,6 +1350,7 @@ TEST_F(offload_checkpoint, a_replaced_checkpoint_keeps_the_mode_of_the_file_it_r
   for (const refusal& r : {refusal{{{SYS_fchmod, EPERM}}, "cannot set the mode of " + ck + " (its new file, not yet named)"},
                            refusal{{{SYS_linkat, EPERM}, {SYS_copy_file_range, EIO}},
                                    "cannot give its new file a name beside it"},
+                           refusal{{{SYS_rename, EXDEV}}, "cannot rename "},
                            refusal{{{SYS_linkat, EPERM}}, ""}}) {
     const int status = swap::testing::with_failing_syscalls(r.failing, [&] {
       try {
