@@ -1340,8 +1340,8 @@ TEST_F(offload_checkpoint, a_replaced_checkpoint_keeps_the_mode_of_the_file_it_r
   // The mode cannot be set (fchmod fails, a seccomp filter in a child), or the whole new file
   // cannot be given a name (linkat refused, as on a file system without hard links, and then
   // the copy under a name fails), or the named file cannot be renamed onto the checkpoint:
-  // the save fails naming the step, removes its new file, and the checkpoint keeps its bytes. With linkat refused alone, the copy is the checkpoint,
-  // with the mode of the file it replaces.
+  // the save fails naming the step, removes its new file, and the checkpoint keeps its bytes.
+  // With linkat refused alone, the copy is the checkpoint, with the mode of the file it replaces.
   const std::vector<char> before = file_bytes(ck);
   struct refusal {
     std::vector<std::pair<long, int>> failing;

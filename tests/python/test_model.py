@@ -1049,7 +1049,7 @@ import ctypes, torch
 from tensormem import _tensormem_torch
 from tensormem.torch import capture
 ctypes.CDLL({str(library)!r}).take_cpu_allocator()
-for attempt in range(2):
+for _ in range(2):
     try:
         capture(lambda: torch.ones(3))
     except RuntimeError as e:
