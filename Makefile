@@ -35,14 +35,15 @@ test-tsan: deps
 	cmake --build --preset tsan -j $(JOBS)
 	ctest --preset tsan -j $(JOBS)
 
-# libFuzzer targets (clang): the trace reader, the arena script parser and the online
-# allocators, 60 s each.
+# libFuzzer targets (clang): the trace reader, the planner against a brute-force optimum,
+# the arena script parser and the online allocators, 60 s each.
 fuzz: deps
 	cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DTENSORMEM_FUZZ=ON -DTENSORMEM_PYTHON=OFF -DTENSORMEM_CUDA=OFF -DTENSORMEM_BUILD_TESTS=OFF
-	cmake --build build-fuzz -j $(JOBS) --target fuzz_trace fuzz_arena_ops fuzz_allocators
-	mkdir -p build-fuzz/corpus-trace build-fuzz/corpus-arena build-fuzz/corpus-allocators
+	cmake --build build-fuzz -j $(JOBS) --target fuzz_trace fuzz_plan fuzz_arena_ops fuzz_allocators
+	mkdir -p build-fuzz/corpus-trace build-fuzz/corpus-plan build-fuzz/corpus-arena build-fuzz/corpus-allocators
 	build-fuzz/bin/fuzz_trace -max_total_time=60 -max_len=4096 build-fuzz/corpus-trace tests/fuzz/corpus/trace
+	build-fuzz/bin/fuzz_plan -max_total_time=60 -max_len=22 build-fuzz/corpus-plan tests/fuzz/corpus/plan
 	build-fuzz/bin/fuzz_arena_ops -max_total_time=60 -max_len=4096 build-fuzz/corpus-arena tests/fuzz/corpus/arena
 	build-fuzz/bin/fuzz_allocators -max_total_time=60 -max_len=4096 build-fuzz/corpus-allocators tests/fuzz/corpus/allocators
 
