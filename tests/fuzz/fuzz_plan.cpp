@@ -4,9 +4,11 @@
 // and no smaller.
 //
 // Input: byte 0 picks the alignment (1, 2, 4 or 8, bits 0-1) and the threads (1 or 2,
-// bit 2); then 3 bytes per buffer, up to 7 buffers: start (0-15), length (1-8) and size
-// (0-127 bytes, or 0-7 where the byte's top bit is set: with tiny sizes, plans one byte above
-// the optimum are common; 0 is a buffer that occupies nothing).
+// bit 2); then 3 bytes per buffer, up to 7 buffers: start (0-15), length (1-8) and size:
+// 0-127 bytes where the byte's top bit is clear; 0-7 where its top bits are 10 (with tiny
+// sizes, plans one byte above the optimum are common; 0 is a buffer that occupies nothing);
+// 2^61 - 4 to 2^61 + 3 where they are 11 (arenas up to about 7 x 2^61: capacities and ends
+// near 2^64, yet seven such buffers add up to less, as plan() requires).
 
 #include <algorithm>
 #include <cstddef>
@@ -27,7 +29,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     buffers[i].id = std::to_string(i);
     buffers[i].lower = field[0] % 16U;
     buffers[i].upper = buffers[i].lower + 1 + field[1] % 8U;
-    buffers[i].bytes = (field[2] & 0x80U) != 0 ? field[2] & 7U : field[2];
+    const std::uint8_t b = field[2];
+    buffers[i].bytes = (b & 0x80U) == 0 ? b : (b & 0x40U) == 0 ? b & 7U : (std::uint64_t{1} << 61U) - 4 + (b & 7U);
   }
   tensormem::fuzz::check_plans(buffers, alignment, threads);
   return 0;
